@@ -1,0 +1,255 @@
+"""The lineage catalog: one DuckDB file next to the store's objects.
+
+Tables
+- runs        one row per `irflow run` (config, flow, timing, Prefect flow-run id)
+- datasets    every published dataset/model/index: who made it (stage, params, code version, run)
+- edges       lineage: child dataset <- parent dataset, with the input role it played
+- cache       cache key -> output dataset ids (how a stage finds its earlier result)
+- stage_runs  what each run did per stage: computed or cached, seconds, outputs
+- metrics     evaluation results of each run
+
+`Catalog.sql()` also exposes every stored Parquet dataset as a view (see `connect_with_views`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs(
+  run_id VARCHAR PRIMARY KEY, flow VARCHAR, config_path VARCHAR, config JSON,
+  started_at TIMESTAMP, finished_at TIMESTAMP, status VARCHAR, prefect_flow_run_id VARCHAR);
+CREATE TABLE IF NOT EXISTS datasets(
+  dataset_id VARCHAR PRIMARY KEY, name VARCHAR, kind VARCHAR, contract VARCHAR, path VARCHAR,
+  num_rows BIGINT, num_bytes BIGINT, stage VARCHAR, cache_key VARCHAR, code_version VARCHAR,
+  params JSON, run_id VARCHAR, created_at TIMESTAMP);
+CREATE TABLE IF NOT EXISTS edges(
+  child_id VARCHAR, parent_id VARCHAR, role VARCHAR, cache_key VARCHAR);
+CREATE TABLE IF NOT EXISTS cache(
+  cache_key VARCHAR, output VARCHAR, dataset_id VARCHAR, stage VARCHAR, created_at TIMESTAMP,
+  PRIMARY KEY (cache_key, output));
+CREATE TABLE IF NOT EXISTS stage_runs(
+  run_id VARCHAR, position INTEGER, stage VARCHAR, cache_key VARCHAR, status VARCHAR,
+  outputs JSON, seconds DOUBLE, started_at TIMESTAMP);
+CREATE TABLE IF NOT EXISTS metrics(
+  run_id VARCHAR, eval_dataset_id VARCHAR, system VARCHAR, dataset VARCHAR, split VARCHAR,
+  metric VARCHAR, value DOUBLE, num_queries BIGINT);
+"""
+
+# DuckDB allows one writing process per file; inside a process we serialise access ourselves so
+# that Prefect's worker threads can record lineage safely.
+_LOCK = threading.RLock()
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+class Catalog:
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        with self.connect() as con:
+            con.execute(SCHEMA)
+
+    @contextmanager
+    def connect(self, read_only: bool = False):
+        with _LOCK:
+            con = duckdb.connect(self.path, read_only=read_only)
+            try:
+                yield con
+            finally:
+                con.close()
+
+    # ---- runs -----------------------------------------------------------------------------
+    def start_run(self, run_id: str, flow: str, config_path: str | None, config: dict) -> None:
+        with self.connect() as con:
+            con.execute(
+                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, NULL, 'running', NULL)",
+                [run_id, flow, config_path, json.dumps(config, sort_keys=True), now()],
+            )
+
+    def finish_run(self, run_id: str, status: str, prefect_flow_run_id: str | None = None) -> None:
+        with self.connect() as con:
+            con.execute(
+                "UPDATE runs SET finished_at = ?, status = ?, prefect_flow_run_id = coalesce(?, prefect_flow_run_id) "
+                "WHERE run_id = ?",
+                [now(), status, prefect_flow_run_id, run_id],
+            )
+
+    # ---- cache + lineage ------------------------------------------------------------------
+    def lookup(self, cache_key: str) -> dict:
+        """output name -> DatasetRef for a cache key, if recorded."""
+        from irflow.store import DatasetRef
+
+        with self.connect() as con:
+            rows = con.execute(
+                "SELECT c.output, d.dataset_id, d.name, d.kind, d.contract, d.path FROM cache c "
+                "JOIN datasets d USING (dataset_id) WHERE c.cache_key = ?",
+                [cache_key],
+            ).fetchall()
+        return {r[0]: DatasetRef(*r[1:]) for r in rows}
+
+    def record_outputs(
+        self,
+        *,
+        stage: str,
+        cache_key: str,
+        code_version: str,
+        params: dict,
+        run_id: str,
+        outputs: dict[str, tuple[object, int | None, int]],
+        parents: dict[str, list[str]],
+    ) -> None:
+        """outputs: name -> (DatasetRef, num_rows, num_bytes); parents: role -> parent ids."""
+        ts = now()
+        with self.connect() as con:
+            con.execute("BEGIN")
+            for output, (ref, num_rows, num_bytes) in outputs.items():
+                con.execute(
+                    "INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    [ref.id, ref.name, ref.kind, ref.contract, ref.path, num_rows, num_bytes, stage, cache_key,
+                     code_version, json.dumps(params, sort_keys=True, default=str), run_id, ts],
+                )
+                for role, ids in parents.items():
+                    for pid in ids:
+                        con.execute("INSERT INTO edges VALUES (?, ?, ?, ?)", [ref.id, pid, role, cache_key])
+                con.execute(
+                    "INSERT OR REPLACE INTO cache VALUES (?, ?, ?, ?, ?)", [cache_key, output, ref.id, stage, ts]
+                )
+            con.execute("COMMIT")
+
+    def record_stage_run(self, run_id: str, stage: str, cache_key: str, status: str, outputs: dict[str, str],
+                         seconds: float, started_at: datetime) -> None:
+        with self.connect() as con:
+            pos = con.execute("SELECT count(*) FROM stage_runs WHERE run_id = ?", [run_id]).fetchone()[0]
+            con.execute(
+                "INSERT INTO stage_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, pos, stage, cache_key, status, json.dumps(outputs), seconds, started_at],
+            )
+
+    def stage_runs(self, run_id: str) -> list[dict]:
+        with self.connect() as con:
+            rows = con.execute(
+                "SELECT stage, status, outputs, seconds, cache_key FROM stage_runs WHERE run_id = ? ORDER BY position",
+                [run_id],
+            ).fetchall()
+        return [
+            {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4]}
+            for r in rows
+        ]
+
+    def last_stage_key(self, stage: str, before_run: str | None = None) -> tuple[str, str] | None:
+        """(cache_key, run_id) of the most recent earlier execution of a stage label."""
+        with self.connect() as con:
+            row = con.execute(
+                "SELECT cache_key, run_id FROM stage_runs WHERE stage = ? AND run_id IS DISTINCT FROM ? "
+                "ORDER BY started_at DESC LIMIT 1",
+                [stage, before_run],
+            ).fetchone()
+        return (row[0], row[1]) if row else None
+
+    # ---- metrics --------------------------------------------------------------------------
+    def record_metrics(self, run_id: str, eval_dataset_id: str, rows: list[dict]) -> None:
+        with self.connect() as con:
+            con.execute("DELETE FROM metrics WHERE run_id = ? AND eval_dataset_id = ?", [run_id, eval_dataset_id])
+            for r in rows:
+                con.execute(
+                    "INSERT INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [run_id, eval_dataset_id, r["system"], r["dataset"], r["split"], r["metric"], r["value"],
+                     r.get("num_queries")],
+                )
+
+    def run_metrics(self, run_id: str) -> list[dict]:
+        """One dict per (system, dataset, split) with the metrics as keys, in recording order."""
+        with self.connect() as con:
+            rows = con.execute(
+                "SELECT system, dataset, split, metric, value FROM metrics WHERE run_id = ? ORDER BY rowid",
+                [run_id],
+            ).fetchall()
+        out: dict[tuple, dict] = {}
+        for system, dataset, split, metric, value in rows:
+            out.setdefault((system, dataset, split), {"system": system, "dataset": dataset, "split": split})[
+                metric
+            ] = value
+        return list(out.values())
+
+    # ---- lineage --------------------------------------------------------------------------
+    def dataset(self, dataset_id: str) -> dict | None:
+        with self.connect() as con:
+            cur = con.execute("SELECT * FROM datasets WHERE dataset_id = ?", [dataset_id])
+            row = cur.fetchone()
+            cols = [d[0] for d in cur.description]
+        return dict(zip(cols, row)) if row else None
+
+    def resolve(self, prefix: str) -> str:
+        """A full dataset id from a unique prefix (ids are long; users type the start)."""
+        with self.connect() as con:
+            rows = con.execute(
+                "SELECT dataset_id FROM datasets WHERE starts_with(dataset_id, ?) ORDER BY dataset_id", [prefix]
+            ).fetchall()
+        if not rows:
+            raise KeyError(f"no dataset or model with id starting '{prefix}' in {self.path}")
+        if len(rows) > 1 and rows[0][0] != prefix:
+            raise KeyError(f"'{prefix}' is ambiguous: {[r[0] for r in rows[:5]]}")
+        return rows[0][0]
+
+    def lineage(self, dataset_id: str) -> list[dict]:
+        """The dataset and all its ancestors, each once, nearest first, with depth and parent ids."""
+        seen: dict[str, dict] = {}
+        frontier = [(dataset_id, 0)]
+        with self.connect() as con:
+            while frontier:
+                did, depth = frontier.pop(0)
+                if did in seen:
+                    continue
+                cur = con.execute("SELECT * FROM datasets WHERE dataset_id = ?", [did])
+                row = cur.fetchone()
+                if row is None:
+                    seen[did] = {"dataset_id": did, "depth": depth, "missing": True, "parents": []}
+                    continue
+                info = dict(zip([d[0] for d in cur.description], row))
+                parents = con.execute(
+                    "SELECT role, parent_id FROM edges WHERE child_id = ? AND cache_key = ? ORDER BY role, parent_id",
+                    [did, info["cache_key"]],
+                ).fetchall()
+                info["depth"] = depth
+                info["parents"] = [{"role": r, "dataset_id": p} for r, p in parents]
+                seen[did] = info
+                frontier.extend((p, depth + 1) for _, p in parents)
+        return list(seen.values())
+
+    # ---- SQL ------------------------------------------------------------------------------
+    def connect_with_views(self):
+        """An in-memory DuckDB with the catalog attached read-only as `catalog` (its tables are also
+        visible unqualified) and one view per stored table dataset, plus `all_<contract>` unions."""
+        con = duckdb.connect()
+        con.execute(f"ATTACH '{self.path}' AS catalog (READ_ONLY)")
+        for t in ("runs", "datasets", "edges", "cache", "stage_runs", "metrics"):
+            con.execute(f"CREATE VIEW {t} AS SELECT * FROM catalog.main.{t}")
+        rows = con.execute(
+            "SELECT dataset_id, contract, path FROM catalog.main.datasets WHERE kind = 'table' ORDER BY created_at"
+        ).fetchall()
+        by_contract: dict[str, list[tuple[str, str]]] = {}
+        for did, contract, path in rows:
+            pq_path = str(Path(path) / "data.parquet")
+            if not Path(pq_path).exists():
+                continue
+            con.execute(f'CREATE VIEW "{did}" AS SELECT * FROM read_parquet(\'{pq_path}\')')
+            by_contract.setdefault(contract, []).append((did, pq_path))
+        for contract, items in by_contract.items():
+            union = " UNION ALL ".join(
+                f"SELECT '{did}' AS dataset_id, * FROM read_parquet('{p}')" for did, p in items
+            )
+            con.execute(f"CREATE VIEW all_{_ident(contract)} AS {union}")
+        return con
+
+
+def _ident(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)

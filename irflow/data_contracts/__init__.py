@@ -1,0 +1,220 @@
+"""Data contracts: the one place that says what every dataset looks like.
+
+A contract is a pyarrow schema plus checks. Every table a stage produces is validated against its
+contract *before* it is published to the store, so a dataset in the store is always well formed.
+Checks run in DuckDB directly over the Arrow table (no copy), which keeps them fast on whole BEIR
+datasets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import duckdb
+import pyarrow as pa
+
+
+class ContractError(ValueError):
+    """A table broke its contract. The message names the contract and what is wrong, with counts."""
+
+
+def _count(table: pa.Table, sql: str) -> int:
+    con = duckdb.connect()
+    con.register("t", table)
+    return int(con.execute(sql).fetchone()[0])
+
+
+def _examples(table: pa.Table, sql: str, n: int = 3) -> list:
+    con = duckdb.connect()
+    con.register("t", table)
+    return [r[0] for r in con.execute(f"{sql} LIMIT {n}").fetchall()]
+
+
+def check_unique_nonempty(column: str) -> Callable[[pa.Table], list[str]]:
+    def check(table: pa.Table) -> list[str]:
+        problems = []
+        empty = _count(table, f"SELECT count(*) FROM t WHERE {column} IS NULL OR {column} = ''")
+        if empty:
+            problems.append(f"{empty} row(s) with an empty or null {column}")
+        dup_sql = f"SELECT {column} FROM t WHERE {column} IS NOT NULL GROUP BY {column} HAVING count(*) > 1"
+        dups = _count(table, f"SELECT count(*) FROM ({dup_sql})")
+        if dups:
+            problems.append(f"{dups} duplicate {column} value(s), e.g. {_examples(table, dup_sql)}")
+        return problems
+
+    return check
+
+
+def check_not_null(*columns: str) -> Callable[[pa.Table], list[str]]:
+    def check(table: pa.Table) -> list[str]:
+        problems = []
+        for c in columns:
+            n = table.column(c).null_count
+            if n:
+                problems.append(f"{n} row(s) with a null {c}")
+        return problems
+
+    return check
+
+
+def check_ranks_contiguous(table: pa.Table) -> list[str]:
+    """Ranks are 1..n within each (system, query) with no gaps or repeats."""
+    bad = _count(
+        table,
+        "SELECT count(*) FROM (SELECT rank, row_number() OVER (PARTITION BY system, query_id ORDER BY rank) AS rn FROM t) "
+        "WHERE rank <> rn",
+    )
+    return [f"{bad} row(s) whose rank is not contiguous (1..n) within its query"] if bad else []
+
+
+def check_nonempty_table(table: pa.Table) -> list[str]:
+    return [] if table.num_rows else ["the table has no rows"]
+
+
+def check_no_duplicate_pairs(a: str, b: str, *extra: str) -> Callable[[pa.Table], list[str]]:
+    cols = ", ".join((*extra, a, b))
+
+    def check(table: pa.Table) -> list[str]:
+        dup = _count(table, f"SELECT count(*) FROM (SELECT {cols} FROM t GROUP BY {cols} HAVING count(*) > 1)")
+        return [f"{dup} duplicate ({cols}) pair(s)"] if dup else []
+
+    return check
+
+
+@dataclass(frozen=True)
+class Contract:
+    name: str
+    schema: pa.Schema
+    checks: tuple[Callable[[pa.Table], list[str]], ...] = field(default=())
+    doc: str = ""
+
+    def conform(self, table: pa.Table) -> pa.Table:
+        """Select and cast the contract's columns (extra columns are an error, missing ones too)."""
+        missing = [f.name for f in self.schema if f.name not in table.column_names]
+        extra = [c for c in table.column_names if c not in self.schema.names]
+        if missing or extra:
+            raise ContractError(
+                f"contract '{self.name}': columns do not match (missing {missing}, unexpected {extra}); "
+                f"expected {self.schema.names}"
+            )
+        try:
+            return table.select(self.schema.names).cast(self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise ContractError(f"contract '{self.name}': wrong column types: {e}") from e
+
+    def validate(self, table: pa.Table) -> pa.Table:
+        table = self.conform(table)
+        problems = [p for check in self.checks for p in check(table)]
+        if problems:
+            raise ContractError(f"contract '{self.name}' violated: " + "; ".join(problems))
+        return table
+
+
+CORPUS = Contract(
+    "corpus",
+    pa.schema([("doc_id", pa.string()), ("title", pa.string()), ("text", pa.string())]),
+    (check_nonempty_table, check_unique_nonempty("doc_id"), check_not_null("title", "text")),
+    "One row per passage. title may be empty (''), never null.",
+)
+
+QUERIES = Contract(
+    "queries",
+    pa.schema([("query_id", pa.string()), ("text", pa.string())]),
+    (check_nonempty_table, check_unique_nonempty("query_id"), check_not_null("text")),
+    "One row per query.",
+)
+
+QRELS = Contract(
+    "qrels",
+    pa.schema(
+        [("query_id", pa.string()), ("doc_id", pa.string()), ("score", pa.int32()), ("split", pa.string())]
+    ),
+    (check_not_null("query_id", "doc_id", "score", "split"), check_no_duplicate_pairs("query_id", "doc_id", "split")),
+    "Relevance judgements, all splits in one table (split = train/dev/test).",
+)
+
+RUN = Contract(
+    "run",
+    pa.schema(
+        [
+            ("query_id", pa.string()),
+            ("doc_id", pa.string()),
+            ("rank", pa.int32()),
+            ("score", pa.float32()),
+            ("system", pa.string()),
+        ]
+    ),
+    (check_not_null("query_id", "doc_id", "rank", "score", "system"), check_ranks_contiguous),
+    "A ranked list per query; rank 1 is the best; ranks are contiguous per (system, query).",
+)
+
+EMBEDDINGS = Contract(
+    "embeddings",
+    pa.schema([("doc_id", pa.string()), ("embedding", pa.list_(pa.float32()))]),
+    (check_nonempty_table, check_unique_nonempty("doc_id"), check_not_null("embedding")),
+    "One vector per passage, in corpus order.",
+)
+
+PER_QUERY_METRICS = Contract(
+    "per_query_metrics",
+    pa.schema(
+        [("system", pa.string()), ("query_id", pa.string()), ("metric", pa.string()), ("value", pa.float64())]
+    ),
+    (check_not_null("system", "query_id", "metric", "value"),),
+)
+
+METRICS = Contract(
+    "metrics",
+    pa.schema(
+        [
+            ("system", pa.string()),
+            ("dataset", pa.string()),
+            ("split", pa.string()),
+            ("metric", pa.string()),
+            ("value", pa.float64()),
+            ("num_queries", pa.int64()),
+        ]
+    ),
+    (check_not_null("system", "metric", "value"),),
+)
+
+CONTRACTS: dict[str, Contract] = {
+    c.name: c for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS)
+}
+
+
+def register(contract: Contract) -> Contract:
+    """Later recipes add their contracts here (one registry, one place to read them all)."""
+    CONTRACTS[contract.name] = contract
+    return contract
+
+
+def get(name: str) -> Contract:
+    try:
+        return CONTRACTS[name]
+    except KeyError:
+        raise KeyError(f"unknown data contract '{name}'; known: {sorted(CONTRACTS)}") from None
+
+
+def dangling_qrels(qrels: pa.Table, queries: pa.Table, corpus: pa.Table) -> tuple[pa.Table, dict[str, int]]:
+    """Split qrels into (kept rows, counts of rows that point to a missing query or document).
+
+    BEIR's own data has such rows (ArguAna: 5), so the caller decides the policy.
+    """
+    con = duckdb.connect()
+    con.register("qrels", qrels)
+    con.register("queries", queries.select(["query_id"]))
+    con.register("corpus", corpus.select(["doc_id"]))
+    flags = (
+        "SELECT qrels.*, (query_id NOT IN (SELECT query_id FROM queries)) AS no_query, "
+        "(doc_id NOT IN (SELECT doc_id FROM corpus)) AS no_doc FROM qrels"
+    )
+    counts = con.execute(
+        f"SELECT count(*) FILTER (WHERE no_query), count(*) FILTER (WHERE no_doc), "
+        f"count(*) FILTER (WHERE no_query OR no_doc) FROM ({flags})"
+    ).fetchone()
+    kept = con.execute(
+        f"SELECT query_id, doc_id, score, split FROM ({flags}) WHERE NOT (no_query OR no_doc)"
+    ).to_arrow_table()
+    return kept, {"missing_query": int(counts[0]), "missing_doc": int(counts[1]), "dangling": int(counts[2])}

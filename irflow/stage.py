@@ -1,0 +1,194 @@
+"""Stages: plain functions, cached on what they read, wrapped in thin Prefect tasks.
+
+A stage function takes dataset refs (its inputs, by role) and ``cfg`` (its config section) and
+returns its outputs: a ``pyarrow.Table`` or a parquet file for table outputs, a directory for
+model/index outputs. The runner here does the rest:
+
+    cache key = sha256(stage name, declared code version, cfg, ids of the input datasets)
+
+Input ids are content fingerprints, so the key changes exactly when something the stage reads
+changes -- unlike Prefect's default cache policy (which includes the run id and pickles inputs)
+or GPL's "skip if the output file exists". A hit is reused only if its files are still in the
+store; a miss computes, validates each output against its contract, publishes atomically and
+records lineage in the catalog.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from irflow.catalog import Catalog, now
+from irflow.store import DatasetRef, Store
+
+log = logging.getLogger("irflow")
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a stage output is: a table under a contract, or a directory (model / index)."""
+
+    name: str
+    contract: str | None = None  # tables
+    kind: str = "table"  # "table" | "model" | "index"
+    check: Callable[[Path], None] | None = None  # directories: called before publishing
+
+
+@dataclass
+class RunContext:
+    """Everything a stage needs to know about the run it is part of. Picklable (strings only)."""
+
+    store_root: str
+    run_id: str
+    force: set[str] = field(default_factory=set)  # stage labels to recompute even if cached
+
+    @property
+    def store(self) -> Store:
+        return Store(self.store_root)
+
+    @property
+    def catalog(self) -> Catalog:
+        return Catalog(self.store.catalog_path)
+
+
+def canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def cache_key(stage: str, version: str, cfg: dict, inputs: dict[str, list[DatasetRef]]) -> str:
+    """Keys starting with '_' in cfg are run-time hints (a local path, a thread count) and not keyed."""
+    payload = {
+        "stage": stage,
+        "version": version,
+        "cfg": {k: v for k, v in cfg.items() if not k.startswith("_")},
+        "inputs": {role: [r.id for r in refs] for role, refs in sorted(inputs.items())},
+    }
+    return hashlib.sha256(canonical(payload).encode()).hexdigest()
+
+
+def _as_list(v) -> list[DatasetRef]:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+class Stage:
+    """A declared stage. ``stage(ctx, cfg=..., label=..., **inputs)`` runs it as a Prefect task;
+    ``stage.run(...)`` runs it without Prefect (same caching); ``stage.fn`` is the plain function."""
+
+    def __init__(self, fn: Callable, name: str, version: str, outputs: list[Output]):
+        self.fn = fn
+        self.name = name
+        self.version = version
+        self.outputs = outputs
+        self.__doc__ = fn.__doc__
+        self._task = None
+
+    def label(self, label: str | None) -> str:
+        return f"{self.name}[{label}]" if label else self.name
+
+    def key(self, cfg: dict, inputs: dict[str, Any]) -> str:
+        return cache_key(self.name, self.version, cfg, {k: _as_list(v) for k, v in inputs.items()})
+
+    # -- execution ------------------------------------------------------------------------
+    def run(self, ctx: RunContext, *, cfg: dict, label: str | None = None, **inputs) -> Any:
+        store, catalog = ctx.store, ctx.catalog
+        stage_label = self.label(label)
+        key = self.key(cfg, inputs)
+        started, t0 = now(), time.perf_counter()
+
+        hit = catalog.lookup(key) if stage_label not in ctx.force else {}
+        if hit and all(o.name in hit and Path(hit[o.name].path).exists() for o in self.outputs):
+            refs = {o.name: hit[o.name] for o in self.outputs}
+            status = "cached"
+            log.info("%s: cached (%s)", stage_label, ", ".join(r.id for r in refs.values()))
+        else:
+            refs = self._compute(ctx, store, catalog, key, cfg, inputs, stage_label)
+            status = "computed"
+        catalog.record_stage_run(ctx.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
+                                 time.perf_counter() - t0, started)
+        return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
+
+    def _compute(self, ctx, store: Store, catalog: Catalog, key, cfg, inputs, stage_label) -> dict[str, DatasetRef]:
+        workdir = store.staging_dir()
+        try:
+            kwargs = dict(inputs, cfg=cfg)
+            if "workdir" in inspect.signature(self.fn).parameters:
+                kwargs["workdir"] = workdir
+            log.info("%s: computing", stage_label)
+            result = self.fn(**kwargs)
+            if len(self.outputs) == 1 and not isinstance(result, dict):
+                result = {self.outputs[0].name: result}
+            missing = [o.name for o in self.outputs if o.name not in result]
+            if missing:
+                raise RuntimeError(f"stage {self.name} did not return outputs {missing}")
+            published: dict[str, tuple[DatasetRef, int | None, int]] = {}
+            for o in self.outputs:
+                value = result[o.name]
+                ds_name = _ds_name(self, o)
+                if o.kind == "table":
+                    if not isinstance(value, (pa.Table, Path, str)):
+                        raise TypeError(f"stage {self.name} output {o.name}: expected a table, got {type(value)}")
+                    value = value if isinstance(value, pa.Table) else Path(value)
+                    ref, rows = store.publish_table(ds_name, o.contract, value)
+                else:
+                    # A directory output must be its own staging dir so that publishing is a rename.
+                    src = Path(value)
+                    staging = store.staging_dir()
+                    staging.rmdir()
+                    shutil.move(str(src), staging)
+                    ref, rows = store.publish_dir(ds_name, o.kind, staging, o.check), None
+                size = sum(f.stat().st_size for f in Path(ref.path).rglob("*") if f.is_file())
+                published[o.name] = (ref, rows, size)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
+        catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
+                               params={k: v for k, v in cfg.items() if not k.startswith("_")},
+                               run_id=ctx.run_id, outputs=published, parents=parents)
+        return {name: p[0] for name, p in published.items()}
+
+    # -- Prefect --------------------------------------------------------------------------
+    @property
+    def task(self):
+        if self._task is None:
+            from prefect import task
+            from prefect.cache_policies import NO_CACHE
+
+            stage = self
+
+            # Prefect's own result caching is off: irflow's key is the cache (see module doc).
+            @task(name=self.name, cache_policy=NO_CACHE, persist_result=False,
+                  task_run_name="{name}", retries=0)
+            def run_stage(ctx: RunContext, cfg: dict, label: str | None, inputs: dict, name: str):
+                return stage.run(ctx, cfg=cfg, label=label, **inputs)
+
+            self._task = run_stage
+        return self._task
+
+    def __call__(self, ctx: RunContext, *, cfg: dict, label: str | None = None, **inputs):
+        return self.task(ctx, cfg, label, inputs, name=self.label(label))
+
+
+def _ds_name(stage: Stage, o: Output) -> str:
+    return o.name if len(stage.outputs) > 1 or o.name != "out" else stage.name
+
+
+def stage(name: str, version: str, outputs: list[Output] | Output) -> Callable[[Callable], Stage]:
+    """Declare a stage: ``@stage("bm25_search", version="1", outputs=Output("run", "run"))``.
+
+    Bump ``version`` whenever a change to the code changes what the stage outputs.
+    """
+    outs = [outputs] if isinstance(outputs, Output) else list(outputs)
+
+    def wrap(fn: Callable) -> Stage:
+        return Stage(fn, name, version, outs)
+
+    return wrap

@@ -1,0 +1,106 @@
+"""BEIR evaluation with pytrec_eval, using BEIR's metric definitions.
+
+- nDCG@k  = pytrec_eval ``ndcg_cut.k``
+- Recall@k = ``recall.k``
+- MAP@k   = ``map_cut.k``
+- MRR@k   = reciprocal rank of the first relevant (score > 0) document within the top k, as
+  ``beir.retrieval.custom_metrics.mrr`` computes it.
+Averages are over the judged queries of the split that the run answers (BEIR's convention; the
+run covers every judged query because retrieval starts from the split's queries). Hits whose doc
+id equals the query id are ignored (BEIR's ``ignore_identical_ids``).
+
+Per-query values are kept as a dataset, so "which queries got worse" is one SQL query away.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pyarrow as pa
+import pytrec_eval
+
+from irflow.stage import Output, stage
+
+DEFAULT_METRICS = ["ndcg@10", "recall@100", "map@100", "mrr@10"]
+_TREC = {"ndcg": "ndcg_cut", "recall": "recall", "map": "map_cut", "p": "P"}
+
+
+def _parse(metric: str) -> tuple[str, int]:
+    name, _, k = metric.lower().partition("@")
+    if not k.isdigit() or (name not in _TREC and name != "mrr"):
+        raise ValueError(f"evaluate.metrics: cannot read '{metric}' (use e.g. ndcg@10, recall@100, map@100, mrr@10)")
+    return name, int(k)
+
+
+def run_to_dict(run: pa.Table, ignore_identical_ids: bool = True) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for q, d, s in zip(run.column("query_id").to_pylist(), run.column("doc_id").to_pylist(),
+                       run.column("score").to_pylist()):
+        if ignore_identical_ids and q == d:
+            continue
+        out[q][d] = float(s)
+    return out
+
+
+def qrels_to_dict(qrels: pa.Table, split: str) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = defaultdict(dict)
+    t = qrels.filter(pa.compute.equal(qrels.column("split"), split))
+    for q, d, s in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist(), t.column("score").to_pylist()):
+        out[q][d] = int(s)
+    return out
+
+
+def mrr_at_k(qrels: dict, results: dict, k: int) -> dict[str, float]:
+    out = {}
+    for qid, docs in results.items():
+        if qid not in qrels:
+            continue
+        top = sorted(docs.items(), key=lambda x: x[1], reverse=True)[:k]
+        rr = 0.0
+        for rank, (doc, _) in enumerate(top, start=1):
+            if qrels[qid].get(doc, 0) > 0:
+                rr = 1.0 / rank
+                break
+        out[qid] = rr
+    return out
+
+
+def evaluate_run(qrels: dict, results: dict, metrics: list[str]) -> dict[str, dict[str, float]]:
+    """metric -> {query_id -> value} over the queries in both qrels and results."""
+    parsed = [(m, *_parse(m)) for m in metrics]
+    trec_measures = {f"{_TREC[n]}.{k}" for _, n, k in parsed if n != "mrr"}
+    per_query: dict[str, dict[str, float]] = {m: {} for m in metrics}
+    if trec_measures:
+        scores = pytrec_eval.RelevanceEvaluator(qrels, trec_measures).evaluate(results)
+        for m, n, k in parsed:
+            if n != "mrr":
+                key = f"{_TREC[n]}_{k}"
+                per_query[m] = {q: s[key] for q, s in scores.items()}
+    for m, n, k in parsed:
+        if n == "mrr":
+            per_query[m] = mrr_at_k(qrels, results, k)
+    return per_query
+
+
+@stage("evaluate", version="1", outputs=[Output("per_query", "per_query_metrics"), Output("metrics", "metrics")])
+def evaluate(run, qrels, cfg: dict):
+    """cfg: {dataset, split, metrics, ignore_identical_ids}."""
+    r = run.table()
+    systems = sorted(set(r.column("system").to_pylist()))
+    qrels_d = qrels_to_dict(qrels.table(), cfg["split"])
+    pq_rows = {"system": [], "query_id": [], "metric": [], "value": []}
+    m_rows = {"system": [], "dataset": [], "split": [], "metric": [], "value": [], "num_queries": []}
+    for system in systems:
+        results = run_to_dict(r.filter(pa.compute.equal(r.column("system"), system)),
+                              cfg.get("ignore_identical_ids", True))
+        per_query = evaluate_run(qrels_d, results, cfg.get("metrics", DEFAULT_METRICS))
+        for metric, values in per_query.items():
+            for q, v in sorted(values.items()):
+                pq_rows["system"].append(system)
+                pq_rows["query_id"].append(q)
+                pq_rows["metric"].append(metric)
+                pq_rows["value"].append(v)
+            for col, v in zip(m_rows, (system, cfg["dataset"], cfg["split"], metric,
+                                       sum(values.values()) / max(len(values), 1), len(values))):
+                m_rows[col].append(v)
+    return {"per_query": pa.table(pq_rows), "metrics": pa.table(m_rows)}

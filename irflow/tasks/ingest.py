@@ -1,0 +1,288 @@
+"""Ingest a BEIR dataset (a folder, a local zip, or a URL with md5) into corpus/queries/qrels tables.
+
+BEIR layout: ``corpus.jsonl`` ({"_id", "title", "text"}), ``queries.jsonl`` ({"_id", "text"}),
+``qrels/<split>.tsv`` (header row, then query-id, corpus-id, score). JSONL is streamed line by line
+into Arrow batches. Any bad input -- malformed JSON, a missing ``_id``, a wrong type, bad UTF-8,
+duplicate ids, an empty corpus, no qrels -- raises :class:`IngestError` naming the file and line,
+and because the store publishes only validated outputs, nothing partial is ever stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import shutil
+import urllib.parse
+import urllib.request
+import zipfile
+from pathlib import Path
+from typing import IO, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from irflow import data_contracts
+from irflow.stage import Output, stage
+from irflow.store import fingerprint_file
+
+log = logging.getLogger("irflow.ingest")
+BATCH_ROWS = 20_000
+
+
+class IngestError(ValueError):
+    """Bad BEIR input. The message says which file and line."""
+
+
+# ---- sources --------------------------------------------------------------------------------
+class BeirSource:
+    """Uniform read access to a BEIR dataset in a folder or a zip (with or without a top folder)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.is_dir():
+            self.zip = None
+            self.names = [p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()]
+        elif zipfile.is_zipfile(path):
+            self.zip = zipfile.ZipFile(path)
+            self.names = [n for n in self.zip.namelist() if not n.endswith("/")]
+        else:
+            raise IngestError(f"{path}: neither a BEIR folder nor a zip file")
+
+    def find(self, suffix: str) -> str | None:
+        """The member whose path ends with ``suffix`` (shortest match: top-level beats nested copies)."""
+        hits = sorted((n for n in self.names if n == suffix or n.endswith("/" + suffix)), key=len)
+        return hits[0] if hits else None
+
+    def qrels_files(self) -> dict[str, str]:
+        out = {}
+        for n in self.names:
+            parts = n.split("/")
+            if len(parts) >= 2 and parts[-2] == "qrels" and parts[-1].endswith(".tsv"):
+                out.setdefault(parts[-1][: -len(".tsv")], n)
+        return out
+
+    def open(self, member: str) -> IO[bytes]:
+        return self.zip.open(member) if self.zip else open(self.path / member, "rb")
+
+    def display(self, member: str) -> str:
+        return f"{self.path}!{member}" if self.zip else str(self.path / member)
+
+
+def fetch(source: str, md5: str | None, downloads: Path) -> Path:
+    """A local path for ``source``: a folder or zip as is, or a URL downloaded (once) and md5-checked."""
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme in ("http", "https"):
+        if not md5:
+            raise IngestError(f"{source}: a URL source needs its md5 (dataset.md5) so the download can be verified")
+        target = downloads / f"{md5}-{Path(parsed.path).name or 'dataset.zip'}"
+        if target.exists() and fingerprint_file(target, "md5") == md5:
+            return target
+        part = target.with_suffix(target.suffix + ".part")
+        h = hashlib.md5()
+        with urllib.request.urlopen(source, timeout=60) as resp, open(part, "wb") as out:
+            total = int(resp.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {target.name}") as bar:
+                for chunk in iter(lambda: resp.read(1 << 20), b""):
+                    out.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+        if h.hexdigest() != md5:
+            part.unlink(missing_ok=True)
+            raise IngestError(f"{source}: md5 mismatch (expected {md5}, got {h.hexdigest()}); download discarded")
+        part.rename(target)
+        return target
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise IngestError(f"{source}: no such file or folder")
+    if md5 and path.is_file():
+        got = fingerprint_file(path, "md5")
+        if got != md5:
+            raise IngestError(f"{source}: md5 mismatch (expected {md5}, got {got})")
+    return path
+
+
+def source_fingerprint(path: Path) -> str:
+    """Content fingerprint of a source, for the cache key: changing the files changes the key."""
+    if path.is_file():
+        return "sha256:" + fingerprint_file(path)
+    from irflow.store import fingerprint_dir
+
+    return "sha256:" + fingerprint_dir(path)
+
+
+# ---- JSONL / TSV readers --------------------------------------------------------------------
+def _lines(src: BeirSource, member: str) -> Iterator[tuple[int, str]]:
+    where = src.display(member)
+    with src.open(member) as raw:
+        for lineno, line in enumerate(raw, start=1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise IngestError(f"{where}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+            if lineno == 1:
+                text = text.lstrip("\ufeff")
+            yield lineno, text
+
+
+def _jsonl_records(src: BeirSource, member: str, fields: dict[str, bool]) -> Iterator[tuple[int, dict]]:
+    """Yield (line, record) with the given string fields (name -> required)."""
+    where = src.display(member)
+    for lineno, text in _lines(src, member):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise IngestError(f"{where}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise IngestError(f"{where}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        rec = {}
+        for name, required in fields.items():
+            value = obj.get(name)
+            if value is None:
+                if required:
+                    raise IngestError(f"{where}:{lineno}: missing '{name}'")
+                value = ""
+            if name == "_id" and isinstance(value, int) and not isinstance(value, bool):
+                value = str(value)  # some BEIR sets use numeric ids; ids are strings everywhere in irflow
+            if not isinstance(value, str):
+                raise IngestError(f"{where}:{lineno}: '{name}' must be a string, got {type(value).__name__}")
+            if name == "_id" and not value.strip():
+                raise IngestError(f"{where}:{lineno}: empty '_id'")
+            rec[name] = value
+        yield lineno, rec
+
+
+def _stream_jsonl_to_parquet(src, member, out: Path, columns: dict[str, tuple[str, bool]], contract: str) -> int:
+    """Stream JSONL into a parquet file; duplicate ids are reported with both line numbers."""
+    schema = data_contracts.get(contract).schema
+    id_col = next(c for c, (f, _) in columns.items() if f == "_id")
+    seen: dict[str, int] = {}
+    where = src.display(member)
+    n = 0
+    fields = {f: req for f, req in columns.values()}
+    with pq.ParquetWriter(out, schema) as writer:
+        batch: dict[str, list] = {c: [] for c in columns}
+        for lineno, rec in tqdm(_jsonl_records(src, member, fields), desc=f"ingest {Path(member).name}", unit=" rows",
+                                mininterval=2):
+            rid = rec["_id"]
+            if rid in seen:
+                raise IngestError(f"{where}:{lineno}: duplicate {id_col} '{rid}' (first seen on line {seen[rid]})")
+            seen[rid] = lineno
+            for c, (f, _) in columns.items():
+                batch[c].append(rec[f])
+            n += 1
+            if len(batch[id_col]) >= BATCH_ROWS:
+                writer.write_table(pa.table(batch, schema=schema))
+                batch = {c: [] for c in columns}
+        if batch[id_col]:
+            writer.write_table(pa.table(batch, schema=schema))
+    return n
+
+
+def _read_qrels(src: BeirSource, member: str, split: str) -> pa.Table:
+    where = src.display(member)
+    qids, dids, scores = [], [], []
+    for lineno, text in _lines(src, member):
+        line = text.rstrip("\r\n")
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if lineno == 1 and parts[0].strip().lower() in ("query-id", "query_id", "qid"):
+            continue  # header row
+        if len(parts) not in (3, 4):
+            raise IngestError(f"{where}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>score', got {line[:80]!r}")
+        qid, did, score = (parts[0], parts[1], parts[2]) if len(parts) == 3 else (parts[0], parts[2], parts[3])
+        try:
+            s = int(score)
+        except ValueError:
+            raise IngestError(f"{where}:{lineno}: score must be an integer, got {score!r}") from None
+        if not qid.strip() or not did.strip():
+            raise IngestError(f"{where}:{lineno}: empty query or corpus id")
+        qids.append(qid)
+        dids.append(did)
+        scores.append(s)
+    return pa.table({"query_id": qids, "doc_id": dids, "score": pa.array(scores, pa.int32()),
+                     "split": [split] * len(qids)})
+
+
+# ---- the stage ------------------------------------------------------------------------------
+def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, object]:
+    """Read a BEIR folder/zip into corpus/queries (parquet files in workdir) and a qrels table."""
+    src = BeirSource(path)
+    corpus_m, queries_m = src.find("corpus.jsonl"), src.find("queries.jsonl")
+    if corpus_m is None:
+        raise IngestError(f"{path}: no corpus.jsonl")
+    if queries_m is None:
+        raise IngestError(f"{path}: no queries.jsonl")
+    qrels_members = src.qrels_files()
+    if not qrels_members:
+        raise IngestError(f"{path}: no qrels/<split>.tsv file")
+
+    corpus_file, queries_file = workdir / "corpus.parquet", workdir / "queries.parquet"
+    n_docs = _stream_jsonl_to_parquet(
+        src, corpus_m, corpus_file, {"doc_id": ("_id", True), "title": ("title", False), "text": ("text", True)},
+        "corpus")
+    if n_docs == 0:
+        raise IngestError(f"{src.display(corpus_m)}: empty corpus")
+    _stream_jsonl_to_parquet(src, queries_m, queries_file, {"query_id": ("_id", True), "text": ("text", True)},
+                             "queries")
+    qrels = pa.concat_tables([_read_qrels(src, m, split) for split, m in sorted(qrels_members.items())])
+    kept, counts = data_contracts.dangling_qrels(
+        qrels, pq.read_table(queries_file, columns=["query_id"]), pq.read_table(corpus_file, columns=["doc_id"]))
+    if counts["dangling"]:
+        msg = (f"{path}: {counts['dangling']} qrels row(s) point to a missing query ({counts['missing_query']}) "
+               f"or document ({counts['missing_doc']})")
+        if dangling == "error":
+            raise IngestError(msg + " (dataset.dangling_qrels: error)")
+        if dangling == "keep":
+            log.warning(msg + "; kept (dataset.dangling_qrels: keep)")
+            kept = qrels
+        else:
+            log.warning(msg + "; dropped (dataset.dangling_qrels: drop)")
+    return {"corpus": corpus_file, "queries": queries_file, "qrels": kept}
+
+
+@stage("ingest", version="1", outputs=[Output("corpus", "corpus"), Output("queries", "queries"),
+                                        Output("qrels", "qrels")])
+def ingest_beir(cfg: dict, workdir: Path):
+    """cfg: {name, fingerprint, dangling_qrels: drop|keep|error, _path: resolved folder/zip (not keyed)}."""
+    return read_beir(Path(cfg["_path"]), workdir, cfg.get("dangling_qrels", "drop"))
+
+
+def ingest_config(dataset_cfg: dict, downloads: Path) -> dict:
+    """Resolve the dataset section (fetching a URL once) into the ingest stage's cache-keyed config.
+
+    The key holds the source's content fingerprint, not its path: moving the zip changes nothing,
+    editing a file inside it recomputes.
+    """
+    source = dataset_cfg.get("source")
+    if not source:
+        raise IngestError("dataset.source is required (a BEIR folder, a .zip, or a URL with dataset.md5)")
+    path = fetch(str(source), dataset_cfg.get("md5"), downloads)
+    return {
+        "name": dataset_cfg.get("name") or Path(str(source)).stem,
+        "_path": str(path.resolve()),
+        "fingerprint": dataset_cfg.get("md5") and f"md5:{dataset_cfg['md5']}" or source_fingerprint(path),
+        "dangling_qrels": dataset_cfg.get("dangling_qrels", "drop"),
+    }
+
+
+@stage("select_queries", version="1", outputs=Output("queries", "queries"))
+def select_queries(queries, qrels, cfg: dict) -> pa.Table:
+    """The queries judged in ``cfg['split']`` (as BEIR's loader does), optionally the first ``limit``."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.register("q", queries.table())
+    con.register("r", qrels.table(columns=["query_id", "split"]))
+    limit = f"LIMIT {int(cfg['limit'])}" if cfg.get("limit") else ""
+    t = con.execute(
+        f"SELECT query_id, text FROM q WHERE query_id IN (SELECT query_id FROM r WHERE split = ?) "
+        f"ORDER BY query_id {limit}", [cfg["split"]]).to_arrow_table()
+    if t.num_rows == 0:
+        raise ValueError(f"no queries are judged in split '{cfg['split']}'")
+    return t
