@@ -92,3 +92,11 @@ def load_sentence_transformer(model: ResolvedModel, device: str | None = None, m
     if max_seq_length:
         m.max_seq_length = int(max_seq_length)
     return m
+
+
+def model_cfg(name: str, store_root: str | None = None, role: str = "model") -> dict:
+    """The config entries a stage gets for a model named in the config:
+    ``model`` (as written), ``model_key`` (keyed: changes when the weights change) and
+    ``_model_path`` (where to load from; not keyed, so moving a directory recomputes nothing)."""
+    m = resolve(name, store_root, role)
+    return {"model": name, "model_key": m.key, "_model_path": m.path}
