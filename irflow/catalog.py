@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS cache(
   PRIMARY KEY (cache_key, output));
 CREATE TABLE IF NOT EXISTS stage_runs(
   run_id VARCHAR, position INTEGER, stage VARCHAR, cache_key VARCHAR, status VARCHAR,
-  outputs JSON, seconds DOUBLE, started_at TIMESTAMP);
+  outputs JSON, seconds DOUBLE, started_at TIMESTAMP, detail JSON);
+CREATE TABLE IF NOT EXISTS forced(run_id VARCHAR, dataset_id VARCHAR);
 CREATE TABLE IF NOT EXISTS metrics(
   run_id VARCHAR, eval_dataset_id VARCHAR, system VARCHAR, dataset VARCHAR, split VARCHAR,
   metric VARCHAR, value DOUBLE, num_queries BIGINT);
@@ -126,13 +127,39 @@ class Catalog:
             con.execute("COMMIT")
 
     def record_stage_run(self, run_id: str, stage: str, cache_key: str, status: str, outputs: dict[str, str],
-                         seconds: float, started_at: datetime) -> None:
+                         seconds: float, started_at: datetime, detail: dict | None = None) -> None:
+        """detail: what the key was made of ({version, cfg, inputs}), so `irflow status` can say why a
+        stage is stale by diffing it against the last execution."""
         with self.connect() as con:
             pos = con.execute("SELECT count(*) FROM stage_runs WHERE run_id = ?", [run_id]).fetchone()[0]
             con.execute(
-                "INSERT INTO stage_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [run_id, pos, stage, cache_key, status, json.dumps(outputs), seconds, started_at],
+                "INSERT INTO stage_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, pos, stage, cache_key, status, json.dumps(outputs), seconds, started_at,
+                 json.dumps(detail or {}, sort_keys=True, default=str)],
             )
+
+    def last_stage_detail(self, stage: str, exclude_run: str | None = None) -> dict | None:
+        """The key ingredients of the most recent execution of a stage label (any earlier run)."""
+        with self.connect() as con:
+            row = con.execute(
+                "SELECT detail, run_id, cache_key FROM stage_runs WHERE stage = ? AND run_id IS DISTINCT FROM ? "
+                "ORDER BY started_at DESC LIMIT 1",
+                [stage, exclude_run],
+            ).fetchone()
+        return {**json.loads(row[0] or "{}"), "run_id": row[1], "cache_key": row[2]} if row else None
+
+    def taint(self, run_id: str, dataset_ids: list[str]) -> None:
+        with self.connect() as con:
+            for d in dataset_ids:
+                con.execute("INSERT INTO forced VALUES (?, ?)", [run_id, d])
+
+    def tainted(self, run_id: str, dataset_ids: list[str]) -> bool:
+        if not dataset_ids:
+            return False
+        with self.connect() as con:
+            return bool(con.execute(
+                f"SELECT count(*) FROM forced WHERE run_id = ? AND dataset_id IN ({', '.join('?' * len(dataset_ids))})",
+                [run_id, *dataset_ids]).fetchone()[0])
 
     def stage_runs(self, run_id: str) -> list[dict]:
         with self.connect() as con:
@@ -144,16 +171,6 @@ class Catalog:
             {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4]}
             for r in rows
         ]
-
-    def last_stage_key(self, stage: str, before_run: str | None = None) -> tuple[str, str] | None:
-        """(cache_key, run_id) of the most recent earlier execution of a stage label."""
-        with self.connect() as con:
-            row = con.execute(
-                "SELECT cache_key, run_id FROM stage_runs WHERE stage = ? AND run_id IS DISTINCT FROM ? "
-                "ORDER BY started_at DESC LIMIT 1",
-                [stage, before_run],
-            ).fetchone()
-        return (row[0], row[1]) if row else None
 
     # ---- metrics --------------------------------------------------------------------------
     def record_metrics(self, run_id: str, eval_dataset_id: str, rows: list[dict]) -> None:
@@ -231,7 +248,7 @@ class Catalog:
         visible unqualified) and one view per stored table dataset, plus `all_<contract>` unions."""
         con = duckdb.connect()
         con.execute(f"ATTACH '{self.path}' AS catalog (READ_ONLY)")
-        for t in ("runs", "datasets", "edges", "cache", "stage_runs", "metrics"):
+        for t in ("runs", "datasets", "edges", "cache", "stage_runs", "metrics", "forced"):
             con.execute(f"CREATE VIEW {t} AS SELECT * FROM catalog.main.{t}")
         rows = con.execute(
             "SELECT dataset_id, contract, path FROM catalog.main.datasets WHERE kind = 'table' ORDER BY created_at"

@@ -49,7 +49,11 @@ class RunContext:
 
     store_root: str
     run_id: str
-    force: set[str] = field(default_factory=set)  # stage labels to recompute even if cached
+    # Stage names or labels to recompute even if cached (`irflow run --from STAGE`); everything
+    # downstream of a forced stage is forced too (tracked through its output ids in the catalog).
+    force: set[str] = field(default_factory=set)
+    dry_run: bool = False  # `irflow status`: report cached/stale per stage, compute nothing
+    plan: list = field(default_factory=list)  # dry-run results, in stage order
 
     @property
     def store(self) -> Store:
@@ -64,15 +68,22 @@ def canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def cache_key(stage: str, version: str, cfg: dict, inputs: dict[str, list[DatasetRef]]) -> str:
-    """Keys starting with '_' in cfg are run-time hints (a local path, a thread count) and not keyed."""
-    payload = {
+def key_payload(stage: str, version: str, cfg: dict, inputs: dict[str, list[DatasetRef]]) -> dict:
+    """What a cache key is made of. cfg keys starting with '_' are run-time hints (a local path, a
+    thread count, a device) and are not keyed."""
+    return {
         "stage": stage,
         "version": version,
         "cfg": {k: v for k, v in cfg.items() if not k.startswith("_")},
         "inputs": {role: [r.id for r in refs] for role, refs in sorted(inputs.items())},
     }
-    return hashlib.sha256(canonical(payload).encode()).hexdigest()
+
+
+def cache_key(stage: str, version: str, cfg: dict, inputs: dict[str, list[DatasetRef]]) -> str:
+    return hashlib.sha256(canonical(key_payload(stage, version, cfg, inputs)).encode()).hexdigest()
+
+
+PENDING = "pending"  # kind of a placeholder ref in a dry run: "this would be recomputed"
 
 
 def _as_list(v) -> list[DatasetRef]:
@@ -101,20 +112,62 @@ class Stage:
     def run(self, ctx: RunContext, *, cfg: dict, label: str | None = None, **inputs) -> Any:
         store, catalog = ctx.store, ctx.catalog
         stage_label = self.label(label)
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
+        detail = key_payload(self.name, self.version, cfg, {k: _as_list(v) for k, v in inputs.items()})
         key = self.key(cfg, inputs)
         started, t0 = now(), time.perf_counter()
 
-        hit = catalog.lookup(key) if stage_label not in ctx.force else {}
+        forced = bool({self.name, stage_label} & ctx.force) or catalog.tainted(ctx.run_id, input_ids)
+        pending_inputs = any(r.kind == PENDING for v in inputs.values() for r in _as_list(v))
+        hit = {} if forced or pending_inputs else catalog.lookup(key)
         if hit and all(o.name in hit and Path(hit[o.name].path).exists() for o in self.outputs):
             refs = {o.name: hit[o.name] for o in self.outputs}
             status = "cached"
             log.info("%s: cached (%s)", stage_label, ", ".join(r.id for r in refs.values()))
+        elif ctx.dry_run:
+            refs = {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
+                    for o in self.outputs}
+            status = "stale"
+            detail["why"] = self._why_stale(catalog, ctx, stage_label, detail, key, hit, forced, pending_inputs)
         else:
             refs = self._compute(ctx, store, catalog, key, cfg, inputs, stage_label)
             status = "computed"
-        catalog.record_stage_run(ctx.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
-                                 time.perf_counter() - t0, started)
+            if forced:
+                catalog.taint(ctx.run_id, [r.id for r in refs.values()])
+        if not ctx.dry_run:
+            catalog.record_stage_run(ctx.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
+                                     time.perf_counter() - t0, started, detail)
+        else:
+            ctx.plan.append({"name": stage_label, "status": status, "why": detail.get("why", [])})
         return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
+
+    @staticmethod
+    def _why_stale(catalog: Catalog, ctx, stage_label, detail, key, hit, forced, pending_inputs) -> list[str]:
+        """Human-readable reasons, from diffing this key's ingredients with the last execution's."""
+        if forced:
+            return ["forced (--from)"]
+        if pending_inputs:
+            upstream = sorted({i[1:].split(":")[0] for ids in detail["inputs"].values() for i in ids
+                               if i.startswith("<")})
+            return ["upstream is stale: " + ", ".join(upstream)]
+        if hit:
+            return ["its output is missing from the store"]
+        last = catalog.last_stage_detail(stage_label)
+        if last is None:
+            return ["never run"]
+        reasons = []
+        if last.get("version") != detail["version"]:
+            reasons.append(f"code version {last.get('version')} -> {detail['version']}")
+        old_cfg, new_cfg = last.get("cfg", {}), detail["cfg"]
+        for k in sorted(set(old_cfg) | set(new_cfg)):
+            if old_cfg.get(k) != new_cfg.get(k):
+                reasons.append(f"cfg.{k}: {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}")
+        old_in, new_in = last.get("inputs", {}), detail["inputs"]
+        for role in sorted(set(old_in) | set(new_in)):
+            if old_in.get(role) != new_in.get(role):
+                reasons.append(f"input {role}: {old_in.get(role)} -> {new_in.get(role)}")
+        return reasons or ["no cached result for this key"]
 
     def _compute(self, ctx, store: Store, catalog: Catalog, key, cfg, inputs, stage_label) -> dict[str, DatasetRef]:
         workdir = store.staging_dir()
@@ -182,6 +235,8 @@ class Stage:
         return self._task
 
     def __call__(self, ctx: RunContext, *, cfg: dict, label: str | None = None, **inputs):
+        if ctx.dry_run:  # planning needs no Prefect task runs
+            return self.run(ctx, cfg=cfg, label=label, **inputs)
         return self.task(ctx, cfg, label, inputs, name=self.label(label))
 
 

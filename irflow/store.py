@@ -74,6 +74,18 @@ def fingerprint_file(path: Path, algo: str = "sha256") -> str:
     return h.hexdigest()
 
 
+ROW_GROUP = 128_000
+
+
+def _rechunk(table: pa.Table, rows: int) -> pa.Table:
+    """The same table as chunks of exactly ``rows`` rows (the last one shorter)."""
+    if table.num_rows <= rows:
+        return table.combine_chunks()
+    return pa.Table.from_batches(
+        [b for i in range(0, table.num_rows, rows) for b in table.slice(i, rows).combine_chunks().to_batches()],
+        schema=table.schema)
+
+
 class Store:
     def __init__(self, root: str | os.PathLike = DEFAULT_STORE):
         self.root = Path(root).resolve()
@@ -104,8 +116,11 @@ class Store:
                 table = c.validate(table_or_file)
             else:
                 table = c.validate(pq.read_table(table_or_file))
-            # Deterministic bytes: no statistics timestamps exist in parquet; fixed row-group size.
-            pq.write_table(table, staging / TABLE_FILE, row_group_size=128_000, compression="zstd")
+            # Deterministic bytes: no statistics timestamps exist in parquet; fixed row-group size; and
+            # fixed chunking (page boundaries follow the in-memory chunks, so the same rows chunked
+            # differently by two producers would otherwise get two ids).
+            pq.write_table(_rechunk(table, ROW_GROUP), staging / TABLE_FILE, row_group_size=ROW_GROUP,
+                           compression="zstd")
             return self._publish(name, "table", contract, staging), table.num_rows
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

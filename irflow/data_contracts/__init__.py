@@ -230,19 +230,14 @@ def dangling_qrels(qrels: pa.Table, queries: pa.Table, corpus: pa.Table) -> tupl
 
     BEIR's own data has such rows (ArguAna: 5), so the caller decides the policy.
     """
-    con = duckdb.connect()
-    con.register("qrels", qrels)
-    con.register("queries", queries.select(["query_id"]))
-    con.register("corpus", corpus.select(["doc_id"]))
-    flags = (
-        "SELECT qrels.*, (query_id NOT IN (SELECT query_id FROM queries)) AS no_query, "
-        "(doc_id NOT IN (SELECT doc_id FROM corpus)) AS no_doc FROM qrels"
-    )
-    counts = con.execute(
-        f"SELECT count(*) FILTER (WHERE no_query), count(*) FILTER (WHERE no_doc), "
-        f"count(*) FILTER (WHERE no_query OR no_doc) FROM ({flags})"
-    ).fetchone()
-    kept = con.execute(
-        f"SELECT query_id, doc_id, score, split FROM ({flags}) WHERE NOT (no_query OR no_doc)"
-    ).to_arrow_table()
+    # pyarrow keeps the row order (a DuckDB join over a multi-chunk table may not, which would make
+    # the published bytes -- and so the dataset id -- differ from run to run).
+    import pyarrow.compute as pc
+
+    qcol, dcol = qrels.column("query_id"), qrels.column("doc_id")
+    no_query = pc.invert(pc.is_in(qcol, value_set=queries.column("query_id").combine_chunks().cast(qcol.type)))
+    no_doc = pc.invert(pc.is_in(dcol, value_set=corpus.column("doc_id").combine_chunks().cast(dcol.type)))
+    either = pc.or_(no_query, no_doc)
+    counts = [pc.sum(pc.cast(m, pa.int64())).as_py() or 0 for m in (no_query, no_doc, either)]
+    kept = qrels.select(["query_id", "doc_id", "score", "split"]).filter(pc.invert(either))
     return kept, {"missing_query": int(counts[0]), "missing_doc": int(counts[1]), "dangling": int(counts[2])}

@@ -50,6 +50,9 @@ class BeirSource:
             self.names = [n for n in self.zip.namelist() if not n.endswith("/")]
         else:
             raise IngestError(f"{path}: neither a BEIR folder nor a zip file")
+        # macOS archivers add __MACOSX/ and ._* resource forks: never BEIR data.
+        self.names = [n for n in self.names
+                      if "__MACOSX" not in n.split("/") and not n.rsplit("/", 1)[-1].startswith("._")]
 
     def find(self, suffix: str) -> str | None:
         """The member whose path ends with ``suffix`` (shortest match: top-level beats nested copies)."""
@@ -82,13 +85,19 @@ def fetch(source: str, md5: str | None, downloads: Path) -> Path:
             return target
         part = target.with_suffix(target.suffix + ".part")
         h = hashlib.md5()
-        with urllib.request.urlopen(source, timeout=60) as resp, open(part, "wb") as out:
-            total = int(resp.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {target.name}") as bar:
-                for chunk in iter(lambda: resp.read(1 << 20), b""):
-                    out.write(chunk)
-                    h.update(chunk)
-                    bar.update(len(chunk))
+        try:
+            with urllib.request.urlopen(source, timeout=60) as resp, open(part, "wb") as out:
+                total = int(resp.headers.get("Content-Length") or 0) or None
+                with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {target.name}") as bar:
+                    for chunk in iter(lambda: resp.read(1 << 20), b""):
+                        out.write(chunk)
+                        h.update(chunk)
+                        bar.update(len(chunk))
+        except BaseException as e:
+            part.unlink(missing_ok=True)
+            if isinstance(e, OSError):  # URLError / HTTPError / connection reset are OSErrors
+                raise IngestError(f"{source}: download failed ({e})") from e
+            raise
         if h.hexdigest() != md5:
             part.unlink(missing_ok=True)
             raise IngestError(f"{source}: md5 mismatch (expected {md5}, got {h.hexdigest()}); download discarded")
@@ -186,6 +195,8 @@ def _stream_jsonl_to_parquet(src, member, out: Path, columns: dict[str, tuple[st
 def _read_qrels(src: BeirSource, member: str, split: str) -> pa.Table:
     where = src.display(member)
     qids, dids, scores = [], [], []
+    seen: dict[tuple[str, str], tuple[int, int]] = {}  # (query, doc) -> (line, score)
+    repeated = 0
     for lineno, text in _lines(src, member):
         line = text.rstrip("\r\n")
         if not line.strip():
@@ -202,9 +213,19 @@ def _read_qrels(src: BeirSource, member: str, split: str) -> pa.Table:
             raise IngestError(f"{where}:{lineno}: score must be an integer, got {score!r}") from None
         if not qid.strip() or not did.strip():
             raise IngestError(f"{where}:{lineno}: empty query or corpus id")
+        if (qid, did) in seen:
+            first, first_score = seen[(qid, did)]
+            if first_score != s:
+                raise IngestError(f"{where}:{lineno}: query '{qid}' / document '{did}' judged {s} here but "
+                                  f"{first_score} on line {first}")
+            repeated += 1
+            continue
+        seen[(qid, did)] = (lineno, s)
         qids.append(qid)
         dids.append(did)
         scores.append(s)
+    if repeated:
+        log.warning("%s: %d repeated qrels row(s) (same query, document and score) ignored", where, repeated)
     return pa.table({"query_id": qids, "doc_id": dids, "score": pa.array(scores, pa.int32()),
                      "split": [split] * len(qids)})
 
@@ -228,9 +249,13 @@ def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, ob
         "corpus")
     if n_docs == 0:
         raise IngestError(f"{src.display(corpus_m)}: empty corpus")
-    _stream_jsonl_to_parquet(src, queries_m, queries_file, {"query_id": ("_id", True), "text": ("text", True)},
-                             "queries")
+    n_queries = _stream_jsonl_to_parquet(src, queries_m, queries_file,
+                                         {"query_id": ("_id", True), "text": ("text", True)}, "queries")
+    if n_queries == 0:
+        raise IngestError(f"{src.display(queries_m)}: no queries")
     qrels = pa.concat_tables([_read_qrels(src, m, split) for split, m in sorted(qrels_members.items())])
+    if qrels.num_rows == 0:
+        raise IngestError(f"{path}: the qrels files ({', '.join(sorted(qrels_members.values()))}) have no rows")
     kept, counts = data_contracts.dangling_qrels(
         qrels, pq.read_table(queries_file, columns=["query_id"]), pq.read_table(corpus_file, columns=["doc_id"]))
     if counts["dangling"]:
@@ -266,7 +291,9 @@ def ingest_config(dataset_cfg: dict, downloads: Path) -> dict:
     return {
         "name": dataset_cfg.get("name") or Path(str(source)).stem,
         "_path": str(path.resolve()),
-        "fingerprint": dataset_cfg.get("md5") and f"md5:{dataset_cfg['md5']}" or source_fingerprint(path),
+        # An md5 is a fingerprint only where fetch() verified it (a file); a folder is hashed.
+        "fingerprint": (f"md5:{dataset_cfg['md5']}" if dataset_cfg.get("md5") and path.is_file()
+                        else source_fingerprint(path)),
         "dangling_qrels": dataset_cfg.get("dangling_qrels", "drop"),
     }
 
