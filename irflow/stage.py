@@ -68,13 +68,22 @@ def canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def keyed(cfg: Any) -> Any:
+    """cfg without its run-time hints: keys starting with '_' (a local path, a thread count, a
+    device), at any depth, are not part of what a stage computes and are not keyed."""
+    if isinstance(cfg, dict):
+        return {k: keyed(v) for k, v in cfg.items() if not (isinstance(k, str) and k.startswith("_"))}
+    if isinstance(cfg, (list, tuple)):
+        return [keyed(v) for v in cfg]
+    return cfg
+
+
 def key_payload(stage: str, version: str, cfg: dict, inputs: dict[str, list[DatasetRef]]) -> dict:
-    """What a cache key is made of. cfg keys starting with '_' are run-time hints (a local path, a
-    thread count, a device) and are not keyed."""
+    """What a cache key is made of: stage, declared code version, keyed cfg, input dataset ids."""
     return {
         "stage": stage,
         "version": version,
-        "cfg": {k: v for k, v in cfg.items() if not k.startswith("_")},
+        "cfg": keyed(cfg),
         "inputs": {role: [r.id for r in refs] for role, refs in sorted(inputs.items())},
     }
 
@@ -211,7 +220,7 @@ class Stage:
             shutil.rmtree(workdir, ignore_errors=True)
         parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
         catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
-                               params={k: v for k, v in cfg.items() if not k.startswith("_")},
+                               params=keyed(cfg),
                                run_id=ctx.run_id, outputs=published, parents=parents)
         shutil.rmtree(store.root / "partial" / key, ignore_errors=True)
         return {name: p[0] for name, p in published.items()}

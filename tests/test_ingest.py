@@ -1,0 +1,467 @@
+"""Ingest of real BEIR data (SciFact slices, the NFCorpus archive over HTTP): counts, contracts,
+bad input (IngestError naming file:line, nothing published), dangling qrels, downloads, cache keys."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import logging
+import shutil
+import threading
+import zipfile
+from pathlib import Path
+
+import duckdb
+import pyarrow.compute as pc
+import pytest
+
+from irflow import data_contracts
+from irflow.stage import RunContext
+from irflow.store import fingerprint_file
+from irflow.tasks.ingest import IngestError, ingest_beir, ingest_config
+from irflow.testing import beir_slice
+
+DATASETS = Path("/work/shared/datasets")
+SCIFACT = DATASETS / "scifact.zip"
+NFCORPUS = DATASETS / "nfcorpus.zip"
+NFCORPUS_MD5 = "a89dba18a62ef92f7d323ec890a0d38d"
+
+pytestmark = pytest.mark.skipif(not SCIFACT.exists() or not NFCORPUS.exists(),
+                                reason="needs the BEIR zips in /work/shared/datasets")
+
+
+# ---- helpers --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scifact_slice_master(tmp_path_factory) -> Path:
+    return beir_slice(SCIFACT, tmp_path_factory.mktemp("scifact") / "scifact", n_test_queries=12,
+                      n_train_queries=6, n_extra_docs=25, seed=1)
+
+
+@pytest.fixture
+def sl(scifact_slice_master, tmp_path) -> Path:
+    """A private, editable copy of the SciFact slice."""
+    return Path(shutil.copytree(scifact_slice_master, tmp_path / "scifact"))
+
+
+@pytest.fixture
+def ctx(tmp_path) -> RunContext:
+    return RunContext(str(tmp_path / "store"), "run-1")
+
+
+def ingest(ctx: RunContext, source, **extra):
+    return ingest_beir.run(ctx, cfg=ingest_config({"source": str(source), **extra}, ctx.store.root / "downloads"))
+
+
+def nonempty_lines(path: Path) -> list[str]:
+    return [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+
+
+def qrels_rows(folder: Path) -> dict[str, list[list[str]]]:
+    return {f.stem: [ln.split("\t") for ln in nonempty_lines(f)[1:]] for f in sorted((folder / "qrels").glob("*.tsv"))}
+
+
+def last_status(ctx: RunContext) -> str:
+    return ctx.catalog.stage_runs(ctx.run_id)[-1]["status"]
+
+
+def assert_nothing_published(ctx: RunContext):
+    root = Path(ctx.store_root)
+    objects = sorted(p.name for p in (root / "objects").iterdir()) if (root / "objects").exists() else []
+    assert not [o for o in objects if o.split("-")[0] in ("corpus", "queries", "qrels")], objects
+    assert objects == []
+    tmp = sorted(p.name for p in (root / "tmp").iterdir()) if (root / "tmp").exists() else []
+    assert tmp == [], "staging left behind"
+    if (root / "catalog.duckdb").exists():
+        con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)
+        try:
+            assert con.execute("SELECT count(*) FROM datasets").fetchone()[0] == 0
+        finally:
+            con.close()
+
+
+def rewrite_line(path: Path, lineno: int, new: str | bytes) -> None:
+    """Replace 1-based line ``lineno`` of a file (bytes allowed, for bad UTF-8)."""
+    lines = path.read_bytes().split(b"\n")
+    lines[lineno - 1] = new if isinstance(new, bytes) else new.encode()
+    path.write_bytes(b"\n".join(lines))
+
+
+def zip_folder(folder: Path, out: Path, top: str | None = None, junk: bool = False) -> Path:
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                rel = f.relative_to(folder).as_posix()
+                z.write(f, f"{top}/{rel}" if top else rel)
+                if junk:  # what macOS archivers add next to every file
+                    z.writestr(f"__MACOSX/{top or '.'}/{Path(rel).parent.as_posix()}/._{f.name}", b"\x00\x05\x16\x07")
+    return out
+
+
+# ---- good input -----------------------------------------------------------------------------
+def check_matches_source(refs: dict, folder: Path) -> None:
+    corpus_lines = [json.loads(ln) for ln in nonempty_lines(folder / "corpus.jsonl")]
+    query_lines = [json.loads(ln) for ln in nonempty_lines(folder / "queries.jsonl")]
+    qrels = qrels_rows(folder)
+    corpus, queries, qr = refs["corpus"].table(), refs["queries"].table(), refs["qrels"].table()
+
+    assert corpus.num_rows == len(corpus_lines) > 0
+    assert queries.num_rows == len(query_lines) > 0
+    assert qr.num_rows == sum(len(rows) for rows in qrels.values()) > 0
+    # same ids, in file order, and the texts survive byte for byte
+    assert corpus.column("doc_id").to_pylist() == [str(d["_id"]) for d in corpus_lines]
+    assert corpus.column("text").to_pylist() == [d["text"] for d in corpus_lines]
+    assert corpus.column("title").to_pylist() == [d.get("title") or "" for d in corpus_lines]
+    assert queries.column("query_id").to_pylist() == [str(q["_id"]) for q in query_lines]
+    for split, rows in qrels.items():
+        got = qr.filter(pc.equal(qr["split"], split))
+        assert sorted(zip(got["query_id"].to_pylist(), got["doc_id"].to_pylist(), got["score"].to_pylist())) == \
+            sorted((r[0], r[1], int(r[2])) for r in rows)
+    for name in ("corpus", "queries", "qrels"):
+        c = data_contracts.get(name)
+        t = refs[name].table()
+        assert t.schema.equals(c.schema)
+        c.validate(t)  # raises if a contract does not hold
+
+
+def test_ingest_folder_matches_source_and_contracts(sl, ctx):
+    refs = ingest(ctx, sl)
+    assert set(refs) == {"corpus", "queries", "qrels"}
+    check_matches_source(refs, sl)
+    assert set(qrels_rows(sl)) == {"test", "train"}
+    assert last_status(ctx) == "computed"
+    for name, ref in refs.items():
+        row = ctx.catalog.dataset(ref.id)
+        assert row["stage"] == "ingest" and row["run_id"] == "run-1" and row["contract"] == name
+        assert row["num_rows"] == ref.table().num_rows
+        assert Path(ref.path) == Path(ctx.store_root).resolve() / "objects" / ref.id
+    assert list((Path(ctx.store_root) / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("top", [None, "scifact"], ids=["flat", "top-folder"])
+def test_ingest_local_zip(sl, ctx, tmp_path, top):
+    folder_refs = ingest(ctx, sl)
+    z = zip_folder(sl, tmp_path / "scifact.zip", top=top, junk=top is not None)
+    zip_refs = ingest(ctx, z)
+    assert last_status(ctx) == "computed"  # another source fingerprint ...
+    check_matches_source(zip_refs, sl)
+    # ... but the same content: content-addressed ids are equal to the folder's
+    assert {k: r.id for k, r in zip_refs.items()} == {k: r.id for k, r in folder_refs.items()}
+
+
+# ---- bad input ------------------------------------------------------------------------------
+def _mutate_malformed(d):
+    rewrite_line(d / "corpus.jsonl", 3, '{"_id": "broken", "title": "x", "text": ')
+
+
+def _mutate_missing_id(d):
+    rewrite_line(d / "queries.jsonl", 2, json.dumps({"text": "a query without an id"}))
+
+
+def _mutate_duplicate(d):
+    first = json.loads(nonempty_lines(d / "corpus.jsonl")[1])
+    rewrite_line(d / "corpus.jsonl", 5, json.dumps({"_id": first["_id"], "title": "", "text": "again"}))
+
+
+def _mutate_text_number(d):
+    rewrite_line(d / "corpus.jsonl", 4, json.dumps({"_id": "num-text", "title": "t", "text": 42}))
+
+
+def _mutate_text_list(d):
+    rewrite_line(d / "queries.jsonl", 3, json.dumps({"_id": "list-text", "text": ["a", "b"]}))
+
+
+def _mutate_title_number(d):
+    rewrite_line(d / "corpus.jsonl", 2, json.dumps({"_id": "num-title", "title": 3.5, "text": "t"}))
+
+
+def _mutate_bad_utf8(d):
+    line = nonempty_lines(d / "corpus.jsonl")[5].encode()
+    cut = line.index(b'"text": "') + len(b'"text": "')
+    rewrite_line(d / "corpus.jsonl", 6, line[:cut] + b"\xff\xfe\xc3(" + line[cut:])
+
+
+def _mutate_empty_corpus(d):
+    (d / "corpus.jsonl").write_bytes(b"")
+
+
+def _mutate_empty_queries(d):
+    (d / "queries.jsonl").write_bytes(b"\n")
+
+
+def _mutate_no_qrels(d):
+    shutil.rmtree(d / "qrels")
+
+
+def _mutate_qrels_score(d):
+    rows = nonempty_lines(d / "qrels" / "test.tsv")
+    q, doc, _ = rows[2].split("\t")
+    rewrite_line(d / "qrels" / "test.tsv", 3, f"{q}\t{doc}\t1.5")
+
+
+def _mutate_qrels_conflict(d):
+    rows = nonempty_lines(d / "qrels" / "test.tsv")
+    q, doc, s = rows[1].split("\t")
+    with open(d / "qrels" / "test.tsv", "a") as f:
+        f.write(f"{q}\t{doc}\t{int(s) + 1}\n")
+
+
+BAD = {
+    # name: (mutation, substrings the message must contain)
+    "malformed-json": (_mutate_malformed, ["corpus.jsonl:3", "malformed JSON"]),
+    "missing-id": (_mutate_missing_id, ["queries.jsonl:2", "_id"]),
+    "duplicate-id": (_mutate_duplicate, ["corpus.jsonl:5", "duplicate", "line 2"]),
+    "text-number": (_mutate_text_number, ["corpus.jsonl:4", "text", "int"]),
+    "text-list": (_mutate_text_list, ["queries.jsonl:3", "text", "list"]),
+    "title-number": (_mutate_title_number, ["corpus.jsonl:2", "title"]),
+    "bad-utf8": (_mutate_bad_utf8, ["corpus.jsonl:6", "UTF-8"]),
+    "empty-corpus": (_mutate_empty_corpus, ["corpus.jsonl", "empty corpus"]),
+    "empty-queries": (_mutate_empty_queries, ["queries.jsonl", "no queries"]),
+    "no-qrels": (_mutate_no_qrels, ["qrels"]),
+    "qrels-score": (_mutate_qrels_score, ["test.tsv:3", "integer", "1.5"]),
+    "qrels-conflict": (_mutate_qrels_conflict, ["test.tsv:", "line 2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.parametrize("as_zip", [False, True], ids=["folder", "zip"])
+def test_bad_input_raises_and_publishes_nothing(sl, ctx, tmp_path, case, as_zip):
+    mutate, expected = BAD[case]
+    mutate(sl)
+    source = zip_folder(sl, tmp_path / "bad.zip", top="scifact") if as_zip else sl
+    with pytest.raises(IngestError) as e:
+        ingest(ctx, source)
+    msg = str(e.value)
+    for s in expected:
+        assert s in msg, f"{s!r} not in {msg!r}"
+    assert_nothing_published(ctx)
+
+
+def test_qrels_conflict_names_both_lines(sl, ctx):
+    _mutate_qrels_conflict(sl)
+    n = len(nonempty_lines(sl / "qrels" / "test.tsv"))
+    with pytest.raises(IngestError, match=rf"test\.tsv:{n}: .* on line 2"):
+        ingest(ctx, sl)
+
+
+def test_repeated_identical_qrels_row_is_ignored(sl, ctx, caplog):
+    row = nonempty_lines(sl / "qrels" / "test.tsv")[1]
+    with open(sl / "qrels" / "test.tsv", "a") as f:
+        f.write(row + "\n")
+    caplog.set_level(logging.WARNING, logger="irflow.ingest")
+    refs = ingest(ctx, sl)
+    assert refs["qrels"].table().num_rows == sum(len(r) for r in qrels_rows(sl).values()) - 1
+    assert any("1 repeated qrels row" in r.getMessage() for r in caplog.records)
+
+
+def test_fixing_bad_input_then_ingests(sl, ctx):
+    good = (sl / "corpus.jsonl").read_bytes()
+    _mutate_malformed(sl)
+    with pytest.raises(IngestError):
+        ingest(ctx, sl)
+    (sl / "corpus.jsonl").write_bytes(good)
+    check_matches_source(ingest(ctx, sl), sl)
+    assert last_status(ctx) == "computed"
+
+
+# ---- dangling qrels -------------------------------------------------------------------------
+def add_dangling(d: Path) -> tuple[int, set[str]]:
+    """Two qrels rows whose document / query is not in the slice. Returns (source rows, bad doc ids)."""
+    q = json.loads(nonempty_lines(d / "queries.jsonl")[0])["_id"]
+    doc = json.loads(nonempty_lines(d / "corpus.jsonl")[0])["_id"]
+    with open(d / "qrels" / "test.tsv", "a") as f:
+        f.write(f"{q}\tno-such-doc\t1\n")
+        f.write(f"no-such-query\t{doc}\t1\n")
+    return sum(len(r) for r in qrels_rows(d).values()), {"no-such-doc"}
+
+
+def test_dangling_qrels_drop_is_default_and_warns(sl, ctx, caplog):
+    n, _ = add_dangling(sl)
+    caplog.set_level(logging.WARNING, logger="irflow.ingest")
+    qr = ingest(ctx, sl)["qrels"].table()
+    assert qr.num_rows == n - 2
+    assert "no-such-doc" not in qr["doc_id"].to_pylist()
+    assert "no-such-query" not in qr["query_id"].to_pylist()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("2 qrels row(s)" in w and "dropped" in w for w in warnings), warnings
+
+
+def test_dangling_qrels_error(sl, ctx):
+    add_dangling(sl)
+    with pytest.raises(IngestError, match=r"\b2 qrels row"):
+        ingest(ctx, sl, dangling_qrels="error")
+    assert_nothing_published(ctx)
+
+
+def test_dangling_qrels_keep(sl, ctx):
+    n, _ = add_dangling(sl)
+    qr = ingest(ctx, sl, dangling_qrels="keep")["qrels"].table()
+    assert qr.num_rows == n
+    assert "no-such-doc" in qr["doc_id"].to_pylist() and "no-such-query" in qr["query_id"].to_pylist()
+
+
+def test_dangling_policy_is_part_of_the_key(sl, ctx):
+    add_dangling(sl)
+    drop = ingest(ctx, sl)
+    keep = ingest(ctx, sl, dangling_qrels="keep")
+    assert last_status(ctx) == "computed"
+    assert drop["corpus"].id == keep["corpus"].id and drop["qrels"].id != keep["qrels"].id
+
+
+# ---- URL downloads --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def http_root(tmp_path_factory):
+    """A local HTTP server (127.0.0.1 only) serving a copy of nfcorpus.zip; yields (base URL, GET log)."""
+    root = tmp_path_factory.mktemp("www")
+    shutil.copy(NFCORPUS, root / "nfcorpus.zip")
+    requests: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            requests.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def nfcorpus_source_counts() -> dict:
+    with zipfile.ZipFile(NFCORPUS) as z:
+        def lines(m):
+            return [ln for ln in z.read(m).decode().splitlines() if ln.strip()]
+
+        test = lines("nfcorpus/qrels/test.tsv")[1:]
+        return {
+            "docs": len(lines("nfcorpus/corpus.jsonl")),
+            "queries": len(lines("nfcorpus/queries.jsonl")),
+            "test_queries": len({ln.split("\t")[0] for ln in test}),
+        }
+
+
+def test_url_download_ingest_and_cache(http_root, tmp_path):
+    base, requests = http_root
+    requests.clear()
+    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    url = f"{base}/nfcorpus.zip"
+    refs = ingest(ctx, url, md5=NFCORPUS_MD5)
+    assert last_status(ctx) == "computed"
+    src = nfcorpus_source_counts()
+    corpus, queries, qr = refs["corpus"].table(), refs["queries"].table(), refs["qrels"].table()
+    assert corpus.num_rows == src["docs"] == 3633
+    assert queries.num_rows == src["queries"]
+    test_q = set(qr.filter(pc.equal(qr["split"], "test"))["query_id"].to_pylist())
+    assert len(test_q) == src["test_queries"] == 323
+    assert set(qr["split"].to_pylist()) == {"train", "dev", "test"}
+    for name in ("corpus", "queries", "qrels"):
+        data_contracts.get(name).validate(refs[name].table())
+
+    downloads = sorted((Path(ctx.store_root) / "downloads").iterdir())
+    assert [p.name for p in downloads] == [f"{NFCORPUS_MD5}-nfcorpus.zip"]
+    assert fingerprint_file(downloads[0], "md5") == NFCORPUS_MD5
+    assert requests == ["/nfcorpus.zip"]
+
+    # same config again, in a new run: no second download, the stage is cached with the same ids
+    ctx2 = RunContext(ctx.store_root, "run-2")
+    refs2 = ingest(ctx2, url, md5=NFCORPUS_MD5)
+    assert [s["status"] for s in ctx2.catalog.stage_runs("run-2")] == ["cached"]
+    assert {k: r.id for k, r in refs2.items()} == {k: r.id for k, r in refs.items()}
+    assert requests == ["/nfcorpus.zip"]
+
+
+def test_url_wrong_md5_leaves_nothing(http_root, tmp_path):
+    base, _ = http_root
+    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    wrong = "0" * 32
+    with pytest.raises(IngestError, match="md5 mismatch") as e:
+        ingest(ctx, f"{base}/nfcorpus.zip", md5=wrong)
+    assert NFCORPUS_MD5 in str(e.value)  # says what it got
+    assert list((Path(ctx.store_root) / "downloads").iterdir()) == []
+    assert_nothing_published(ctx)
+
+
+def test_url_needs_md5_and_must_exist(http_root, tmp_path):
+    base, _ = http_root
+    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    with pytest.raises(IngestError, match="md5"):
+        ingest(ctx, f"{base}/nfcorpus.zip")
+    with pytest.raises(IngestError, match=r"no-such\.zip.*404"):
+        ingest(ctx, f"{base}/no-such.zip", md5=NFCORPUS_MD5)
+    assert list((Path(ctx.store_root) / "downloads").iterdir()) == []
+    assert_nothing_published(ctx)
+
+
+def test_local_zip_md5_checked(tmp_path):
+    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    with pytest.raises(IngestError, match="md5 mismatch"):
+        ingest(ctx, NFCORPUS, md5="f" * 32)
+    with pytest.raises(IngestError, match="no such file"):
+        ingest(ctx, tmp_path / "missing.zip")
+    assert_nothing_published(ctx)
+
+
+# ---- cache key ------------------------------------------------------------------------------
+def test_changed_byte_recomputes(sl, ctx):
+    first = ingest(ctx, sl)
+    ingest(ctx, sl)
+    assert last_status(ctx) == "cached"
+    # change one character of one document's text (the file stays valid JSONL)
+    lines = nonempty_lines(sl / "corpus.jsonl")
+    doc = json.loads(lines[7])
+    text = doc["text"]
+    i = next(k for k, ch in enumerate(text) if ch.isalpha())
+    doc["text"] = text[:i] + ("X" if text[i] != "X" else "Y") + text[i + 1:]
+    rewrite_line(sl / "corpus.jsonl", 8, json.dumps(doc))
+    second = ingest(ctx, sl)
+    assert last_status(ctx) == "computed"
+    assert second["corpus"].id != first["corpus"].id
+    assert second["corpus"].table()["text"][7].as_py() == doc["text"]
+    # what did not change keeps its id (content addressing)
+    assert second["queries"].id == first["queries"].id and second["qrels"].id == first["qrels"].id
+    # both versions stay in the store
+    assert Path(first["corpus"].path).exists() and Path(second["corpus"].path).exists()
+
+
+def test_moved_zip_is_cached(sl, ctx, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    z = zip_folder(sl, tmp_path / "a" / "scifact.zip", top="scifact")
+    first = ingest(ctx, z)
+    assert last_status(ctx) == "computed"
+    moved = Path(shutil.move(z, tmp_path / "b" / "scifact.zip"))
+    second = ingest(ctx, moved)
+    assert last_status(ctx) == "cached"
+    assert {k: r.id for k, r in second.items()} == {k: r.id for k, r in first.items()}
+    # renamed too: cached as long as the dataset name is the same
+    renamed = Path(shutil.move(moved, tmp_path / "b" / "copy-of-it.zip"))
+    ingest(ctx, renamed, name="scifact")
+    assert last_status(ctx) == "cached"
+    # a folder with the same files is a different source (different bytes to fingerprint)
+    ingest(ctx, sl, name="scifact")
+    assert last_status(ctx) == "computed"
+
+
+def test_folder_md5_is_not_trusted(sl, ctx):
+    """An md5 given for a folder cannot be verified, so the folder's content is still what is keyed."""
+    first = ingest(ctx, sl, md5="0" * 32)
+    rewrite_line(sl / "queries.jsonl", 1, json.dumps({"_id": "new-query", "text": "edited"}))
+    second = ingest(ctx, sl, md5="0" * 32)
+    assert last_status(ctx) == "computed"
+    assert second["queries"].id != first["queries"].id
+
+
+def test_deleted_output_recomputes(sl, ctx):
+    first = ingest(ctx, sl)
+    shutil.rmtree(first["qrels"].path)
+    second = ingest(ctx, sl)
+    assert last_status(ctx) == "computed"
+    assert second["qrels"].id == first["qrels"].id and Path(second["qrels"].path).exists()

@@ -1,0 +1,329 @@
+"""The content-addressed store, the cached stage runner and the lineage catalog, on real SciFact rows."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from irflow.catalog import Catalog
+from irflow.data_contracts import ContractError
+from irflow.stage import Output, RunContext, Stage, stage
+from irflow.store import TABLE_FILE, Store
+from irflow.tasks.ingest import ingest_beir, ingest_config
+from irflow.testing import beir_slice
+
+SCIFACT = Path("/work/shared/datasets/scifact.zip")
+pytestmark = pytest.mark.skipif(not SCIFACT.exists(), reason="needs /work/shared/datasets/scifact.zip")
+
+
+@pytest.fixture(scope="module")
+def docs() -> pa.Table:
+    """The first 300 real SciFact documents as a corpus table."""
+    rows = []
+    with zipfile.ZipFile(SCIFACT) as z, z.open("scifact/corpus.jsonl") as f:
+        for line in f:
+            d = json.loads(line)
+            rows.append((str(d["_id"]), d.get("title") or "", d["text"]))
+            if len(rows) == 300:
+                break
+    return pa.table({"doc_id": [r[0] for r in rows], "title": [r[1] for r in rows], "text": [r[2] for r in rows]})
+
+
+@pytest.fixture
+def ctx(tmp_path) -> RunContext:
+    return RunContext(str(tmp_path / "store"), "run-1")
+
+
+def objects(root) -> list[str]:
+    return sorted(p.name for p in (Path(root) / "objects").iterdir())
+
+
+def tmp_entries(root) -> list[str]:
+    return sorted(p.name for p in (Path(root) / "tmp").iterdir())
+
+
+def statuses(ctx: RunContext) -> list[str]:
+    return [s["status"] for s in ctx.catalog.stage_runs(ctx.run_id)]
+
+
+# ---- store ----------------------------------------------------------------------------------
+def test_publish_is_content_addressed(tmp_path, docs):
+    store = Store(tmp_path / "s")
+    ref1, n1 = store.publish_table("corpus", "corpus", docs)
+    ref2, n2 = store.publish_table("corpus", "corpus", pa.concat_tables([docs.slice(0, 100), docs.slice(100)]))
+    assert ref1 == ref2 and n1 == n2 == docs.num_rows
+    assert ref1.id.startswith("corpus-") and len(ref1.id) == len("corpus-") + 16
+    assert objects(store.root) == [ref1.id]
+    assert tmp_entries(store.root) == []
+    assert sorted(p.name for p in Path(ref1.path).iterdir()) == [TABLE_FILE]
+    assert ref1.table().equals(docs)
+    # different content -> different id, both kept
+    ref3, _ = store.publish_table("corpus", "corpus", docs.slice(1))
+    assert ref3.id != ref1.id and objects(store.root) == sorted([ref1.id, ref3.id])
+
+
+def test_same_rows_chunked_differently_get_one_id(tmp_path):
+    """Content addressing must not depend on how a producer chunked its table in memory (page
+    boundaries follow chunks), nor on whether it hands over a table or a parquet file it wrote."""
+    with zipfile.ZipFile(SCIFACT) as z:
+        rows = [json.loads(ln) for ln in z.read("scifact/corpus.jsonl").decode().splitlines() if ln.strip()]
+    full = pa.table({"doc_id": [str(d["_id"]) for d in rows], "title": [d.get("title") or "" for d in rows],
+                     "text": [d["text"] for d in rows]})  # all of SciFact: several MB, many pages
+    store = Store(tmp_path / "s")
+    f = tmp_path / "streamed.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(full, f, row_group_size=1000)
+    variants = [full.combine_chunks(), pa.Table.from_batches(full.to_batches(max_chunksize=333)),
+                pa.concat_tables([full.slice(0, 1200), full.slice(1200, 7), full.slice(1207)]), f]
+    ids = {store.publish_table("corpus", "corpus", v)[0].id for v in variants}
+    assert len(ids) == 1
+    assert objects(store.root) == sorted(ids)
+
+
+@pytest.mark.parametrize("bad", ["duplicate", "null_text", "extra_column", "empty"])
+def test_publish_rejects_contract_violation_and_leaves_nothing(tmp_path, docs, bad):
+    store = Store(tmp_path / "s")
+    if bad == "duplicate":
+        t = pa.concat_tables([docs, docs.slice(5, 1)])
+    elif bad == "null_text":
+        t = docs.set_column(2, "text", pa.array([None] + docs["text"].to_pylist()[1:], pa.string()))
+    elif bad == "extra_column":
+        t = docs.append_column("score", pa.array([1.0] * docs.num_rows))
+    else:
+        t = docs.slice(0, 0)
+    with pytest.raises(ContractError, match="corpus"):
+        store.publish_table("corpus", "corpus", t)
+    assert objects(store.root) == []
+    assert tmp_entries(store.root) == []
+
+
+def test_publish_dir_check_failure_leaves_nothing(tmp_path):
+    store = Store(tmp_path / "s")
+    staging = store.staging_dir()
+    (staging / "weights.bin").write_bytes(b"\x00" * 10)
+
+    def check(d: Path):
+        if not (d / "config.json").exists():
+            raise FileNotFoundError("config.json")
+
+    with pytest.raises(FileNotFoundError):
+        store.publish_dir("model", "model", staging, check)
+    assert objects(store.root) == [] and tmp_entries(store.root) == []
+    staging = store.staging_dir()
+    (staging / "config.json").write_text("{}")
+    ref = store.publish_dir("model", "model", staging, check)
+    assert objects(store.root) == [ref.id] and ref.kind == "model" and tmp_entries(store.root) == []
+    with pytest.raises(TypeError):
+        ref.parquet
+
+
+# ---- the stage runner -----------------------------------------------------------------------
+def make_toy(calls: list, version: str = "1", name: str = "toy_upper") -> Stage:
+    @stage(name, version=version, outputs=Output("out", "corpus"))
+    def toy(docs, cfg: dict) -> pa.Table:
+        calls.append(dict(cfg))
+        t = docs.table()
+        text = pc.binary_join_element_wise(pc.utf8_upper(t["text"]), pa.scalar(cfg["suffix"]), "")
+        return t.set_column(2, "text", text).slice(0, cfg.get("limit", t.num_rows))
+
+    return toy
+
+
+def test_stage_caching(ctx, docs):
+    store = ctx.store
+    src, _ = store.publish_table("corpus", "corpus", docs)
+    calls: list = []
+    toy = make_toy(calls)
+    cfg = {"suffix": "!"}
+
+    out = toy.run(ctx, cfg=cfg, docs=src)
+    assert out.id.startswith("toy_upper-") and len(calls) == 1
+    t = out.table()
+    assert t["text"][0].as_py() == docs["text"][0].as_py().upper() + "!"
+    assert t.num_rows == docs.num_rows
+
+    again = toy.run(ctx, cfg=dict(cfg), docs=src)
+    assert again == out and len(calls) == 1
+    assert statuses(ctx) == ["computed", "cached"]
+
+    # '_'-keys are run-time hints, not keyed
+    toy.run(ctx, cfg={**cfg, "_threads": 4}, docs=src)
+    assert len(calls) == 1 and statuses(ctx)[-1] == "cached"
+
+    # cfg change -> recompute, new output
+    other = toy.run(ctx, cfg={"suffix": "?"}, docs=src)
+    assert len(calls) == 2 and statuses(ctx)[-1] == "computed" and other.id != out.id
+
+    # code version change -> recompute; same bytes -> same id (early cut-off)
+    v2 = make_toy(calls, version="2").run(ctx, cfg=cfg, docs=src)
+    assert len(calls) == 3 and statuses(ctx)[-1] == "computed" and v2.id == out.id
+
+    # input content change -> recompute
+    src2, _ = store.publish_table("corpus", "corpus", docs.slice(0, 50))
+    small = toy.run(ctx, cfg=cfg, docs=src2)
+    assert len(calls) == 4 and statuses(ctx)[-1] == "computed" and small.table().num_rows == 50
+
+    # output deleted from the store -> recompute, and it is back
+    shutil.rmtree(out.path)
+    back = toy.run(ctx, cfg=cfg, docs=src)
+    assert len(calls) == 5 and statuses(ctx)[-1] == "computed"
+    assert back.id == out.id and Path(back.path, TABLE_FILE).exists()
+
+    # forced by label -> recompute even though cached
+    forced_ctx = RunContext(ctx.store_root, "run-2", force={"toy_upper"})
+    toy.run(forced_ctx, cfg=cfg, docs=src)
+    assert len(calls) == 6 and statuses(forced_ctx) == ["computed"]
+
+    # a new run with nothing changed: cached, and the catalog keeps the runs apart
+    ctx3 = RunContext(ctx.store_root, "run-3")
+    toy.run(ctx3, cfg=cfg, docs=src)
+    assert len(calls) == 6 and statuses(ctx3) == ["cached"]
+    assert len(statuses(ctx)) == 7
+    assert tmp_entries(ctx.store_root) == []
+
+
+def test_stage_label_and_cache_key_are_per_label(ctx, docs):
+    src, _ = ctx.store.publish_table("corpus", "corpus", docs)
+    calls: list = []
+    toy = make_toy(calls)
+    toy.run(ctx, cfg={"suffix": "!"}, docs=src, label="a")
+    toy.run(ctx, cfg={"suffix": "!"}, docs=src, label="b")  # same key: shared result
+    runs = ctx.catalog.stage_runs(ctx.run_id)
+    assert [r["name"] for r in runs] == ["toy_upper[a]", "toy_upper[b]"]
+    assert [r["status"] for r in runs] == ["computed", "cached"] and len(calls) == 1
+    assert runs[0]["cache_key"] == runs[1]["cache_key"]
+
+
+def test_failing_stage_publishes_nothing(ctx, docs):
+    src, _ = ctx.store.publish_table("corpus", "corpus", docs)
+    before = objects(ctx.store_root)
+
+    @stage("dup_maker", version="1", outputs=Output("out", "corpus"))
+    def dup_maker(docs, cfg):
+        t = docs.table()
+        return pa.concat_tables([t, t.slice(0, 1)])  # breaks the corpus contract
+
+    @stage("crasher", version="1", outputs=Output("out", "corpus"))
+    def crasher(docs, cfg, workdir):
+        (workdir / "half.parquet").write_bytes(b"PAR1")
+        raise RuntimeError("boom")
+
+    with pytest.raises(ContractError, match="duplicate doc_id"):
+        dup_maker.run(ctx, cfg={}, docs=src)
+    with pytest.raises(RuntimeError, match="boom"):
+        crasher.run(ctx, cfg={}, docs=src)
+    assert objects(ctx.store_root) == before
+    assert tmp_entries(ctx.store_root) == []
+    assert ctx.catalog.stage_runs(ctx.run_id) == []
+    with ctx.catalog.connect() as con:
+        assert con.execute("SELECT count(*) FROM datasets").fetchone()[0] == 0  # src was published bare
+
+
+def test_multi_output_stage(ctx, docs):
+    src, _ = ctx.store.publish_table("corpus", "corpus", docs)
+
+    @stage("splitter", version="1", outputs=[Output("head", "corpus"), Output("tail", "corpus")])
+    def splitter(docs, cfg):
+        t = docs.table()
+        return {"head": t.slice(0, cfg["n"]), "tail": t.slice(cfg["n"])}
+
+    refs = splitter.run(ctx, cfg={"n": 10}, docs=src)
+    assert set(refs) == {"head", "tail"}
+    assert refs["head"].id.startswith("head-") and refs["tail"].id.startswith("tail-")
+    assert refs["head"].table().num_rows + refs["tail"].table().num_rows == docs.num_rows
+    assert splitter.run(ctx, cfg={"n": 10}, docs=src) == refs
+    assert statuses(ctx) == ["computed", "cached"]
+
+
+# ---- lineage + SQL --------------------------------------------------------------------------
+@pytest.fixture
+def chain(ctx, tmp_path):
+    """ingest (real SciFact slice) -> toy_upper -> toy_head."""
+    sl = beir_slice(SCIFACT, tmp_path / "scifact", n_test_queries=5, n_extra_docs=10, seed=3)
+    beir = ingest_beir.run(ctx, cfg=ingest_config({"source": str(sl)}, ctx.store.root / "downloads"))
+    upper = make_toy([]).run(ctx, cfg={"suffix": "!"}, docs=beir["corpus"])
+
+    @stage("toy_head", version="7", outputs=Output("out", "corpus"))
+    def toy_head(docs, cfg):
+        return docs.table().slice(0, cfg["n"])
+
+    head = toy_head.run(ctx, cfg={"n": 4, "_device": "cpu"}, docs=upper)
+    return beir, upper, head
+
+
+def test_lineage(ctx, chain):
+    beir, upper, head = chain
+    lin = ctx.catalog.lineage(head.id)
+    assert [x["dataset_id"] for x in lin] == [head.id, upper.id, beir["corpus"].id]
+    assert [x["depth"] for x in lin] == [0, 1, 2]
+    assert [x["stage"] for x in lin] == ["toy_head", "toy_upper", "ingest"]
+    assert [x["code_version"] for x in lin] == ["7", "1", "1"]
+    assert {x["run_id"] for x in lin} == {"run-1"}
+    assert [x["num_rows"] for x in lin] == [4, upper.table().num_rows, beir["corpus"].table().num_rows]
+    assert json.loads(lin[0]["params"]) == {"n": 4}  # run-time hints are not params
+    assert json.loads(lin[1]["params"]) == {"suffix": "!"}
+    ingest_params = json.loads(lin[2]["params"])
+    assert ingest_params["fingerprint"].startswith("sha256:") and "_path" not in ingest_params
+    assert lin[0]["parents"] == [{"role": "docs", "dataset_id": upper.id}]
+    assert lin[2]["parents"] == []
+    assert lin[0]["num_bytes"] == Path(head.parquet).stat().st_size
+    assert ctx.catalog.resolve(head.id[: len("toy_head-") + 6]) == head.id
+    with pytest.raises(KeyError):
+        ctx.catalog.resolve("no-such-")
+
+
+def test_lineage_after_reopening(ctx, chain):
+    """The catalog is a file: a fresh Catalog object sees the same lineage."""
+    _, _, head = chain
+    fresh = Catalog(Path(ctx.store_root) / "catalog.duckdb")
+    assert [x["stage"] for x in fresh.lineage(head.id)] == ["toy_head", "toy_upper", "ingest"]
+
+
+def test_connect_with_views(ctx, chain):
+    beir, upper, head = chain
+    con = ctx.catalog.connect_with_views()
+    try:
+        corpus_ids = [beir["corpus"].id, upper.id, head.id]
+        n = {i: con.execute(f'SELECT count(*) FROM "{i}"').fetchone()[0] for i in corpus_ids}
+        assert n == {beir["corpus"].id: beir["corpus"].table().num_rows, upper.id: upper.table().num_rows,
+                     head.id: 4}
+        per_ds = dict(con.execute("SELECT dataset_id, count(*) FROM all_corpus GROUP BY 1").fetchall())
+        assert per_ds == n
+        assert con.execute("SELECT count(*) FROM all_qrels").fetchone()[0] == beir["qrels"].table().num_rows
+        assert con.execute("SELECT count(*) FROM all_queries").fetchone()[0] == beir["queries"].table().num_rows
+        # a view's rows are the dataset's rows
+        t = con.execute(f'SELECT text FROM "{upper.id}" WHERE doc_id = ?',
+                        [beir["corpus"].table()["doc_id"][0].as_py()]).fetchone()[0]
+        assert t == beir["corpus"].table()["text"][0].as_py().upper() + "!"
+        # catalog tables are visible unqualified; SQL lineage joins work
+        stages = dict(con.execute("SELECT dataset_id, stage FROM datasets").fetchall())
+        assert stages[head.id] == "toy_head" and stages[beir["qrels"].id] == "ingest"
+        assert con.execute("SELECT parent_id FROM edges WHERE child_id = ?", [head.id]).fetchall() == [(upper.id,)]
+        assert [r[0] for r in con.execute("SELECT status FROM stage_runs ORDER BY position").fetchall()] == \
+            ["computed"] * 3
+    finally:
+        con.close()
+    # the catalog is still writable afterwards
+    ctx.catalog.record_metrics("run-1", head.id, [{"system": "s", "dataset": "d", "split": "test",
+                                                   "metric": "ndcg@10", "value": 0.5}])
+    assert ctx.catalog.run_metrics("run-1") == [{"system": "s", "dataset": "d", "split": "test", "ndcg@10": 0.5}]
+
+
+def test_views_skip_deleted_datasets(ctx, chain):
+    beir, upper, head = chain
+    shutil.rmtree(upper.path)
+    con = ctx.catalog.connect_with_views()
+    try:
+        views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        assert upper.id not in views and head.id in views and "all_corpus" in views
+        ids = {r[0] for r in con.execute("SELECT DISTINCT dataset_id FROM all_corpus").fetchall()}
+        assert ids == {beir["corpus"].id, head.id}
+    finally:
+        con.close()
