@@ -198,23 +198,33 @@ class Stage:
             missing = [o.name for o in self.outputs if o.name not in result]
             if missing:
                 raise RuntimeError(f"stage {self.name} did not return outputs {missing}")
+            # Validate and stage every output before publishing any: a stage whose second output
+            # breaks its contract must leave nothing of its first one in the store.
+            staged: dict[str, tuple[Path, int | None]] = {}
+            try:
+                for o in self.outputs:
+                    value = result[o.name]
+                    if o.kind == "table":
+                        if not isinstance(value, (pa.Table, Path, str)):
+                            raise TypeError(f"stage {self.name} output {o.name}: expected a table, got {type(value)}")
+                        staged[o.name] = store.stage_table(o.contract, value if isinstance(value, pa.Table)
+                                                           else Path(value))
+                    else:
+                        staging = store.staging_dir()
+                        staging.rmdir()
+                        shutil.move(str(Path(value)), staging)
+                        staged[o.name] = (staging, None)
+                        if o.check is not None:
+                            o.check(staging)
+            except BaseException:
+                for staging, _ in staged.values():
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise
             published: dict[str, tuple[DatasetRef, int | None, int]] = {}
             for o in self.outputs:
-                value = result[o.name]
-                ds_name = _ds_name(self, o)
-                if o.kind == "table":
-                    if not isinstance(value, (pa.Table, Path, str)):
-                        raise TypeError(f"stage {self.name} output {o.name}: expected a table, got {type(value)}")
-                    value = value if isinstance(value, pa.Table) else Path(value)
-                    ref, rows = store.publish_table(ds_name, o.contract, value)
-                else:
-                    # A directory output must be its own staging dir so that publishing is a rename.
-                    src = Path(value)
-                    staging = store.staging_dir()
-                    staging.rmdir()
-                    shutil.move(str(src), staging)
-                    ref, rows = store.publish_dir(ds_name, o.kind, staging, o.check), None
-                size = sum(f.stat().st_size for f in Path(ref.path).rglob("*") if f.is_file())
+                staging, rows = staged[o.name]
+                size = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+                ref = store.publish(_ds_name(self, o), o.kind, o.contract, staging)
                 published[o.name] = (ref, rows, size)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -104,8 +104,9 @@ class Store:
     def object_dir(self, dataset_id: str) -> Path:
         return self.root / "objects" / dataset_id
 
-    def publish_table(self, name: str, contract: str, table_or_file: pa.Table | Path) -> tuple[DatasetRef, int]:
-        """Validate a table against its contract and publish it. Returns (ref, num_rows).
+    def stage_table(self, contract: str, table_or_file: pa.Table | Path) -> tuple[Path, int]:
+        """Validate a table against its contract and write it into a new staging dir.
+        Returns (staging dir, num_rows); nothing is published yet (see `publish`).
 
         ``table_or_file`` may be a parquet file already written by a streaming stage.
         """
@@ -121,22 +122,28 @@ class Store:
             # differently by two producers would otherwise get two ids).
             pq.write_table(_rechunk(table, ROW_GROUP), staging / TABLE_FILE, row_group_size=ROW_GROUP,
                            compression="zstd")
-            return self._publish(name, "table", contract, staging), table.num_rows
+            return staging, table.num_rows
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+    def publish_table(self, name: str, contract: str, table_or_file: pa.Table | Path) -> tuple[DatasetRef, int]:
+        """Validate, write and publish one table. Returns (ref, num_rows)."""
+        staging, rows = self.stage_table(contract, table_or_file)
+        return self.publish(name, "table", contract, staging), rows
 
     def publish_dir(self, name: str, kind: str, staging: Path, check=None) -> DatasetRef:
         """Publish a directory (a model or an index) that a stage wrote into ``staging``."""
         try:
             if check is not None:
                 check(staging)
-            return self._publish(name, kind, None, staging)
+            return self.publish(name, kind, None, staging)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
 
-    def _publish(self, name: str, kind: str, contract: str | None, staging: Path) -> DatasetRef:
+    def publish(self, name: str, kind: str, contract: str | None, staging: Path) -> DatasetRef:
+        """Move a validated staging dir to its content address (a rename: all or nothing)."""
         digest = fingerprint_dir(staging)
         dataset_id = f"{name}-{digest[:16]}"
         final = self.object_dir(dataset_id)

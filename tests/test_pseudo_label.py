@@ -12,11 +12,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from irflow.testing import SHARED_DATASETS
+
 from irflow.stage import RunContext
 from irflow.store import Store
 
-SCIFACT = Path("/work/shared/datasets/scifact.zip")
-pytestmark = pytest.mark.skipif(not SCIFACT.exists(), reason="needs the SciFact zip")
+SCIFACT = SHARED_DATASETS / "scifact.zip"
 
 
 # ---- fixtures: a real slice, generated queries, two miners ----------------------------------------

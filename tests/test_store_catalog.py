@@ -11,6 +11,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from irflow.testing import SHARED_DATASETS
+
 from irflow.catalog import Catalog
 from irflow.data_contracts import ContractError
 from irflow.stage import Output, RunContext, Stage, stage
@@ -18,8 +20,7 @@ from irflow.store import TABLE_FILE, Store
 from irflow.tasks.ingest import ingest_beir, ingest_config
 from irflow.testing import beir_slice
 
-SCIFACT = Path("/work/shared/datasets/scifact.zip")
-pytestmark = pytest.mark.skipif(not SCIFACT.exists(), reason="needs /work/shared/datasets/scifact.zip")
+SCIFACT = SHARED_DATASETS / "scifact.zip"
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +328,19 @@ def test_views_skip_deleted_datasets(ctx, chain):
         assert ids == {beir["corpus"].id, head.id}
     finally:
         con.close()
+
+
+def test_multi_output_stage_is_all_or_nothing(ctx, docs):
+    """If one output of a stage breaks its contract, none of its outputs is published."""
+    src, _ = ctx.store.publish_table("corpus", "corpus", docs)
+    before = objects(ctx.store_root)
+
+    @stage("half_good", version="1", outputs=[Output("good", "corpus"), Output("bad", "corpus")])
+    def half_good(docs, cfg):
+        t = docs.table()
+        return {"good": t.slice(0, 5), "bad": pa.concat_tables([t.slice(0, 2), t.slice(0, 1)])}
+
+    with pytest.raises(ContractError, match="duplicate doc_id"):
+        half_good.run(ctx, cfg={}, docs=src)
+    assert objects(ctx.store_root) == before
+    assert tmp_entries(ctx.store_root) == []

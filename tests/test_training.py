@@ -14,12 +14,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pyarrow as pa
 import pytest
+
+from irflow.testing import SHARED_DATASETS
 import torch
 
 from irflow.stage import RunContext
 from irflow.store import Store
 
-SCIFACT = Path("/work/shared/datasets/scifact.zip")
+SCIFACT = SHARED_DATASETS / "scifact.zip"
 
 
 # ---- losses ---------------------------------------------------------------------------------------

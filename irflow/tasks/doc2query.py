@@ -1,0 +1,54 @@
+"""Document expansion with generated queries: doc2query / docTTTTTquery.
+
+Nogueira, Yang, Lin & Cho (2019), "Document Expansion by Query Prediction", and Nogueira & Lin
+(2019), "From doc2query to docTTTTTquery": append the queries a seq2seq model predicts for a passage
+to the passage's text, then index the expanded corpus with BM25. The expansion adds the words users
+would search with (and re-weights the passage's own salient words), so it is a strong sparse
+baseline built from the same generated queries a GPL student trains on.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+
+from irflow.stage import Output, stage
+
+
+def expand_corpus(corpus: pa.Table, queries: pa.Table, qrels: pa.Table, separator: str = " ",
+                  max_queries: int | None = None) -> pa.Table:
+    """The corpus with each passage's generated queries appended to its text.
+
+    A query belongs to the passage its qrels rows (score > 0) point to; queries are appended in the
+    order of the queries table (generation order), at most ``max_queries`` per passage. Passages
+    keep their order; a passage without queries is unchanged.
+    """
+    con = duckdb.connect()
+    # Explicit positions: a parallel scan does not promise row order, and both orders matter here.
+    con.register("cn", corpus.select(["doc_id", "title", "text"]).append_column(
+        "pos", pa.array(range(corpus.num_rows), pa.int64())))
+    con.register("qn", queries.select(["query_id", "text"]).append_column(
+        "qpos", pa.array(range(queries.num_rows), pa.int64())))
+    con.register("r", qrels.select(["query_id", "doc_id", "score"]))
+    limit = f"WHERE k <= {int(max_queries)}" if max_queries else ""
+    return con.sql(f"""
+        WITH pairs AS (SELECT DISTINCT r.doc_id, qn.text, qn.qpos
+                       FROM r JOIN qn USING (query_id) WHERE r.score > 0),
+             ranked AS (SELECT *, row_number() OVER (PARTITION BY doc_id ORDER BY qpos) AS k FROM pairs),
+             exp AS (SELECT doc_id, string_agg(text, ? ORDER BY qpos) AS expansion FROM ranked {limit} GROUP BY doc_id)
+        SELECT cn.doc_id, cn.title,
+               CASE WHEN exp.expansion IS NULL THEN cn.text ELSE cn.text || ? || exp.expansion END AS text
+        FROM cn LEFT JOIN exp USING (doc_id)
+        ORDER BY cn.pos
+    """, params=[separator, separator]).to_arrow_table()
+
+
+@stage("doc2query_expand", version="1", outputs=Output("corpus", "corpus"))
+def doc2query_expand(corpus, queries, qrels, cfg: dict) -> pa.Table:
+    """Expanded corpus (doc2query). Inputs: the corpus, generated ``queries`` and their ``qrels``
+    (generate_queries' outputs). cfg: {separator: " ", max_queries: null (all)}.
+
+    Index the result with ``bm25_index`` for the docT5query baseline.
+    """
+    return expand_corpus(corpus.table(), queries.table(), qrels.table(), cfg.get("separator", " "),
+                         cfg.get("max_queries"))
