@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     try:
         return args.func(args)
     except (UserError, ConfigError) as e:

@@ -50,7 +50,8 @@ def make_tiny_bi_encoder(out_dir: str | Path, seed: int = 0, normalize: bool = F
     BertModel(_tiny_bert_config(tok)).save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
     word = models.Transformer(str(hf_dir), max_seq_length=128)
-    modules = [word, models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")]
+    dim = (getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension)()
+    modules = [word, models.Pooling(dim, pooling_mode="mean")]
     if normalize:
         modules.append(models.Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(out_dir))

@@ -33,10 +33,16 @@ def _model_path(cfg: dict, model) -> str:
     return model.path if model is not None else cfg["_model_path"]
 
 
+def embedding_dim(st_model) -> int:
+    # sentence-transformers >= 6 renamed the method; keep working with both.
+    get = getattr(st_model, "get_embedding_dimension", None) or st_model.get_sentence_embedding_dimension
+    return int(get())
+
+
 def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, desc: str = "encode") -> np.ndarray:
     """Length-sorted batches, a progress bar over texts, float32 output in the input order."""
     order = np.argsort([-len(t) for t in texts], kind="stable")
-    dim = st_model.get_sentence_embedding_dimension()
+    dim = embedding_dim(st_model)
     out = np.zeros((len(texts), dim), dtype=np.float32)
     with tqdm(total=len(texts), desc=desc, unit=" texts", mininterval=2) as bar:
         for start in range(0, len(texts), batch_size):

@@ -388,3 +388,16 @@ def pseudo_label(queries, corpus, cfg: dict, qrels=None, negatives=None, teacher
     out = build_triples(queries.table(), corpus.table(), cfg, qrels=qrels.table() if qrels is not None else None,
                         negatives=negatives.table() if negatives is not None else None, runs=runs)
     return to_table(out["triples"], out["pos_score"], out["neg_score"], out["scale"])
+
+
+@stage("label_positives", version="1", outputs=Output("qrels", "qrels"))
+def label_positives(pseudo_labels, cfg: dict) -> pa.Table:
+    """The (query, positive) pairs the teacher labelled, as qrels (split="generated").
+
+    For the QGen baseline (MNRL with in-batch negatives) on queries that came without a source
+    passage -- real unlabelled queries, whose positive is the teacher's top-1.
+    """
+    t = pseudo_labels.table(columns=["query_id", "pos_doc_id"])
+    pairs = sorted(set(zip(t.column("query_id").to_pylist(), t.column("pos_doc_id").to_pylist())))
+    return pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs],
+                     "score": pa.array([1] * len(pairs), pa.int32()), "split": ["generated"] * len(pairs)})
