@@ -146,3 +146,19 @@ def beir_slice(zip_path: str | Path, out_dir: str | Path, *, n_test_queries: int
                     for r in rows:
                         f.write("\t".join(r[:3]) + "\n")
     return out_dir
+
+
+def run_cli(*args) -> tuple[int, str, str]:
+    """Run the irflow CLI in-process, returning (exit code, stdout, stderr).
+
+    Not pytest's capsys: Prefect's console log handler keeps the stream it first saw, and capsys
+    closes its streams after each test."""
+    import contextlib
+    import io
+
+    from irflow.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import zipfile
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc

@@ -4,15 +4,13 @@ A tiny locally built bi-encoder stands in for MiniLM (same SentenceTransformer l
 the whole file runs in about a minute on 2 cores.
 """
 
-import contextlib
-import io
 import json
 
 import pytest
 import yaml
 
-from irflow.cli import main
 from irflow.testing import beir_slice, make_tiny_bi_encoder
+from irflow.testing import run_cli as cli
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +31,6 @@ def setup(tmp_path_factory, shared_datasets, prefect_harness):
     return {"root": root, "config": config, "data": data, "model_b": model_b, "store": root / "store"}
 
 
-def cli(*args) -> tuple[int, str, str]:
-    """Run the irflow CLI in-process, capturing its stdout/stderr.
-
-    (Not pytest's capsys: Prefect's console log handler keeps the stream it first saw, and capsys
-    closes its streams after each test.)"""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return code, out.getvalue(), err.getvalue()
 
 
 def run_json(*args) -> dict:

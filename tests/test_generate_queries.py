@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -111,7 +110,7 @@ def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
     written = []
 
     def write_then_crash(resume_dir, index, rows):
-        path = real_write(resume_dir, index, rows)
+        real_write(resume_dir, index, rows)
         written.append(index)
         raise RuntimeError("simulated crash after the first shard")
 

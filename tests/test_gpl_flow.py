@@ -7,22 +7,15 @@ Checks the partial re-execution contract a user sees in `--json`:
 - change the generator -> everything that depends on the generated queries recomputes
 """
 
-import contextlib
-import io
 import json
 
 import pytest
 import yaml
 
-from irflow.cli import main
 from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
+from irflow.testing import run_cli as cli
 
 
-def cli(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return code, out.getvalue(), err.getvalue()
 
 
 def run(config, store, *sets) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from pathlib import Path
 
 import pyarrow as pa
 import pytest

@@ -10,10 +10,8 @@ and because the store publishes only validated outputs, nothing partial is ever 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
-import shutil
 import urllib.parse
 import urllib.request
 import zipfile
