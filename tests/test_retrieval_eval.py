@@ -96,3 +96,14 @@ def test_bm25_search_removes_query_id_hits(tmp_path, scifact_docs):
     assert kept.column("doc_id")[0].as_py() == doc["doc_id"]  # its own title finds it first
     assert doc["doc_id"] not in removed.column("doc_id").to_pylist()
     assert removed.column("rank").to_pylist() == list(range(1, removed.num_rows + 1))
+
+
+def test_unanswered_judged_queries_score_zero():
+    """trec_eval -c semantics (Pyserini's regressions): a judged query the system was asked but
+    returned nothing for counts as 0; a judged query it was not asked does not count."""
+    qrels = {"q1": {"d1": 1}, "q2": {"d2": 1}, "q3": {"d3": 1}}
+    results = {"q1": {"d1": 1.0}}
+    per_query = evaluate_run(qrels, results, ["ndcg@10", "mrr@10"], asked={"q1", "q2"})
+    assert per_query["ndcg@10"] == {"q1": 1.0, "q2": 0.0}
+    assert per_query["mrr@10"] == {"q1": 1.0, "q2": 0.0}
+    assert set(evaluate_run(qrels, results, ["ndcg@10"])["ndcg@10"]) == {"q1", "q2", "q3"}

@@ -27,7 +27,7 @@ def baselines(cfg: dict, ctx: RunContext) -> list[dict]:
         dcfg = dense_cfg(cfg, ctx)
         system = section(cfg, "dense").get("system") or system_name(dcfg["model"])
         runs[system] = dense_run(ctx, dcfg, beir["corpus"], queries, system=system, label="zero-shot")
-    evals = evaluate_runs(ctx, cfg, runs, beir["qrels"])
+    evals = evaluate_runs(ctx, cfg, runs, beir["qrels"], queries)
     return [] if ctx.dry_run else report(ctx, evals)
 
 

@@ -76,12 +76,13 @@ def dense_run(ctx: RunContext, dcfg: dict, corpus, queries, *, system: str, labe
     return dense_search(ctx, cfg=search_cfg, label=label, embeddings=emb, queries=queries, model=model_ref)
 
 
-def evaluate_runs(ctx: RunContext, cfg: dict, runs: dict, qrels) -> list[dict]:
-    """runs: system name -> run ref. One evaluate stage per system, so a changed system re-evaluates
-    alone."""
+def evaluate_runs(ctx: RunContext, cfg: dict, runs: dict, qrels, queries) -> list[dict]:
+    """runs: system name -> run ref, each answering ``queries``. One evaluate stage per system, so a
+    changed system re-evaluates alone."""
     ds = section(cfg, "dataset", {"split": "test"})
     ev = section(cfg, "evaluate", {"metrics": DEFAULT_METRICS})
     name = ds.get("name") or Path(str(ds["source"])).stem
     eval_cfg = {"dataset": name, "split": ds["split"], "metrics": ev["metrics"],
                 "ignore_identical_ids": ev.get("ignore_identical_ids", True)}
-    return [evaluate(ctx, cfg=eval_cfg, label=system, run=run, qrels=qrels) for system, run in runs.items()]
+    return [evaluate(ctx, cfg=eval_cfg, label=system, run=run, qrels=qrels, queries=queries)
+            for system, run in runs.items()]

@@ -166,7 +166,7 @@ def gpl(cfg: dict, ctx: RunContext) -> list[dict]:
                                          label="qgen-student", model_ref=qgen_student)
     runs["gpl-student"] = dense_run(ctx, eval_dense, corpus, test_queries, system="gpl-student",
                                     label="gpl-student", model_ref=gpl_student)
-    evals = evaluate_runs(ctx, cfg, runs, beir["qrels"])
+    evals = evaluate_runs(ctx, cfg, runs, beir["qrels"], test_queries)
     return [] if ctx.dry_run else report(ctx, evals)
 
 

@@ -86,11 +86,12 @@ def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: f
         for qid in q_batch:
             rank = 0
             for h in hits.get(qid, []):
-                if remove_query and h.docid == qid:
+                doc_id = h.docid  # each attribute read is a call into the JVM: read it once
+                if remove_query and doc_id == qid:
                     continue
                 rank += 1
                 cols["query_id"].append(qid)
-                cols["doc_id"].append(h.docid)
+                cols["doc_id"].append(doc_id)
                 cols["rank"].append(rank)
                 cols["score"].append(h.score)
     searcher.close()
