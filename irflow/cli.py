@@ -39,6 +39,13 @@ def _store_root(args) -> str:
     return str(Path(args.store or os.environ.get("IRFLOW_STORE") or DEFAULT_STORE).resolve())
 
 
+def _catalog(args):
+    from irflow.catalog import Catalog
+    from irflow.store import Store
+
+    return Catalog(Store(_store_root(args)).catalog_path)
+
+
 def _flow_fn(cfg: dict):
     name = cfg["flow"]
     if name not in FLOWS:
@@ -152,10 +159,7 @@ def _fmt_params(params) -> str:
 
 
 def cmd_lineage(args) -> int:
-    from irflow.catalog import Catalog
-    from irflow.store import Store
-
-    catalog = Catalog(Store(_store_root(args)).catalog_path)
+    catalog = _catalog(args)
     try:
         did = catalog.resolve(args.id)
     except KeyError as e:
@@ -180,11 +184,7 @@ def cmd_lineage(args) -> int:
 
 
 def cmd_sql(args) -> int:
-    from irflow.catalog import Catalog
-    from irflow.store import Store
-
-    catalog = Catalog(Store(_store_root(args)).catalog_path)
-    con = catalog.connect_with_views()
+    con = _catalog(args).connect_with_views()
     try:
         rel = con.sql(args.query)
     except Exception as e:  # noqa: BLE001 -- DuckDB's message is the useful part

@@ -153,7 +153,3 @@ class Store:
         else:
             os.rename(staging, final)  # atomic on one filesystem: readers never see half a dataset
         return DatasetRef(dataset_id, name, kind, contract, str(final))
-
-    def clean_tmp(self) -> None:
-        shutil.rmtree(self.root / "tmp", ignore_errors=True)
-        (self.root / "tmp").mkdir(parents=True, exist_ok=True)

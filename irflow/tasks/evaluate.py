@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytrec_eval
 
 from irflow.stage import Output, stage
@@ -46,7 +47,7 @@ def run_to_dict(run: pa.Table, ignore_identical_ids: bool = True) -> dict[str, d
 
 def qrels_to_dict(qrels: pa.Table, split: str) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = defaultdict(dict)
-    t = qrels.filter(pa.compute.equal(qrels.column("split"), split))
+    t = qrels.filter(pc.equal(qrels.column("split"), split))
     for q, d, s in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist(), t.column("score").to_pylist()):
         out[q][d] = int(s)
     return out
@@ -103,7 +104,7 @@ def evaluate(run, qrels, cfg: dict, queries=None):
     pq_rows = {"system": [], "query_id": [], "metric": [], "value": []}
     m_rows = {"system": [], "dataset": [], "split": [], "metric": [], "value": [], "num_queries": []}
     for system in systems:
-        results = run_to_dict(r.filter(pa.compute.equal(r.column("system"), system)),
+        results = run_to_dict(r.filter(pc.equal(r.column("system"), system)),
                               cfg.get("ignore_identical_ids", True))
         per_query = evaluate_run(qrels_d, results, cfg.get("metrics", DEFAULT_METRICS), asked)
         for metric, values in per_query.items():
