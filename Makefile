@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench bench-baselines bench-gpl prefect-server clean
+.PHONY: install demo test bench bench-baselines bench-gpl prefect-server deploy worker clean
 
 # torch is installed first and pinned (2.13.0, the CPU wheel): otherwise a dependency pulls
 # the newest CUDA build (gigabytes). requirements/lock.txt pins everything else.
@@ -40,6 +40,17 @@ bench-gpl: install
 # Schedules (irflow serve --cron) need a real Prefect server; the local mode cannot run them.
 prefect-server: install
 	PREFECT_HOME=$(abspath $(STORE))/prefect $(VENV)/bin/prefect server start --host 127.0.0.1
+
+# prefect.yaml's deployments (schedules deployed paused) and a process worker that runs them here.
+# Both need PREFECT_API_URL pointing at the server above.
+deploy: install
+	@test -n "$$PREFECT_API_URL" || { echo "set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api; see make prefect-server)"; exit 2; }
+	$(VENV)/bin/prefect work-pool inspect irflow-local >/dev/null 2>&1 || $(VENV)/bin/prefect work-pool create irflow-local --type process
+	IRFLOW_HOME=$(CURDIR) $(VENV)/bin/prefect --no-prompt deploy --all
+
+worker: install
+	@test -n "$$PREFECT_API_URL" || { echo "set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api; see make prefect-server)"; exit 2; }
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/prefect worker start --pool irflow-local
 
 clean:
 	rm -rf $(STORE)

@@ -1,0 +1,69 @@
+"""prefect.yaml: every deployment points at a real flow, a real config, and parameters the flow takes."""
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from irflow.config import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _deployments():
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    return spec, spec["deployments"]
+
+
+def _flow(entrypoint: str):
+    import importlib.util
+
+    from prefect import Flow
+
+    path, func = entrypoint.split(":")
+    mod_spec = importlib.util.spec_from_file_location("entry", ROOT / path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    obj = getattr(mod, func)
+    assert isinstance(obj, Flow), f"{entrypoint} is not a Prefect flow"
+    return obj
+
+
+@pytest.mark.parametrize("dep", _deployments()[1], ids=lambda d: d["name"])
+def test_deployment_points_at_a_flow_and_a_loadable_config(dep):
+    from prefect.client.schemas.schedules import CronSchedule
+
+    flow = _flow(dep["entrypoint"])
+    params = dep["parameters"]
+    inspect.signature(flow.fn).bind(**params)  # raises TypeError on an unknown/missing parameter
+    cfg = load(ROOT / params["config_path"], params.get("overrides"))
+    from irflow.cli import FLOWS
+
+    assert cfg["flow"] in FLOWS
+    assert dep["work_pool"]["name"] == "irflow-local"  # the pool `make deploy` creates and `make worker` serves
+    for s in dep.get("schedules") or []:
+        CronSchedule(cron=s["cron"], timezone=s.get("timezone"))  # raises on an invalid cron
+
+
+def test_pull_step_resolves_to_this_checkout(monkeypatch, tmp_path):
+    from prefect.deployments.steps.pull import set_working_directory
+    from prefect.utilities.templating import apply_values
+
+    spec, _ = _deployments()
+    # what `make deploy` does: IRFLOW_HOME is the checkout; Prefect reads `{{ $VAR }}` from os.environ
+    monkeypatch.setenv("IRFLOW_HOME", str(ROOT))
+    pull = apply_values(spec["pull"], dict(os.environ))
+    [step] = pull
+    directory = step["prefect.deployments.steps.set_working_directory"]["directory"]
+    monkeypatch.chdir(tmp_path)
+    out = set_working_directory(directory)
+    assert Path(out["directory"]) == ROOT and Path.cwd() == ROOT
+
+
+def test_scheduled_flow_fails_when_the_run_fails(tmp_path):
+    from irflow.flows.scheduled import scheduled_flow
+
+    with pytest.raises(RuntimeError, match="exited with status 2"):
+        scheduled_flow.fn(config_path=str(tmp_path / "missing.yaml"), store=str(tmp_path / "store"))
