@@ -14,8 +14,10 @@ Tables
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,6 +55,35 @@ def now() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
+class CatalogLocked(RuntimeError):
+    """Another process kept the catalog file locked for longer than we were willing to wait."""
+
+
+def when_unlocked(open_fn, path: str, timeout: float | None = None):
+    """open_fn(), retried while another process holds the DuckDB file's lock.
+
+    DuckDB lets one process at a time open a database file for writing. irflow holds a catalog
+    connection only for the moment it reads or records something, so two irflow processes on one
+    store (a scheduled run and a shell run, `irflow sql` during a run) mostly just take turns; we
+    retry for up to `timeout` seconds ($IRFLOW_CATALOG_LOCK_TIMEOUT, default 60) before giving up.
+    """
+    timeout = float(os.environ.get("IRFLOW_CATALOG_LOCK_TIMEOUT", 60)) if timeout is None else timeout
+    deadline, pause = time.monotonic() + timeout, 0.02
+    while True:
+        try:
+            return open_fn()
+        except duckdb.IOException as e:
+            if "lock" not in str(e).lower():
+                raise
+            if time.monotonic() >= deadline:
+                holder = re.search(r"\(PID (\d+)\)", str(e))
+                raise CatalogLocked(f"the catalog {path} is in use by another process"
+                                    f"{f' (PID {holder.group(1)})' if holder else ''} and stayed locked for "
+                                    f"{timeout:g} s; wait for it to finish, or use another --store") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+
 class Catalog:
     def __init__(self, path: str | Path):
         self.path = str(path)
@@ -62,7 +93,7 @@ class Catalog:
     @contextmanager
     def connect(self, read_only: bool = False):
         with _LOCK:
-            con = duckdb.connect(self.path, read_only=read_only)
+            con = when_unlocked(lambda: duckdb.connect(self.path, read_only=read_only), self.path)
             try:
                 yield con
             finally:
@@ -247,7 +278,7 @@ class Catalog:
         """An in-memory DuckDB with the catalog attached read-only as `catalog` (its tables are also
         visible unqualified) and one view per stored table dataset, plus `all_<contract>` unions."""
         con = duckdb.connect()
-        con.execute(f"ATTACH '{self.path}' AS catalog (READ_ONLY)")
+        when_unlocked(lambda: con.execute(f"ATTACH '{self.path}' AS catalog (READ_ONLY)"), self.path)
         for t in ("runs", "datasets", "edges", "cache", "stage_runs", "metrics", "forced"):
             con.execute(f"CREATE VIEW {t} AS SELECT * FROM catalog.main.{t}")
         rows = con.execute(

@@ -270,11 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"irflow: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 -- stage errors: say which, briefly; Prefect logged the traceback
-        from irflow.tasks.ingest import IngestError
+        from irflow.catalog import CatalogLocked
         from irflow.data_contracts import ContractError
         from irflow.models import ModelNotAvailable
+        from irflow.tasks.ingest import IngestError
 
-        if isinstance(e, (IngestError, ContractError, ModelNotAvailable)):
+        if isinstance(e, (IngestError, ContractError, ModelNotAvailable, CatalogLocked)):
             print(f"irflow: error: {e}", file=sys.stderr)
             return 2
         raise

@@ -344,3 +344,44 @@ def test_multi_output_stage_is_all_or_nothing(ctx, docs):
         half_good.run(ctx, cfg={}, docs=src)
     assert objects(ctx.store_root) == before
     assert tmp_entries(ctx.store_root) == []
+
+
+# ---- another process holding the catalog ------------------------------------------------------------
+def _hold_catalog(path: Path, seconds: float):
+    """A second process that opens the catalog for writing and keeps it for `seconds`."""
+    import subprocess
+    import sys
+
+    code = ("import duckdb, sys, time; con = duckdb.connect(sys.argv[1]); print('held', flush=True); "
+            "time.sleep(float(sys.argv[2])); con.close()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_catalog_waits_for_another_process(tmp_path, monkeypatch):
+    path = tmp_path / "catalog.duckdb"
+    Catalog(path).start_run("r1", "test", None, {})
+    holder = _hold_catalog(path, 1.5)
+    monkeypatch.setenv("IRFLOW_CATALOG_LOCK_TIMEOUT", "30")
+    Catalog(path).start_run("r2", "test", None, {})  # waits until the holder lets go, then writes
+    holder.wait(timeout=30)
+    with Catalog(path).connect(read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
+
+
+def test_catalog_locked_too_long_is_a_clear_cli_error(tmp_path, monkeypatch):
+    from irflow.testing import run_cli
+
+    store = tmp_path / "store"
+    store.mkdir()
+    Catalog(store / "catalog.duckdb")
+    holder = _hold_catalog(store / "catalog.duckdb", 20)
+    try:
+        monkeypatch.setenv("IRFLOW_CATALOG_LOCK_TIMEOUT", "0.5")
+        code, _, err = run_cli("sql", "SELECT count(*) FROM runs", "--store", store)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2
+    assert f"in use by another process (PID {holder.pid})" in err and "Traceback" not in err

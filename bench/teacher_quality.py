@@ -1,0 +1,172 @@
+"""How good is a GPL run's fusion teacher? Scored on *train-side* labelled queries, never test.
+
+    .venv/bin/python bench/teacher_quality.py --store STORE [--run-id RUN] [--out bench/results/teacher_quality.json]
+
+For the `pseudo_label` stage of a GPL run whose queries are a dataset's unlabelled train queries
+(`generate.source: unlabelled`), the train qrels exist even though the recipe never reads them, so
+we can ask how often the teacher's top-1 -- the positive GPL trains on -- is a judged-relevant
+passage, and how well it ranks each query's candidates (the union of the miners' lists). The
+inputs are found through the catalog's lineage from the run's pseudo-labels, not by path.
+
+Teacher variants (same candidates):
+- `pipeline`: what the run used -- z-scores over each miner's top-k list, a candidate missing from
+  a list gets that list's per-query minimum (irflow.tasks.pseudo_label.fused_scores);
+- `exact`: every candidate scored by both retrievers (cosine from the miner's corpus embeddings;
+  BM25 from a deeper search, 0 where the term match is below its depth), z-scores over the candidates;
+- each retriever alone.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def table(store: Path, dataset_id: str):
+    return pq.read_table(store / "objects" / dataset_id / "data.parquet")
+
+
+def parents(con, child: str) -> list[tuple[str, str, str]]:
+    return con.execute("SELECT e.role, e.parent_id, d.stage FROM edges e JOIN datasets d ON d.dataset_id = e.parent_id "
+                       "WHERE e.child_id = ? ORDER BY e.role, e.parent_id", [child]).fetchall()
+
+
+def zscore(v: np.ndarray) -> np.ndarray:
+    s = v.std()
+    return (v - v.mean()) / s if s > 0 else np.zeros_like(v)
+
+
+def quality(cand: dict, rel: dict, score) -> dict:
+    p1, ndcg = [], []
+    for q, docs in cand.items():
+        if q not in rel:
+            continue
+        ranked = sorted(docs, key=lambda d: (-score(q, d), d))
+        p1.append(ranked[0] in rel[q])
+        dcg = sum(1 / np.log2(i + 2) for i, d in enumerate(ranked[:10]) if d in rel[q])
+        ndcg.append(dcg / sum(1 / np.log2(i + 2) for i in range(min(10, len(rel[q])))))
+    return {"top1_relevant": round(float(np.mean(p1)), 4), "ndcg@10_of_candidates": round(float(np.mean(ndcg)), 4),
+            "queries": len(p1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--run-id", help="a GPL run (default: the latest run with a pseudo_label stage)")
+    ap.add_argument("--alphas", default="0.3,0.5", help="BM25 weights to try (dense gets 1 - alpha)")
+    ap.add_argument("--bm25-depth", type=int, default=1000, help="BM25 depth for the exact variant")
+    ap.add_argument("--no-exact", action="store_true", help="skip the exact variant (and its deep BM25 search)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "teacher_quality.json"))
+    args = ap.parse_args()
+
+    import duckdb
+
+    from irflow.catalog import when_unlocked
+
+    from irflow.java import setup_pyserini_env
+
+    setup_pyserini_env()
+    from sentence_transformers import SentenceTransformer
+
+    from irflow.models import resolve
+    from irflow.tasks.bm25 import SEARCH_FIELDS, search
+    from irflow.tasks.dense import embeddings_to_numpy
+    from irflow.tasks.pseudo_label import fused_scores
+
+    store = Path(args.store).resolve()
+    path = str(store / "catalog.duckdb")
+    con = when_unlocked(lambda: duckdb.connect(path, read_only=True), path)  # a running flow may hold it
+    run_id = args.run_id or con.execute(
+        "SELECT run_id FROM stage_runs WHERE stage = 'pseudo_label' ORDER BY started_at DESC LIMIT 1").fetchone()[0]
+    [labels_id] = [json.loads(o)["pseudo_labels"] for (o,) in con.execute(
+        "SELECT outputs FROM stage_runs WHERE run_id = ? AND stage = 'pseudo_label'", [run_id]).fetchall()]
+    cfg = json.loads(con.execute("SELECT config FROM runs WHERE run_id = ?", [run_id]).fetchone()[0])
+    inputs = parents(con, labels_id)
+    queries_id = next(p for r, p, _ in inputs if r == "queries")
+    corpus_id = next(p for r, p, _ in inputs if r == "corpus")
+    runs = {s: p for r, p, s in inputs if r == "teacher_runs"}
+    bm25_run = next(p for s, p in runs.items() if s.startswith("bm25_search"))
+    dense_run = next(p for s, p in runs.items() if s.startswith("dense_search"))
+    index_id = next(p for r, p, _ in parents(con, bm25_run) if r == "bm25_index")
+    emb_id = next(p for r, p, _ in parents(con, dense_run) if r == "embeddings")
+    emb_params = json.loads(con.execute("SELECT params FROM datasets WHERE dataset_id = ?", [emb_id]).fetchone()[0])
+    # ingest's outputs share one cache key: its qrels sit beside the corpus the run used
+    [qrels_id] = con.execute("SELECT dataset_id FROM datasets WHERE name = 'qrels' AND cache_key = "
+                             "(SELECT cache_key FROM datasets WHERE dataset_id = ?)", [corpus_id]).fetchone()
+    bm25_params = json.loads(con.execute("SELECT params FROM datasets WHERE dataset_id = ?", [bm25_run]).fetchone()[0])
+    con.close()
+
+    queries = table(store, queries_id)
+    qids, texts = queries.column("query_id").to_pylist(), queries.column("text").to_pylist()
+    split = cfg.get("generate", {}).get("split", "train")
+    qr = table(store, qrels_id).to_pandas()
+    qr = qr[(qr.split == split) & (qr.score > 0)]
+    rel: dict[str, set] = defaultdict(set)
+    for q, d in zip(qr.query_id, qr.doc_id):
+        rel[q].add(d)
+    if split == "test":
+        raise SystemExit("the run's queries are test queries: this bench only scores train-side queries")
+
+    bm, de = table(store, bm25_run), table(store, dense_run)
+    cand: dict[str, set] = defaultdict(set)
+    for t in (bm, de):
+        for q, d in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist()):
+            cand[q].add(d)
+
+    t0 = time.perf_counter()
+    model = SentenceTransformer(resolve(emb_params["model"]).path)
+    qemb = model.encode(texts, batch_size=64, normalize_embeddings=emb_params.get("similarity", "cos") == "cos")
+    emb_t = table(store, emb_id)
+    doc_emb = embeddings_to_numpy(emb_t)
+    drow = {d: i for i, d in enumerate(emb_t.column("doc_id").to_pylist())}
+    qrow = {q: i for i, q in enumerate(qids)}
+    cos = {(q, d): float(qemb[qrow[q]] @ doc_emb[drow[d]]) for q, ds in cand.items() for d in ds}
+    deep = {"query_id": [], "doc_id": [], "score": []}
+    if not args.no_exact:
+        deep = search(str(store / "objects" / index_id), qids, texts, k1=float(bm25_params.get("k1", 0.9)),
+                      b=float(bm25_params.get("b", 0.4)), top_k=args.bm25_depth,
+                      fields=SEARCH_FIELDS[bm25_params.get("variant", "flat")],
+                      remove_query=bool(bm25_params.get("remove_query", False)), threads=1)
+    bm25 = {k: s for k, s in zip(zip(deep["query_id"], deep["doc_id"]), deep["score"]) if k in cos}
+    seconds = time.perf_counter() - t0
+
+    rows = {"dense alone": quality(cand, rel, lambda q, d: cos[(q, d)])}
+    if not args.no_exact:
+        rows["bm25 alone"] = quality(cand, rel, lambda q, d: bm25.get((q, d), 0.0))
+    bm_sys, de_sys = bm.column("system")[0].as_py(), de.column("system")[0].as_py()
+    for a in (float(x) for x in args.alphas.split(",")):
+        f = fused_scores([bm, de], method="zscore", weights={bm_sys: a, de_sys: 1 - a})
+        piped = dict(zip(zip(f.column("query_id").to_pylist(), f.column("doc_id").to_pylist()), f.column("score").to_pylist()))
+        rows[f"pipeline fusion alpha={a}"] = quality(cand, rel, lambda q, d: piped[(q, d)])
+        if args.no_exact:
+            continue
+        exact = {}
+        for q, ds in cand.items():
+            ds = sorted(ds)
+            s = a * zscore(np.array([bm25.get((q, d), 0.0) for d in ds])) + (1 - a) * zscore(np.array([cos[(q, d)] for d in ds]))
+            exact.update(zip(((q, d) for d in ds), s))
+        rows[f"exact fusion alpha={a}"] = quality(cand, rel, lambda q, d: exact[(q, d)])
+
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "store": str(store), "run_id": run_id,
+              "pseudo_labels": labels_id, "dataset": cfg.get("dataset", {}).get("name"), "query_split": split,
+              "candidates_per_query": round(float(np.mean([len(v) for v in cand.values()])), 1),
+              "teacher_in_run": cfg.get("teacher"), "scoring_seconds": round(seconds, 1), "variants": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"run {run_id} ({report['dataset']}, {split} queries, {report['candidates_per_query']} candidates/query)")
+    for name, r in rows.items():
+        print(f"  {name:<28} top-1 relevant {r['top1_relevant']:.4f}   nDCG@10 of candidates {r['ndcg@10_of_candidates']:.4f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
