@@ -99,6 +99,21 @@ def _as_list(v) -> list[DatasetRef]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every leaf that differs; nested sections are walked,
+    so a changed teacher weight reads `teacher.weights.bm25: 0.3 -> 0.5`, not two whole dicts."""
+    out = []
+    for k in sorted(set(old) | set(new), key=str):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", a, b))
+    return out
+
+
 class Stage:
     """A declared stage. ``stage(ctx, cfg=..., label=..., **inputs)`` runs it as a Prefect task;
     ``stage.run(...)`` runs it without Prefect (same caching); ``stage.fn`` is the plain function."""
@@ -168,10 +183,7 @@ class Stage:
         reasons = []
         if last.get("version") != detail["version"]:
             reasons.append(f"code version {last.get('version')} -> {detail['version']}")
-        old_cfg, new_cfg = last.get("cfg", {}), detail["cfg"]
-        for k in sorted(set(old_cfg) | set(new_cfg)):
-            if old_cfg.get(k) != new_cfg.get(k):
-                reasons.append(f"cfg.{k}: {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}")
+        reasons += [f"cfg.{path}: {a!r} -> {b!r}" for path, a, b in config_changes(last.get("cfg", {}), detail["cfg"])]
         old_in, new_in = last.get("inputs", {}), detail["inputs"]
         for role in sorted(set(old_in) | set(new_in)):
             if old_in.get(role) != new_in.get(role):

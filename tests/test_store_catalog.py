@@ -385,3 +385,16 @@ def test_catalog_locked_too_long_is_a_clear_cli_error(tmp_path, monkeypatch):
         holder.wait()
     assert code == 2
     assert f"in use by another process (PID {holder.pid})" in err and "Traceback" not in err
+
+
+def test_config_changes_name_the_leaf_that_changed():
+    from irflow.stage import config_changes
+
+    old = {"teacher": {"type": "fusion", "weights": {"bm25": 0.3, "minilm": 0.7}}, "seed": 42, "gone": 1}
+    new = {"teacher": {"weights": {"minilm": 0.5, "bm25": 0.5}, "type": "fusion"}, "seed": 42, "added": [1, 2]}
+    assert config_changes(old, new) == [
+        ("added", None, [1, 2]), ("gone", 1, None),
+        ("teacher.weights.bm25", 0.3, 0.5), ("teacher.weights.minilm", 0.7, 0.5)]
+    assert config_changes(new, new) == []
+    # a section replaced by a scalar is reported whole
+    assert config_changes({"scale": {"a": 1}}, {"scale": "auto"}) == [("scale", {"a": 1}, "auto")]
