@@ -67,3 +67,25 @@ def test_scheduled_flow_fails_when_the_run_fails(tmp_path):
 
     with pytest.raises(RuntimeError, match="exited with status 2"):
         scheduled_flow.fn(config_path=str(tmp_path / "missing.yaml"), store=str(tmp_path / "store"))
+
+
+def test_prefect_server_answers_what_deploy_and_worker_ask(prefect_harness):
+    """`prefect deploy` and `prefect deployment ls` send filters with explicit nulls (limit=None);
+    with fastapi >= 0.151 Prefect 3.8's server answered those with 422, which broke `make deploy`
+    while the ephemeral runs still worked. Same calls, through Prefect's client, on a real server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.filters import WorkerFilter
+
+    spec, deployments = _deployments()
+    dep = deployments[0]
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=dep["work_pool"]["name"], type="process"), overwrite=True)
+        flow_id = client.create_flow_from_name("irflow-scheduled")
+        client.create_deployment(flow_id=flow_id, name=dep["name"], entrypoint=dep["entrypoint"],
+                                 parameters=dep["parameters"], work_pool_name=dep["work_pool"]["name"])
+        names = [d.name for d in client.read_deployments()]
+        workers = client.read_workers_for_work_pool(dep["work_pool"]["name"],
+                                                    worker_filter=WorkerFilter(status={"any_": ["ONLINE"]}))
+    assert dep["name"] in names
+    assert workers == []
