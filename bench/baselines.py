@@ -191,6 +191,23 @@ def compare(a: dict, b: dict) -> dict:
             "ratio_median": round(a["median_per_s"] / b["median_per_s"], 3)}
 
 
+def alternate(sides: dict, reps: int, log_as: str | None = None, n: int = 0) -> tuple[dict, dict]:
+    """Call each side ``reps`` times, swapping the order every repetition (A B, B A, A B, ...), so
+    neither side always runs first. Returns (wall seconds per side, each side's last result). With
+    ``log_as`` (a format string with {name} and {rate}), logs n / seconds after every call."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    last: dict = {}
+    for r in range(reps):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            last[name] = sides[name]()
+            times[name].append(time.perf_counter() - t0)
+            if log_as:
+                log(log_as.format(name=name, rate=n / times[name][-1]))
+    return times, last
+
+
 def bm25_throughput(index_dir: str, qids: list[str], texts: list[str], reps: int) -> dict:
     from irflow.java import setup_pyserini_env
 
@@ -203,30 +220,23 @@ def bm25_throughput(index_dir: str, qids: list[str], texts: list[str], reps: int
         return irflow_bm25.search(index_dir, qids, texts, k1=0.9, b=0.4, top_k=1000, fields={},
                                   remove_query=True, threads=2)
 
+    t_direct_search = []
+
     def direct():
         s = LuceneSearcher(index_dir)
         s.set_bm25(0.9, 0.4)
         t = time.perf_counter()
         hits = s.batch_search(texts, qids, k=1000, threads=2)
-        search_only = time.perf_counter() - t
+        t_direct_search.append(time.perf_counter() - t)
         s.close()
-        return hits, search_only
+        return hits
 
     # warm-up: JVM start, index files in the page cache, JIT
     via_irflow()
     direct()
-    t_irflow, t_direct, t_direct_search = [], [], []
-    cols = hits = None
-    for r in range(reps):
-        for which in (("irflow", "direct") if r % 2 == 0 else ("direct", "irflow")):
-            t0 = time.perf_counter()
-            if which == "irflow":
-                cols = via_irflow()
-                t_irflow.append(time.perf_counter() - t0)
-            else:
-                hits, so = direct()
-                t_direct.append(time.perf_counter() - t0)
-                t_direct_search.append(so)
+    t_direct_search.clear()
+    times, last = alternate({"irflow": via_irflow, "direct": direct}, reps)
+    t_irflow, t_direct, cols, hits = times["irflow"], times["direct"], last["irflow"], last["direct"]
     # same answers? (irflow drops the query's own id, as Pyserini's --remove-query)
     ours = set(zip(cols["query_id"], cols["doc_id"]))
     theirs = {(q, h.docid) for q, hs in hits.items() for h in hs if h.docid != q}
@@ -251,18 +261,9 @@ def encode_throughput(model, texts: list[str], reps: int) -> dict:
     warm = texts[:128]
     encode_texts(model, warm, batch_size=64, normalize=True)
     model.encode(warm, batch_size=64, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
-    t_irflow, t_direct = [], []
-    e_irflow = e_direct = None
-    for r in range(reps):
-        for which in (("irflow", "direct") if r % 2 == 0 else ("direct", "irflow")):
-            t0 = time.perf_counter()
-            if which == "irflow":
-                e_irflow = via_irflow()
-                t_irflow.append(time.perf_counter() - t0)
-            else:
-                e_direct = direct()
-                t_direct.append(time.perf_counter() - t0)
-            log(f"  encode {which}: {len(texts) / (time.perf_counter() - t0):.1f} passages/s")
+    times, last = alternate({"irflow": via_irflow, "direct": direct}, reps,
+                            "  encode {name}: {rate:.1f} passages/s", len(texts))
+    t_irflow, t_direct, e_irflow, e_direct = times["irflow"], times["direct"], last["irflow"], last["direct"]
     a, b = summarize(t_irflow, len(texts)), summarize(t_direct, len(texts))
     return {"passages": len(texts), "reps": reps, "batch_size": 64, "irflow": a, "direct": b, **compare(a, b),
             "max_abs_diff": float(np.abs(e_irflow - e_direct).max()),
