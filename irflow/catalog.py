@@ -8,6 +8,9 @@ Tables
 - stage_runs  what each run did per stage: computed or cached, seconds, outputs
 - metrics     evaluation results of each run
 
+A dataset row with stage ``external`` is something no stage made: a dataset source (zip, folder) or a
+model named in a config (hub id, local directory). Lineage ends there.
+
 `Catalog.sql()` also exposes every stored Parquet dataset as a view (see `connect_with_views`).
 """
 
@@ -44,6 +47,10 @@ CREATE TABLE IF NOT EXISTS forced(run_id VARCHAR, dataset_id VARCHAR);
 CREATE TABLE IF NOT EXISTS metrics(
   run_id VARCHAR, eval_dataset_id VARCHAR, system VARCHAR, dataset VARCHAR, split VARCHAR,
   metric VARCHAR, value DOUBLE, num_queries BIGINT);
+-- Added with typed recipes: the runtime (device, precision, threads, library versions) a dataset
+-- was computed with. Provenance only: never part of a cache key.
+ALTER TABLE datasets ADD COLUMN IF NOT EXISTS runtime JSON;
+ALTER TABLE stage_runs ADD COLUMN IF NOT EXISTS runtime JSON;
 """
 
 # DuckDB allows one writing process per file; inside a process we serialise access ourselves so
@@ -138,6 +145,7 @@ class Catalog:
         run_id: str,
         outputs: dict[str, tuple[object, int | None, int]],
         parents: dict[str, list[str]],
+        runtime: dict | None = None,
     ) -> None:
         """outputs: name -> (DatasetRef, num_rows, num_bytes); parents: role -> parent ids."""
         ts = now()
@@ -145,9 +153,12 @@ class Catalog:
             con.execute("BEGIN")
             for output, (ref, num_rows, num_bytes) in outputs.items():
                 con.execute(
-                    "INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    "INSERT INTO datasets (dataset_id, name, kind, contract, path, num_rows, num_bytes, stage, "
+                    "cache_key, code_version, params, run_id, created_at, runtime) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                     [ref.id, ref.name, ref.kind, ref.contract, ref.path, num_rows, num_bytes, stage, cache_key,
-                     code_version, json.dumps(params, sort_keys=True, default=str), run_id, ts],
+                     code_version, json.dumps(params, sort_keys=True, default=str), run_id, ts,
+                     json.dumps(runtime, sort_keys=True, default=str) if runtime else None],
                 )
                 for role, ids in parents.items():
                     for pid in ids:
@@ -157,16 +168,31 @@ class Catalog:
                 )
             con.execute("COMMIT")
 
+    def record_external(self, ref, run_id: str, params: dict) -> None:
+        """A dataset source or a config-named model, so lineage ends at something with a name.
+        Its path is where it was found last (a local model directory may move: same id, new path)."""
+        with self.connect() as con:
+            con.execute(
+                "INSERT INTO datasets (dataset_id, name, kind, contract, path, stage, params, run_id, created_at) "
+                "VALUES (?, ?, ?, NULL, ?, 'external', ?, ?, ?) "
+                "ON CONFLICT (dataset_id) DO UPDATE SET path = excluded.path",
+                [ref.id, ref.name, ref.kind, ref.path, json.dumps(params, sort_keys=True), run_id, now()],
+            )
+
     def record_stage_run(self, run_id: str, stage: str, cache_key: str, status: str, outputs: dict[str, str],
-                         seconds: float, started_at: datetime, detail: dict | None = None) -> None:
+                         seconds: float, started_at: datetime, detail: dict | None = None,
+                         runtime: dict | None = None) -> None:
         """detail: what the key was made of ({version, cfg, inputs}), so `irflow status` can say why a
-        stage is stale by diffing it against the last execution."""
+        stage is stale by diffing it against the last execution. runtime: where and how a computed
+        stage ran (None when cached)."""
         with self.connect() as con:
             pos = con.execute("SELECT count(*) FROM stage_runs WHERE run_id = ?", [run_id]).fetchone()[0]
             con.execute(
-                "INSERT INTO stage_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO stage_runs (run_id, position, stage, cache_key, status, outputs, seconds, started_at, "
+                "detail, runtime) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [run_id, pos, stage, cache_key, status, json.dumps(outputs), seconds, started_at,
-                 json.dumps(detail or {}, sort_keys=True, default=str)],
+                 json.dumps(detail or {}, sort_keys=True, default=str),
+                 json.dumps(runtime, sort_keys=True, default=str) if runtime else None],
             )
 
     def last_stage_detail(self, stage: str, exclude_run: str | None = None) -> dict | None:
@@ -195,11 +221,13 @@ class Catalog:
     def stage_runs(self, run_id: str) -> list[dict]:
         with self.connect() as con:
             rows = con.execute(
-                "SELECT stage, status, outputs, seconds, cache_key FROM stage_runs WHERE run_id = ? ORDER BY position",
+                "SELECT stage, status, outputs, seconds, cache_key, runtime FROM stage_runs WHERE run_id = ? "
+                "ORDER BY position",
                 [run_id],
             ).fetchall()
         return [
-            {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4]}
+            {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4],
+             "runtime": json.loads(r[5]) if r[5] else None}
             for r in rows
         ]
 

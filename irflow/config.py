@@ -1,50 +1,244 @@
-"""Config files: YAML, one section per stage, overridable with ``--set a.b=value``."""
+"""Config files: YAML, one section per stage, ``--set a.b=value`` overrides, then validation.
+
+``flow:`` picks the recipe; the recipe's config model (a ``Params`` tree) validates everything at once:
+unknown keys at any depth, wrong types, out-of-range and unknown enum values, and the recipe's
+cross-stage rules. Overrides edit the raw YAML first, so ``--set`` is checked exactly like the file.
+Every problem is reported by dotted path, with the value and what is allowed, before any work starts.
+"""
 
 from __future__ import annotations
 
-import copy
+import difflib
+import re
+import typing
 from pathlib import Path
+from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
+
+from irflow.errors import ConfigError
+
+# Keys that moved or were renamed when configs became typed: the hint says where they went.
+MOVED = {
+    "bf16_autocast": "precision is a runtime setting now: runtime.precision: auto | fp32 | bf16 | fp16 "
+                     "(auto uses bf16 only where the hardware has it)",
+    "top_k": {"bm25": "renamed: hits (hits per query)", "dense": "renamed: hits (hits per query)",
+              "hybrid": "renamed: hits (hits per query)", "mine": "renamed: depth (how deep each miner's list is mined)",
+              "generate": "renamed: sample_top_k (T5 sampling)",
+              "": "renamed: hits (retrieval, fusion), depth (mining), sample_top_k (T5 sampling)"},
+    "neg_rank_range": "renamed: rank_range",
+    "negatives_per_query": "renamed: negatives_per_positive",
+    "device": "device is a runtime setting: runtime.device (per kind of work: encode, score, generate, train)",
+}
 
 
-class ConfigError(ValueError):
-    pass
-
-
-def load(path: str | Path, overrides: list[str] | None = None) -> dict:
+def load_raw(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such config file")
     try:
-        cfg = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    if not isinstance(cfg, dict) or "flow" not in cfg:
-        raise ConfigError(f"{path}: a config is a mapping with a 'flow' key (e.g. flow: baselines)")
-    for item in overrides or []:
-        apply_override(cfg, item)
-    return cfg
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a config is a mapping of sections with a 'flow' key (e.g. flow: baselines)")
+    return raw
 
 
-def apply_override(cfg: dict, item: str) -> None:
-    """``a.b.c=value``; value is parsed as YAML (numbers, lists, null...)."""
+def apply_override(raw: dict, item: str) -> None:
+    """``a.b.c=value`` (list items by index: ``mine.miners.1.model=...``); the value is parsed as YAML
+    (numbers, lists, null...). Sections that do not exist yet are created; validation comes after."""
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value (e.g. dense.model=/path/to/model)")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    node = cfg
-    for p in parts[:-1]:
-        if not isinstance(node.setdefault(p, {}), dict):
-            raise ConfigError(f"--set {key}: '{p}' is not a section")
-        node = node[p]
+    key, text = item.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: '{key}' is not a dotted key (e.g. train.lr)")
     try:
-        node[parts[-1]] = yaml.safe_load(raw)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
-        node[parts[-1]] = raw
+        value = text
+    node: Any = raw
+    for i, p in enumerate(parts[:-1]):
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not p.isdigit() or int(p) >= len(node):
+                raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is a list of {len(node)} items "
+                                  f"(0..{len(node) - 1}); no item {p!r}")
+            node = node[int(p)]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: '{'.'.join(parts[:i])}' is a value ({node!r}), not a section")
+        if node.get(p) is None:
+            node[p] = {}
+        node = node[p]
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is a list of {len(node)} items "
+                              f"(0..{len(node) - 1}); no item {last!r}")
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"--set {key}: '{'.'.join(parts[:-1])}' is a value ({node!r}), not a section")
 
 
-def section(cfg: dict, name: str, defaults: dict | None = None) -> dict:
-    out = copy.deepcopy(defaults or {})
-    out.update(copy.deepcopy(cfg.get(name) or {}))
-    return out
+def load(config: str | Path | dict | BaseModel, overrides: list[str] | tuple[str, ...] | None = None):
+    """A validated recipe config from a YAML path, a dict, or a config model, with overrides applied."""
+    from irflow.recipe import RecipeConfig, get_recipe, recipe_names
+
+    if isinstance(config, RecipeConfig) and not overrides:
+        return config
+    if isinstance(config, BaseModel):
+        raw, source = config.model_dump(mode="json"), "config"
+    elif isinstance(config, dict):
+        import copy
+
+        raw, source = copy.deepcopy(config), "config"
+    else:
+        raw, source = load_raw(config), str(config)
+    for item in overrides or []:
+        apply_override(raw, item)
+    if overrides:
+        source += " with " + " ".join(f"--set {o}" for o in overrides)
+    flow = raw.get("flow")
+    if flow is None:
+        raise ConfigError(f"{source}: no 'flow' key; it picks the recipe: {', '.join(recipe_names())}")
+    if flow not in recipe_names():
+        close = difflib.get_close_matches(str(flow), recipe_names(), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{source}: flow: unknown recipe {flow!r}{hint}; known: {', '.join(recipe_names())}")
+    cls = get_recipe(flow).config_cls
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e, cls, raw, source)) from None
+
+
+# ---- error messages ---------------------------------------------------------------------------
+def _path(loc: tuple, raw: Any) -> tuple[str, Any]:
+    """The dotted path of a pydantic error location in the user's terms, and the raw value there.
+
+    Pydantic puts union tags and type names into locations (``teacher.fusion.wieghts``,
+    ``scale.float``); the user wrote ``teacher.wieghts``. A location part is kept when it names a key
+    (or index) of the raw input at that point, and dropped otherwise."""
+    parts, node = [], raw
+    for part in loc:
+        if isinstance(node, dict) and part not in node and part in [v for v in node.values() if isinstance(v, str)]:
+            continue  # a discriminated union's tag (teacher.fusion.weights): the user wrote teacher.type
+        if isinstance(node, dict) and part in node:
+            parts.append(str(part))
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            parts.append(str(part))
+            node = node[part]
+        elif isinstance(node, dict) and isinstance(part, str) and _looks_like_key(part):
+            # a missing required key, or an unknown one nested below a value we cannot walk
+            parts.append(part)
+            node = None
+        # else: a union tag or type name -- not something the user wrote
+    return ".".join(parts), node
+
+
+def _looks_like_key(part: str) -> bool:
+    return part.replace("_", "").isalnum() and not part.startswith(("literal", "function"))
+
+
+def _unwrap(ann) -> list[type[BaseModel]]:
+    """The model classes an annotation can hold (Optional, unions, Annotated, lists unwrapped)."""
+    origin = typing.get_origin(ann)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(ann)[0])
+    if origin in (list, tuple, typing.Union) or (origin is not None and str(origin) == "types.UnionType"):
+        return [m for a in typing.get_args(ann) for m in _unwrap(a)]
+    import types
+
+    if isinstance(ann, types.UnionType):
+        return [m for a in typing.get_args(ann) for m in _unwrap(a)]
+    return [ann] if isinstance(ann, type) and issubclass(ann, BaseModel) else []
+
+
+def _known_keys(cls: type[BaseModel], path: list[str], raw: Any) -> list[str]:
+    """Field names allowed at ``path`` (the parent of an unknown key)."""
+    classes = [cls]
+    node = raw
+    for part in path:
+        nxt = []
+        if isinstance(node, list):
+            node = node[int(part)] if part.isdigit() and int(part) < len(node) else None
+            continue  # list items: the same classes
+        for c in classes:
+            f = c.model_fields.get(part)
+            if f is not None:
+                nxt += _unwrap(f.annotation)
+        node = node.get(part) if isinstance(node, dict) else None
+        classes = nxt
+    # a discriminated union: the member whose tag the user wrote
+    if isinstance(node, dict) and len(classes) > 1:
+        for c in classes:
+            for name, f in c.model_fields.items():
+                args = typing.get_args(f.annotation)
+                if typing.get_origin(f.annotation) is typing.Literal and node.get(name) in args:
+                    return sorted(c.model_fields)
+    return sorted({k for c in classes for k in c.model_fields})
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def format_errors(err: ValidationError, cls: type[BaseModel], raw: dict, source: str) -> str:
+    lines = []
+    for e in err.errors(include_url=False):
+        path, _ = _path(e["loc"], raw)
+        kind, msg = e["type"], e["msg"]
+        value = e.get("input")
+        if kind == "extra_forbidden":
+            parent, key = path.rpartition(".")[0], path.rpartition(".")[2]
+            known = _known_keys(cls, parent.split(".") if parent else [], raw)
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            what = "unknown section" if not parent and isinstance(value, dict) else "unknown key"
+            if key in MOVED and key not in known:
+                hint = MOVED[key]
+                if isinstance(hint, dict):
+                    hint = hint.get(parent.split(".")[0], hint[""])
+                text = f"{what}; {hint}"
+            elif close:
+                text = f"{what} (did you mean '{close[0]}'?)"
+            else:
+                text = f"{what}; known: {', '.join(known)}"
+        elif kind == "missing":
+            text = "required, not given"
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            text = f"expected a section (key: value pairs), got {_describe(value)}"
+        elif kind in ("value_error", "assertion_error"):
+            text = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+            # A model validator names the field it is about, relative to its own section.
+            if not path or re.match(r"^[A-Za-z_][\w.]*: ", text):
+                lines.append(f"  {path + '.' if path else ''}{text}")
+                continue
+        elif kind == "union_tag_invalid":
+            ctx = e.get("ctx", {})
+            text = (f"{ctx.get('discriminator', 'kind')} {ctx.get('tag')!r} is not one of "
+                    f"{ctx.get('expected_tags')}")
+        elif kind == "union_tag_not_found":
+            text = f"say which kind with {e.get('ctx', {}).get('discriminator', 'type')}: ..."
+        else:
+            text = f"{_describe(value)}: {msg[0].lower() + msg[1:]}"
+        lines.append(f"  {path or '(top level)'}: {text}")
+    # Unions try each member: several lines for one wrong value say the same thing; keep the first.
+    # An error about a container whose item is already reported (variants.0) says nothing more.
+    paths = [ln.split(":", 1)[0].strip() for ln in lines]
+    seen, unique = set(), []
+    for ln, key in zip(lines, paths):
+        if key in seen and "unknown" not in ln:
+            continue
+        if "unknown" not in ln and any(p.startswith(key + ".") for p in paths):
+            continue
+        seen.add(key)
+        unique.append(ln)
+    n = len(unique)
+    return f"{source}: {n} problem{'s' if n != 1 else ''}\n" + "\n".join(unique)

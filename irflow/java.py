@@ -37,12 +37,15 @@ def anserini_jar() -> str:
     return max(jars)
 
 
-def setup_pyserini_env() -> None:
-    """Call before importing pyserini (idempotent)."""
+def setup_pyserini_env(heap: str | None = None) -> None:
+    """Call before importing pyserini (idempotent). ``heap`` bounds the JVM's heap (``-Xmx``); it only
+    takes effect if the JVM has not started yet in this process (the JVM starts once per process)."""
     os.environ["JAVA_HOME"] = str(java_home())
     os.environ.setdefault("OPENAI_API_KEY", "not-used-by-irflow")
     import jnius_config
 
+    if heap and not jnius_config.vm_running and not any(o.startswith("-Xmx") for o in jnius_config.options):
+        jnius_config.add_options(f"-Xmx{heap}")
     if getattr(jnius_config, "_irflow_patched", False):
         return
     original_add_options = jnius_config.add_options
@@ -59,8 +62,8 @@ def setup_pyserini_env() -> None:
         jnius_config.options = [o for o in jnius_config.options if o != _DROPPED_OPTION]
 
 
-def pyserini_searcher(index_dir: str):
-    setup_pyserini_env()
+def pyserini_searcher(index_dir: str, heap: str | None = None):
+    setup_pyserini_env(heap)
     from pyserini.search.lucene import LuceneSearcher
 
     return LuceneSearcher(index_dir)

@@ -1,33 +1,49 @@
-"""Stages: plain functions, cached on what they read, wrapped in thin Prefect tasks.
+"""Stages: plain functions of (params, runtime, input refs), cached on what they read.
 
-A stage function takes dataset refs (its inputs, by role) and ``cfg`` (its config section) and
-returns its outputs: a ``pyarrow.Table`` or a parquet file for table outputs, a directory for
-model/index outputs. The runner here does the rest:
+    @stage("bm25_search", version="2", outputs=Output("run", "run"))
+    def bm25_search(p: BM25SearchParams, rt: StageRuntime, *, bm25_index: DatasetRef,
+                    queries: DatasetRef) -> pa.Table: ...
 
-    cache key = sha256(stage name, declared code version, cfg, ids of the input datasets)
+The first argument's type is the stage's params model (a ``irflow.params.Params``); the keyword-only
+arguments are its inputs, by role (a default of None makes an input optional). The runner here does
+the rest:
 
-Input ids are content fingerprints, so the key changes exactly when something the stage reads
-changes -- unlike Prefect's default cache policy (which includes the run id and pickles inputs)
-or GPL's "skip if the output file exists". A hit is reused only if its files are still in the
-store; a miss computes, validates each output against its contract, publishes atomically and
-records lineage in the catalog.
+    cache key = sha256(stage name, declared code version, params.model_dump(mode="json"),
+                       ids of the input datasets by role)
+
+Input ids are content fingerprints (a model named in a config enters as an input too, by the
+fingerprint of its weights), so the key changes exactly when something the stage reads changes --
+unlike Prefect's default cache policy (which includes the run id and pickles inputs) or GPL's
+"skip if the output file exists". Runtime settings (device, precision, threads) are not keyed; they
+are recorded per stage run. A hit is reused only if its files are still in the store; a miss
+computes, validates each output against its contract, publishes atomically and records lineage.
+
+Calling a stage inside a recipe, ``bm25_search(run, params, label="flat", bm25_index=..., queries=...)``,
+runs it as a Prefect task; ``stage.run(run, params, ...)`` runs it without Prefect (same caching);
+``stage.fn(params, StageRuntime(), ...)`` is the plain function.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
 
 from irflow.catalog import Catalog, now
+from irflow.errors import StageFailed
+from irflow.params import Params
+from irflow.runtime import RuntimeConfig, stage_runtime
 from irflow.store import DatasetRef, Store
 
 log = logging.getLogger("irflow")
@@ -43,60 +59,72 @@ class Output:
     check: Callable[[Path], None] | None = None  # directories: called before publishing
 
 
-@dataclass
-class RunContext:
-    """Everything a stage needs to know about the run it is part of. Picklable (strings only)."""
+PENDING = "pending"  # kind of a placeholder ref in a dry run: "this would be recomputed"
 
-    store_root: str
-    run_id: str
-    # Stage names or labels to recompute even if cached (`irflow run --from STAGE`); everything
-    # downstream of a forced stage is forced too (tracked through its output ids in the catalog).
-    force: set[str] = field(default_factory=set)
-    dry_run: bool = False  # `irflow status`: report cached/stale per stage, compute nothing
-    plan: list = field(default_factory=list)  # dry-run results, in stage order
 
-    @property
+class Run:
+    """One execution of a recipe: where (store), which (run id), how (runtime), what to force.
+
+    ``force`` holds stage names or labels to recompute even if cached (``irflow run --from STAGE``);
+    everything downstream of a forced stage is forced too (tracked through its output ids in the
+    catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
+    """
+
+    def __init__(self, store_root: str | Path, run_id: str, *, runtime: RuntimeConfig | None = None,
+                 force: set[str] | frozenset[str] = frozenset(), dry_run: bool = False):
+        self.store_root = str(Path(store_root).resolve())
+        self.run_id = run_id
+        self.runtime = runtime or RuntimeConfig()
+        self.force = set(force)
+        self.dry_run = dry_run
+        self.plan: list[dict] = []  # dry-run results, in stage order
+
+    @cached_property
     def store(self) -> Store:
         return Store(self.store_root)
 
-    @property
+    @cached_property
     def catalog(self) -> Catalog:
         return Catalog(self.store.catalog_path)
+
+    def model(self, name: str, where: str) -> DatasetRef:
+        """A model named in the config (``where`` is its config key), as an input ref: a stored model,
+        a local directory (keyed by a fingerprint of its files) or a hub id. Fails with
+        ``ModelNotAvailable`` naming it if it cannot be had here."""
+        from irflow.models import model_ref
+
+        ref = model_ref(name, self.store_root, where)
+        if not self.dry_run:
+            self.catalog.record_external(ref, self.run_id, {"name": name, "config_key": where})
+        return ref
+
+    def external(self, ref: DatasetRef, params: dict) -> DatasetRef:
+        """Record a ref that no stage made (a dataset source) so that lineage can end at it."""
+        if not self.dry_run:
+            self.catalog.record_external(ref, self.run_id, params)
+        return ref
 
 
 def canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def keyed(cfg: Any) -> Any:
-    """cfg without its run-time hints: keys starting with '_' (a local path, a thread count, a
-    device), at any depth, are not part of what a stage computes and are not keyed."""
-    if isinstance(cfg, dict):
-        return {k: keyed(v) for k, v in cfg.items() if not (isinstance(k, str) and k.startswith("_"))}
-    if isinstance(cfg, (list, tuple)):
-        return [keyed(v) for v in cfg]
-    return cfg
+def _as_list(v) -> list[DatasetRef]:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def key_payload(stage: str, version: str, cfg: dict, inputs: dict[str, list[DatasetRef]]) -> dict:
-    """What a cache key is made of: stage, declared code version, keyed cfg, input dataset ids."""
+def key_payload(stage: str, version: str, params: dict, inputs: dict[str, list[DatasetRef]]) -> dict:
+    """What a cache key is made of: stage, declared code version, params, input dataset ids."""
     return {
         "stage": stage,
         "version": version,
-        "cfg": keyed(cfg),
+        "cfg": params,
         "inputs": {role: [r.id for r in refs] for role, refs in sorted(inputs.items())},
     }
 
 
-def cache_key(stage: str, version: str, cfg: dict, inputs: dict[str, list[DatasetRef]]) -> str:
-    return hashlib.sha256(canonical(key_payload(stage, version, cfg, inputs)).encode()).hexdigest()
-
-
-PENDING = "pending"  # kind of a placeholder ref in a dry run: "this would be recomputed"
-
-
-def _as_list(v) -> list[DatasetRef]:
-    return list(v) if isinstance(v, (list, tuple)) else [v]
+def cache_key(stage: str, version: str, params: dict, inputs: dict[str, list[DatasetRef]]) -> str:
+    return hashlib.sha256(canonical(key_payload(stage, version, params, inputs)).encode()).hexdigest()
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -114,60 +142,108 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, ob
     return out
 
 
-class Stage:
-    """A declared stage. ``stage(ctx, cfg=..., label=..., **inputs)`` runs it as a Prefect task;
-    ``stage.run(...)`` runs it without Prefect (same caching); ``stage.fn`` is the plain function."""
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's intra-op threads for the stage (process-wide; stages run one at a time)."""
+    import torch
 
-    def __init__(self, fn: Callable, name: str, version: str, outputs: list[Output]):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Stage:
+    """A declared stage (see the module doc)."""
+
+    def __init__(self, fn: Callable, name: str, version: str, outputs: list[Output], work: str | None,
+                 resumable: bool):
         self.fn = fn
         self.name = name
         self.version = version
         self.outputs = outputs
+        self.work = work
+        self.resumable = resumable
         self.__doc__ = fn.__doc__
         self._task = None
+        hints = typing.get_type_hints(fn, include_extras=True)  # keep union discriminators
+        params = list(inspect.signature(fn).parameters.values())
+        if len(params) < 2 or params[0].kind is inspect.Parameter.KEYWORD_ONLY:
+            raise TypeError(f"stage {name}: signature must be (params, rt, *, inputs...)")
+        # A Params model, or a discriminated union of them (a field that selects a kind: a source, a teacher).
+        self.params_type = hints.get(params[0].name)
+        self.params_members = _params_members(self.params_type)
+        if not self.params_members:
+            raise TypeError(f"stage {name}: its first argument must be annotated with a Params model (or a union)")
+        self._adapter = None
+        kw = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        self.required_inputs = {p.name for p in kw if p.default is inspect.Parameter.empty}
+        self.optional_inputs = {p.name for p in kw if p.default is not inspect.Parameter.empty}
 
     def label(self, label: str | None) -> str:
         return f"{self.name}[{label}]" if label else self.name
 
-    def key(self, cfg: dict, inputs: dict[str, Any]) -> str:
-        return cache_key(self.name, self.version, cfg, {k: _as_list(v) for k, v in inputs.items()})
+    def _check(self, params, inputs: dict) -> tuple[Params, dict]:
+        # Exactly a member class: a config section that subclasses one (and adds recipe-level fields,
+        # like the model to load) must be projected with `.to(...)`, or its extra fields would be keyed.
+        if type(params) not in self.params_members:
+            if self._adapter is None:
+                from pydantic import TypeAdapter
+
+                self._adapter = TypeAdapter(self.params_type)
+            params = self._adapter.validate_python(params.model_dump() if isinstance(params, Params) else params)
+        unknown = set(inputs) - self.required_inputs - self.optional_inputs
+        if unknown:
+            raise TypeError(f"stage {self.name}: unknown input(s) {sorted(unknown)}; it reads "
+                            f"{sorted(self.required_inputs | self.optional_inputs)}")
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        missing = self.required_inputs - set(inputs)
+        if missing:
+            raise TypeError(f"stage {self.name}: missing input(s) {sorted(missing)}")
+        return params, inputs
+
+    def key(self, params: Params, inputs: dict[str, Any]) -> str:
+        return cache_key(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
 
     # -- execution ------------------------------------------------------------------------
-    def run(self, ctx: RunContext, *, cfg: dict, label: str | None = None, **inputs) -> Any:
-        store, catalog = ctx.store, ctx.catalog
+    def run(self, run: Run, params: Params | dict, /, *, label: str | None = None, **inputs) -> Any:
+        params, inputs = self._check(params, inputs)
+        store, catalog = run.store, run.catalog
         stage_label = self.label(label)
-        inputs = {k: v for k, v in inputs.items() if v is not None}
         input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
-        detail = key_payload(self.name, self.version, cfg, {k: _as_list(v) for k, v in inputs.items()})
-        key = self.key(cfg, inputs)
+        detail = key_payload(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
+        key = self.key(params, inputs)
         started, t0 = now(), time.perf_counter()
 
-        forced = bool({self.name, stage_label} & ctx.force) or catalog.tainted(ctx.run_id, input_ids)
+        forced = bool({self.name, stage_label} & run.force) or catalog.tainted(run.run_id, input_ids)
         pending_inputs = any(r.kind == PENDING for v in inputs.values() for r in _as_list(v))
         hit = {} if forced or pending_inputs else catalog.lookup(key)
+        provenance = None
         if hit and all(o.name in hit and Path(hit[o.name].path).exists() for o in self.outputs):
             refs = {o.name: hit[o.name] for o in self.outputs}
             status = "cached"
             log.info("%s: cached (%s)", stage_label, ", ".join(r.id for r in refs.values()))
-        elif ctx.dry_run:
+        elif run.dry_run:
             refs = {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
                     for o in self.outputs}
             status = "stale"
-            detail["why"] = self._why_stale(catalog, ctx, stage_label, detail, key, hit, forced, pending_inputs)
+            detail["why"] = self._why_stale(catalog, stage_label, detail, hit, forced, pending_inputs)
         else:
-            refs = self._compute(ctx, store, catalog, key, cfg, inputs, stage_label)
+            refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
             status = "computed"
             if forced:
-                catalog.taint(ctx.run_id, [r.id for r in refs.values()])
-        if not ctx.dry_run:
-            catalog.record_stage_run(ctx.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
-                                     time.perf_counter() - t0, started, detail)
+                catalog.taint(run.run_id, [r.id for r in refs.values()])
+        if not run.dry_run:
+            catalog.record_stage_run(run.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
+                                     time.perf_counter() - t0, started, detail, provenance)
         else:
-            ctx.plan.append({"name": stage_label, "status": status, "why": detail.get("why", [])})
+            run.plan.append({"name": stage_label, "status": status, "why": detail.get("why", [])})
         return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
 
     @staticmethod
-    def _why_stale(catalog: Catalog, ctx, stage_label, detail, key, hit, forced, pending_inputs) -> list[str]:
+    def _why_stale(catalog: Catalog, stage_label, detail, hit, forced, pending_inputs) -> list[str]:
         """Human-readable reasons, from diffing this key's ingredients with the last execution's."""
         if forced:
             return ["forced (--from)"]
@@ -190,21 +266,25 @@ class Stage:
                 reasons.append(f"input {role}: {old_in.get(role)} -> {new_in.get(role)}")
         return reasons or ["no cached result for this key"]
 
-    def _compute(self, ctx, store: Store, catalog: Catalog, key, cfg, inputs, stage_label) -> dict[str, DatasetRef]:
+    def _compute(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
         workdir = store.staging_dir()
+        resume_dir = None
+        if self.resumable:
+            # Survives a crash (unlike workdir): shards/checkpoints of an interrupted computation
+            # with the same key are found here again. Removed once the outputs are published.
+            resume_dir = store.root / "partial" / key
+            resume_dir.mkdir(parents=True, exist_ok=True)
+        rt = stage_runtime(run.runtime, self.work, workdir, resume_dir)
         try:
-            kwargs = dict(inputs, cfg=cfg)
-            accepted = inspect.signature(self.fn).parameters
-            if "workdir" in accepted:
-                kwargs["workdir"] = workdir
-            if "resume_dir" in accepted:
-                # Survives a crash (unlike workdir): shards/checkpoints of an interrupted computation
-                # with the same key are found here again. Removed once the outputs are published.
-                resume_dir = store.root / "partial" / key
-                resume_dir.mkdir(parents=True, exist_ok=True)
-                kwargs["resume_dir"] = resume_dir
-            log.info("%s: computing", stage_label)
-            result = self.fn(**kwargs)
+            log.info("%s: computing (%s)", stage_label,
+                     f"{rt.device}, {rt.precision}, {rt.threads} threads" if self.work else f"{rt.threads} threads")
+            try:
+                with _torch_threads(rt.threads) if self.work else contextlib.nullcontext():
+                    result = self.fn(params, rt, **inputs)
+            except StageFailed:
+                raise
+            except Exception as e:
+                raise StageFailed(stage_label, e) from e
             if len(self.outputs) == 1 and not isinstance(result, dict):
                 result = {self.outputs[0].name: result}
             missing = [o.name for o in self.outputs if o.name not in result]
@@ -240,12 +320,14 @@ class Stage:
                 published[o.name] = (ref, rows, size)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+        provenance = rt.provenance()
         parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
         catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
-                               params=keyed(cfg),
-                               run_id=ctx.run_id, outputs=published, parents=parents)
-        shutil.rmtree(store.root / "partial" / key, ignore_errors=True)
-        return {name: p[0] for name, p in published.items()}
+                               params=params.key_dump(), run_id=run.run_id, outputs=published, parents=parents,
+                               runtime=provenance)
+        if resume_dir is not None:
+            shutil.rmtree(resume_dir, ignore_errors=True)
+        return {name: p[0] for name, p in published.items()}, provenance
 
     # -- Prefect --------------------------------------------------------------------------
     @property
@@ -259,30 +341,44 @@ class Stage:
             # Prefect's own result caching is off: irflow's key is the cache (see module doc).
             @task(name=self.name, cache_policy=NO_CACHE, persist_result=False,
                   task_run_name="{name}", retries=0)
-            def run_stage(ctx: RunContext, cfg: dict, label: str | None, inputs: dict, name: str):
-                return stage.run(ctx, cfg=cfg, label=label, **inputs)
+            def run_stage(run: Run, params, label: str | None, inputs: dict, name: str):
+                return stage.run(run, params, label=label, **inputs)
 
             self._task = run_stage
         return self._task
 
-    def __call__(self, ctx: RunContext, *, cfg: dict, label: str | None = None, **inputs):
-        if ctx.dry_run:  # planning needs no Prefect task runs
-            return self.run(ctx, cfg=cfg, label=label, **inputs)
-        return self.task(ctx, cfg, label, inputs, name=self.label(label))
+    def __call__(self, run: Run, params: Params | dict, /, *, label: str | None = None, **inputs):
+        if run.dry_run:  # planning needs no Prefect task runs
+            return self.run(run, params, label=label, **inputs)
+        return self.task(run, params, label, inputs, name=self.label(label))
+
+
+def _params_members(ann) -> tuple[type, ...]:
+    if isinstance(ann, type):
+        return (ann,) if issubclass(ann, Params) else ()
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is typing.Annotated:
+        return _params_members(args[0])
+    members = tuple(m for a in args for m in _params_members(a))
+    return members if args and len(members) == len(args) else ()
 
 
 def _ds_name(stage: Stage, o: Output) -> str:
     return o.name if len(stage.outputs) > 1 or o.name != "out" else stage.name
 
 
-def stage(name: str, version: str, outputs: list[Output] | Output) -> Callable[[Callable], Stage]:
+def stage(name: str, version: str, outputs: list[Output] | Output, *, work: str | None = None,
+          resumable: bool = False) -> Callable[[Callable], Stage]:
     """Declare a stage: ``@stage("bm25_search", version="1", outputs=Output("run", "run"))``.
 
-    Bump ``version`` whenever a change to the code changes what the stage outputs.
+    ``work`` is the kind of work it does on a device (encode, score, generate, train; None for
+    CPU-only stages): it picks the runtime's device and precision. ``resumable`` gives it a
+    ``rt.resume_dir`` that survives a crash. Bump ``version`` whenever a change to the code changes
+    what the stage outputs.
     """
     outs = [outputs] if isinstance(outputs, Output) else list(outputs)
 
     def wrap(fn: Callable) -> Stage:
-        return Stage(fn, name, version, outs)
+        return Stage(fn, name, version, outs, work, resumable)
 
     return wrap

@@ -40,7 +40,12 @@ def _tiny_bert_config(tokenizer, **kw):
 def make_tiny_bi_encoder(out_dir: str | Path, seed: int = 0, normalize: bool = False) -> Path:
     """A 2-layer BERT + mean pooling, saved in sentence-transformers format."""
     import torch
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6 moved the modules; older ones only have `models`
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        from sentence_transformers import models
     from transformers import BertModel
 
     out_dir = Path(out_dir)
@@ -146,6 +151,19 @@ def beir_slice(zip_path: str | Path, out_dir: str | Path, *, n_test_queries: int
                     for r in rows:
                         f.write("\t".join(r[:3]) + "\n")
     return out_dir
+
+
+def ingest_folder(run, source, dangling_qrels: str = "drop") -> dict:
+    """Ingest a BEIR folder or zip with ``run`` (a ``irflow.stage.Run``): {corpus, queries, qrels} refs."""
+    from irflow.tasks.ingest import IngestParams, ingest_beir, source_ref
+
+    ref = run.external(source_ref(str(source), None, run.store.root / "downloads"), {"source": str(source)})
+    return ingest_beir.run(run, IngestParams(dangling_qrels=dangling_qrels), source=ref)
+
+
+def model(run, path) -> "object":
+    """A local model directory as the input ref a stage reads (``Run.model``)."""
+    return run.model(str(path), "test")
 
 
 def run_cli(*args) -> tuple[int, str, str]:

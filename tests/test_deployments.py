@@ -1,4 +1,4 @@
-"""prefect.yaml: every deployment points at a real flow, a real config, and parameters the flow takes."""
+"""prefect.yaml: every deployment points at a recipe's own flow, a real config, and parameters the flow takes."""
 
 import inspect
 import os
@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from irflow.config import load
+from irflow.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,10 +39,8 @@ def test_deployment_points_at_a_flow_and_a_loadable_config(dep):
     flow = _flow(dep["entrypoint"])
     params = dep["parameters"]
     inspect.signature(flow.fn).bind(**params)  # raises TypeError on an unknown/missing parameter
-    cfg = load(ROOT / params["config_path"], params.get("overrides"))
-    from irflow.cli import FLOWS
-
-    assert cfg["flow"] in FLOWS
+    cfg = load(ROOT / params["config"], params.get("overrides"))
+    assert cfg.flow == flow.name  # the recipe's own flow runs its config: its stages are the flow's task runs
     assert dep["work_pool"]["name"] == "irflow-local"  # the pool `make deploy` creates and `make worker` serves
     for s in dep.get("schedules") or []:
         CronSchedule(cron=s["cron"], timezone=s.get("timezone"))  # raises on an invalid cron
@@ -62,11 +61,21 @@ def test_pull_step_resolves_to_this_checkout(monkeypatch, tmp_path):
     assert Path(out["directory"]) == ROOT and Path.cwd() == ROOT
 
 
-def test_scheduled_flow_fails_when_the_run_fails(tmp_path):
-    from irflow.flows.scheduled import scheduled_flow
+def test_a_deployed_run_fails_with_the_cli_message(tmp_path, prefect_harness):
+    """What a worker runs: the recipe flow on a config. A bad config fails the flow run (not a generic
+    RuntimeError from a CLI inside a flow) with the message the CLI would print."""
+    from irflow.flows.gpl import gpl_flow
 
-    with pytest.raises(RuntimeError, match="exited with status 2"):
-        scheduled_flow.fn(config_path=str(tmp_path / "missing.yaml"), store=str(tmp_path / "store"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "configs" / "demo.yaml").read_text().replace("lr: 2.0e-5", "lrr: 2.0e-5"))
+    state = gpl_flow(config=str(bad), store=str(tmp_path / "store"), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError, match=r"train.lrr: unknown key \(did you mean 'lr'\?\)"):
+        state.result()
+    with pytest.raises(ConfigError, match="config is for flow 'gpl', not 'baselines'"):
+        from irflow.flows.baselines import baselines_flow
+
+        baselines_flow.fn(config=str(ROOT / "configs" / "demo.yaml"), store=str(tmp_path / "store"))
 
 
 def test_prefect_server_answers_what_deploy_and_worker_ask(prefect_harness):
@@ -81,7 +90,7 @@ def test_prefect_server_answers_what_deploy_and_worker_ask(prefect_harness):
     dep = deployments[0]
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name=dep["work_pool"]["name"], type="process"), overwrite=True)
-        flow_id = client.create_flow_from_name("irflow-scheduled")
+        flow_id = client.create_flow_from_name("baselines")
         client.create_deployment(flow_id=flow_id, name=dep["name"], entrypoint=dep["entrypoint"],
                                  parameters=dep["parameters"], work_pool_name=dep["work_pool"]["name"])
         names = [d.name for d in client.read_deployments()]

@@ -1,4 +1,8 @@
-"""generate_queries (t5 / ict / crop / unlabelled) and doc2query_expand on a small real SciFact slice."""
+"""generate_queries (t5 / ict / crop / unlabelled) and doc2query_expand on a small real SciFact slice.
+
+Params are typed: a source's settings are validated when its params model is built (a bad value is a
+pydantic ValidationError before any stage runs); the generator is an input ref (``model``), keyed by
+its weights; device, precision and threads come from the run's runtime and are not keyed."""
 
 from __future__ import annotations
 
@@ -7,19 +11,25 @@ import re
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import shutil
+from pathlib import Path
+
 import pyarrow as pa
 import pytest
-
-from irflow.testing import SHARED_DATASETS
+from pydantic import ValidationError
 
 from irflow import data_contracts
-from irflow.models import ModelNotAvailable, model_cfg
-from irflow.stage import RunContext
+from irflow.errors import DataError, StageFailed
+from irflow.models import ModelNotAvailable, resolve
+from irflow.params import Params
+from irflow.runtime import RuntimeConfig, StageRuntime
+from irflow.stage import Run
 from irflow.tasks import generate_queries as gq
-from irflow.tasks.doc2query import doc2query_expand, expand_corpus
-from irflow.tasks.generate_queries import BatchGenerator, generate_queries, queries_per_passage
-from irflow.tasks.ingest import ingest_beir, ingest_config
-from irflow.testing import beir_slice, make_tiny_t5
+from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand, expand_corpus
+from irflow.tasks.generate_queries import (BatchGenerator, CropSource, ICTSource, T5Source, UnlabelledSource,
+                                           generate_queries, queries_per_passage)
+from irflow.testing import SHARED_DATASETS, beir_slice, ingest_folder, make_tiny_t5, model
+from irflow.text import passage_text
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -32,25 +42,32 @@ def data(tmp_path_factory):
     """A ~20-passage SciFact slice with 5 test and 5 train queries, ingested, plus a tiny T5."""
     root = tmp_path_factory.mktemp("gq")
     folder = beir_slice(SCIFACT, root / "slice", n_test_queries=5, n_train_queries=5, n_extra_docs=12, seed=1)
-    ctx = RunContext(str(root / "store"), "ingest")
-    refs = ingest_beir.run(ctx, cfg=ingest_config({"source": str(folder)}, ctx.store.root / "downloads"))
+    ctx = Run(str(root / "store"), "ingest")
+    refs = ingest_folder(ctx, folder)
     t5_corpus, _ = ctx.store.publish_table("corpus", "corpus", refs["corpus"].table().slice(0, N_T5_DOCS))
     t5 = make_tiny_t5(root / "t5")
     return {"root": root, "refs": refs, "t5": t5, "corpus": refs["corpus"].table(), "t5_corpus": t5_corpus}
 
 
-def t5_cfg(data, **kw) -> dict:
-    cfg = {"source": "t5", **model_cfg(str(data["t5"])), "queries_per_passage": N_QPP, "max_length": 8,
-           "max_input_length": 64, "batch_size": 4, "shard_size": 4, "seed": 7,
-           "_threads": 1}
-    cfg.update(kw)
-    return cfg
+def t5_params(**kw) -> T5Source:
+    return T5Source(**{"source": "t5", "queries_per_passage": N_QPP, "max_length": 8, "max_input_length": 64,
+                       "batch_size": 4, "shard_size": 4, "seed": 7, **kw})
 
 
-def run_gq(data, store: str, cfg: dict, run_id: str = "r", **inputs):
-    ctx = RunContext(str(data["root"] / store), run_id)
-    corpus = data["t5_corpus"] if cfg.get("source") == "t5" else data["refs"]["corpus"]
-    out = generate_queries.run(ctx, cfg=cfg, corpus=corpus, **inputs)
+# One intra-op thread (on a busy shared CPU it avoids OpenMP spin-waiting) and a fixed device: the
+# sampled queries depend on the device, and "auto" would pick a GPU where there is one.
+RUNTIME = RuntimeConfig(device="cpu", threads=1)
+
+
+def run_gq(data, store: str, params, run_id: str = "r", runtime=RUNTIME, **inputs):
+    """generate_queries in a run on its own store; t5 reads the first passages and the tiny T5."""
+    ctx = Run(str(data["root"] / store), run_id, runtime=runtime)
+    source = params.source if isinstance(params, Params) else params.get("source")
+    if source == "t5":
+        inputs = {"corpus": data["t5_corpus"], "model": model(ctx, data["t5"]), **inputs}
+    else:
+        inputs = {"corpus": data["refs"]["corpus"], **inputs}
+    out = generate_queries.run(ctx, params, label=source, **inputs)
     return ctx, out
 
 
@@ -61,7 +78,7 @@ def as_rows(table: pa.Table) -> list[tuple]:
 @pytest.fixture(scope="module")
 def baseline(data):
     """One uninterrupted t5 run that other tests compare against."""
-    ctx, out = run_gq(data, "store-baseline", t5_cfg(data))
+    ctx, out = run_gq(data, "store-baseline", t5_params())
     return {"ctx": ctx, "queries": out["queries"].table(), "qrels": out["qrels"].table(), "refs": out}
 
 
@@ -87,25 +104,38 @@ def test_t5_n_queries_per_passage_unique_ids_and_positives(data, baseline):
 
 
 def test_t5_deterministic_for_a_seed(data, baseline):
-    _, again = run_gq(data, "store-determinism", t5_cfg(data))
+    _, again = run_gq(data, "store-determinism", t5_params())
     assert again["queries"].table().equals(baseline["queries"])
     assert again["queries"].id == baseline["refs"]["queries"].id  # same bytes, same content id
-    _, other = run_gq(data, "store-determinism", t5_cfg(data, seed=8))
+    _, other = run_gq(data, "store-determinism", t5_params(seed=8))
     assert other["queries"].table().column("text").to_pylist() != baseline["queries"].column("text").to_pylist()
 
 
-def test_t5_second_run_is_cached(data, baseline):
+def test_t5_second_run_is_cached(data, baseline, tmp_path):
     ctx = baseline["ctx"]
-    out = generate_queries.run(ctx, cfg=t5_cfg(data), corpus=data["t5_corpus"])
+    out = generate_queries.run(ctx, t5_params(), label="t5", corpus=data["t5_corpus"], model=model(ctx, data["t5"]))
     assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "cached"
     assert out["queries"].id == baseline["refs"]["queries"].id
-    # the model path is a run-time hint: moving the model does not invalidate the cache
-    out = generate_queries.run(ctx, cfg={**t5_cfg(data), "_model_path": "/elsewhere"}, corpus=data["t5_corpus"])
-    assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "cached"
+    # params given as a dict (as a config gives them) validate into the same params: same key
+    out = generate_queries.run(ctx, t5_params().model_dump(), corpus=data["t5_corpus"], model=model(ctx, data["t5"]))
+    assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "cached" and out == baseline["refs"]
+    # the model's path is not keyed, its weights are: a copy elsewhere does not invalidate the cache
+    moved = Path(shutil.copytree(data["t5"], tmp_path / "elsewhere" / "t5"))
+    out = generate_queries.run(ctx, t5_params(), corpus=data["t5_corpus"], model=model(ctx, moved))
+    assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "cached" and out == baseline["refs"]
+    # nor is the runtime (threads, precision): another one is a cache hit
+    other_rt = Run(ctx.store_root, "other-runtime", runtime=RuntimeConfig(device="cpu", threads=2, precision="fp32"))
+    generate_queries.run(other_rt, t5_params(), corpus=data["t5_corpus"], model=model(other_rt, data["t5"]))
+    assert [r["status"] for r in other_rt.catalog.stage_runs("other-runtime")] == ["cached"]
+    # other weights are another generator: recomputed
+    other = make_tiny_t5(tmp_path / "t5-other", seed=1)
+    out = generate_queries.run(ctx, t5_params(), corpus=data["t5_corpus"], model=model(ctx, other))
+    assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "computed"
+    assert out["queries"].id != baseline["refs"]["queries"].id
 
 
 def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
-    cfg = t5_cfg(data)
+    params = t5_params()
     real_write, real_generate = gq._write_shard, gq._generate_batch
     written = []
 
@@ -115,8 +145,10 @@ def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
         raise RuntimeError("simulated crash after the first shard")
 
     monkeypatch.setattr(gq, "_write_shard", write_then_crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_gq(data, "store-resume", cfg)
+    with pytest.raises(StageFailed, match="simulated crash") as e:
+        run_gq(data, "store-resume", params)
+    assert e.value.stage == "generate_queries[t5]" and isinstance(e.value.cause, RuntimeError)
+    assert not e.value.user_error
     assert written == [0]
     store = data["root"] / "store-resume"
     partial = list((store / "partial").iterdir())
@@ -130,10 +162,10 @@ def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
 
     monkeypatch.setattr(gq, "_write_shard", real_write)
     monkeypatch.setattr(gq, "_generate_batch", recording_generate)
-    _, out = run_gq(data, "store-resume", cfg)
+    _, out = run_gq(data, "store-resume", params)
     corpus = data["t5_corpus"].table()
-    texts = [gq.passage_input(t, x) for t, x in zip(corpus.column("title").to_pylist(), corpus.column("text").to_pylist())]
-    shard_size = cfg["shard_size"]
+    texts = [passage_text(t, x) for t, x in zip(corpus.column("title").to_pylist(), corpus.column("text").to_pylist())]
+    shard_size = params.shard_size
     assert not set(texts[:shard_size]) & set(seen_texts), "shard 0 was generated again"
     assert set(texts[shard_size:]) <= set(seen_texts)
     # the resumed result equals an uninterrupted run's, and the partial shards are gone
@@ -154,7 +186,7 @@ def test_t5_oom_halves_the_batch_and_retries(data, monkeypatch):
         return real_generate(model, tokenizer, texts, n, gen, device)
 
     monkeypatch.setattr(gq, "_generate_batch", oom_above_two)
-    _, out = run_gq(data, "store-oom", t5_cfg(data, batch_size=8, shard_size=100))
+    _, out = run_gq(data, "store-oom", t5_params(batch_size=8, shard_size=100))
     assert sizes[:3] == [8, 4, 2]
     assert all(s <= 2 for s in sizes[3:])  # the halved size is kept for the rest of the run
     n_docs = N_T5_DOCS
@@ -194,9 +226,52 @@ def test_batch_generator_oom_runtime_error_and_other_errors(monkeypatch):
 
 
 def test_unavailable_hub_model_fails_naming_it(data):
-    cfg = {**t5_cfg(data), **model_cfg("BeIR/query-gen-msmarco-t5-base-v1")}
-    with pytest.raises(ModelNotAvailable, match="BeIR/query-gen-msmarco-t5-base-v1"):
-        run_gq(data, "store-missing-model", cfg)
+    hub = "BeIR/query-gen-msmarco-t5-base-v1"
+    ctx = Run(str(data["root"] / "store-missing-model"), "r", runtime=RUNTIME)
+    # a recipe turns the config's model name into an input ref first: offline, that fails fast, naming it
+    with pytest.raises(ModelNotAvailable, match=rf"generate\.model: model '{hub}' is not available"):
+        ctx.model(hub, "generate.model")
+    # a ref that cannot be loaded fails the stage, still naming the model
+    with pytest.raises(StageFailed, match=hub) as e:
+        generate_queries.run(ctx, t5_params(), corpus=data["t5_corpus"], model=resolve(hub))
+    assert isinstance(e.value.cause, ModelNotAvailable) and e.value.user_error
+    assert ctx.catalog.stage_runs("r") == []
+
+
+def test_t5_needs_a_model(data):
+    ctx = Run(str(data["root"] / "store-no-model"), "r", runtime=RUNTIME)
+    with pytest.raises(StageFailed, match="source 't5' needs the model input"):
+        generate_queries.run(ctx, t5_params(), corpus=data["t5_corpus"])
+
+
+def test_runtime_device_reaches_the_model(data, baseline):
+    """The generator is loaded on the runtime's device: on 'meta' (weights without data) it cannot generate."""
+    with pytest.raises(Exception, match="meta") as e:
+        generate_queries.fn(t5_params(), StageRuntime(device="meta"), corpus=data["t5_corpus"],
+                            model=resolve(str(data["t5"])))
+    assert not isinstance(e.value, TypeError)  # the device failed, not the call
+    # through a run: the runtime config's device for "generate" (and not another kind's) is the one used
+    encode_meta = RuntimeConfig(device={"default": "cpu", "encode": "meta"}, threads=1)
+    _, ok = run_gq(data, "store-device", t5_params(), runtime=encode_meta)
+    assert ok["queries"].id == baseline["refs"]["queries"].id
+    generate_meta = RuntimeConfig(device={"default": "cpu", "generate": "meta"}, threads=1)
+    with pytest.raises(StageFailed, match="meta") as e:
+        run_gq(data, "store-device", t5_params(seed=99), runtime=generate_meta)
+    assert e.value.stage == "generate_queries[t5]"
+
+
+def test_plain_function_matches_the_stage(data, baseline):
+    """``stage.fn(params, StageRuntime(), ...)`` computes what the cached stage published (no resume dir needed)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = generate_queries.fn(t5_params(), StageRuntime(device="cpu", threads=1), corpus=data["t5_corpus"],
+                                  model=resolve(str(data["t5"])))
+    finally:
+        torch.set_num_threads(threads)
+    assert out["queries"].equals(baseline["queries"]) and out["qrels"].equals(baseline["qrels"])
 
 
 def test_auto_queries_per_passage_follows_gpl():
@@ -204,13 +279,18 @@ def test_auto_queries_per_passage_follows_gpl():
     assert queries_per_passage("auto", 1000) == 50  # clipped at 50
     assert queries_per_passage("auto", 8_841_823) == 1  # MS MARCO: at least 1
     assert queries_per_passage(3, 10) == 3
-    with pytest.raises(ValueError):
-        queries_per_passage(0, 10)
+    # a count below 1 is refused when the params are built, for every generating source
+    for cls, source in ((T5Source, "t5"), (ICTSource, "ict"), (CropSource, "crop")):
+        with pytest.raises(ValidationError, match="queries_per_passage"):
+            cls(source=source, queries_per_passage=0)
+        with pytest.raises(ValidationError, match="queries_per_passage"):
+            cls(source=source, queries_per_passage="many")
+        assert cls(source=source, queries_per_passage="auto").queries_per_passage == "auto"
 
 
 # ---- model-free sources -----------------------------------------------------------------------
 def test_ict_queries_are_sentences_of_their_source_passage(data):
-    _, out = run_gq(data, "store-mf", {"source": "ict", "queries_per_passage": 2, "seed": 3})
+    _, out = run_gq(data, "store-mf", ICTSource(source="ict", queries_per_passage=2, seed=3))
     queries, qrels = out["queries"].table(), out["qrels"].table()
     text_of = dict(zip(data["corpus"].column("doc_id").to_pylist(), data["corpus"].column("text").to_pylist()))
     q_text = dict(as_rows(queries))
@@ -223,13 +303,13 @@ def test_ict_queries_are_sentences_of_their_source_passage(data):
     for doc in qrels.column("doc_id").to_pylist():
         counts[doc] = counts.get(doc, 0) + 1
     assert max(counts.values()) <= 2
-    _, again = run_gq(data, "store-mf-2", {"source": "ict", "queries_per_passage": 2, "seed": 3})
+    _, again = run_gq(data, "store-mf-2", {"source": "ict", "queries_per_passage": 2, "seed": 3})  # a dict validates
     assert again["queries"].table().equals(queries)
 
 
 def test_crop_queries_are_spans_of_the_configured_length(data):
     lo, hi = 0.1, 0.5
-    _, out = run_gq(data, "store-mf", {"source": "crop", "queries_per_passage": 3, "crop_ratio": [lo, hi], "seed": 3})
+    _, out = run_gq(data, "store-mf", CropSource(source="crop", queries_per_passage=3, crop_ratio=[lo, hi], seed=3))
     queries, qrels = out["queries"].table(), out["qrels"].table()
     words_of = {d: t.split() for d, t in zip(data["corpus"].column("doc_id").to_pylist(),
                                              data["corpus"].column("text").to_pylist())}
@@ -243,10 +323,16 @@ def test_crop_queries_are_spans_of_the_configured_length(data):
     assert len(set(q_text)) == queries.num_rows
 
 
+@pytest.mark.parametrize("ratio", [[0.6, 0.2], [0.0, 0.5], [0.1, 1.5]], ids=["reversed", "zero", "above-1"])
+def test_crop_ratio_is_validated(ratio):
+    with pytest.raises(ValidationError, match="crop_ratio must be"):
+        CropSource(source="crop", crop_ratio=ratio)
+
+
 def test_unlabelled_gives_split_query_texts_without_qrels(data):
     refs = data["refs"]
-    _, out = run_gq(data, "store-mf", {"source": "unlabelled", "split": "train"}, queries=refs["queries"],
-                    qrels=refs["qrels"])
+    _, out = run_gq(data, "store-mf", UnlabelledSource(source="unlabelled", split="train"),
+                    queries=refs["queries"], qrels=refs["qrels"])
     train_ids = {q for q, s in zip(refs["qrels"].table().column("query_id").to_pylist(),
                                    refs["qrels"].table().column("split").to_pylist()) if s == "train"}
     queries = out["queries"].table()
@@ -259,14 +345,45 @@ def test_unlabelled_gives_split_query_texts_without_qrels(data):
 
 def test_unlabelled_refuses_test_queries(data):
     refs = data["refs"]
-    with pytest.raises(ValueError, match="test queries must not be used for training"):
+    with pytest.raises(ValidationError, match="test queries must not be used for training"):
+        UnlabelledSource(source="unlabelled", split="test")
+    with pytest.raises(ValidationError, match="test queries must not be used for training"):  # as a dict, too
         run_gq(data, "store-mf", {"source": "unlabelled", "split": "test"}, queries=refs["queries"],
                qrels=refs["qrels"])
 
 
+def test_unlabelled_split_without_queries_is_a_data_error(data):
+    refs = data["refs"]
+    with pytest.raises(StageFailed, match=r"no queries are judged in split 'dev' \(the dataset's splits: test, "
+                                          r"train\)") as e:
+        run_gq(data, "store-mf", UnlabelledSource(source="unlabelled", split="dev"), queries=refs["queries"],
+               qrels=refs["qrels"])
+    assert isinstance(e.value.cause, DataError) and e.value.user_error
+
+
 def test_unknown_source_is_rejected(data):
-    with pytest.raises(ValueError, match="unknown source"):
+    with pytest.raises(ValidationError, match="'gpt'") as e:
         run_gq(data, "store-mf", {"source": "gpt"})
+    # names the known sources (as a discriminated union's "expected tags", or one error per member)
+    assert all(f"'{source}'" in str(e.value) for source in gq.SOURCES), str(e.value)
+    with pytest.raises(ValidationError, match="top_k"):  # a setting of another source (or a typo): refused
+        run_gq(data, "store-mf", {"source": "ict", "top_k": 5})
+
+
+def test_generate_defaults_are_written_once():
+    """The GPL recipe's generate section is the stage's params plus the model: no default of its own."""
+    from irflow.flows.gpl import GPLConfig, T5Generate
+
+    section = GPLConfig.model_fields["generate"].default
+    assert isinstance(section, T5Generate) and section.source == "t5"
+    assert section.seed == T5Source.model_fields["seed"].default == 42
+    assert section.to(T5Source) == T5Source(source="t5")  # every stage setting: the stage's default
+    assert set(T5Generate.model_fields) - set(T5Source.model_fields) == {"model"}
+    for name, field in T5Source.model_fields.items():  # inherited, not redeclared
+        assert T5Generate.model_fields[name].default == field.default, name
+    # the other sources are the stage's own params models
+    for cls, source in ((ICTSource, "ict"), (CropSource, "crop")):
+        assert cls(source=source).seed == section.seed
 
 
 # ---- doc2query --------------------------------------------------------------------------------
@@ -285,7 +402,8 @@ def test_expand_corpus_appends_queries_in_generation_order():
 def test_doc2query_stage_expands_every_passage(data, baseline):
     ctx = baseline["ctx"]
     refs = baseline["refs"]
-    out = doc2query_expand.run(ctx, cfg={}, corpus=data["t5_corpus"], queries=refs["queries"], qrels=refs["qrels"])
+    out = doc2query_expand.run(ctx, Doc2QueryParams(), corpus=data["t5_corpus"], queries=refs["queries"],
+                               qrels=refs["qrels"])
     expanded = out.table()
     corpus = data["t5_corpus"].table()
     assert expanded.column("doc_id").to_pylist() == corpus.column("doc_id").to_pylist()
@@ -296,5 +414,14 @@ def test_doc2query_stage_expands_every_passage(data, baseline):
     for doc, text, new in zip(corpus.column("doc_id").to_pylist(), corpus.column("text").to_pylist(),
                               expanded.column("text").to_pylist()):
         assert new == " ".join([text, *q_by_doc[doc]])
-    doc2query_expand.run(ctx, cfg={}, corpus=data["t5_corpus"], queries=refs["queries"], qrels=refs["qrels"])
+    doc2query_expand.run(ctx, {}, corpus=data["t5_corpus"], queries=refs["queries"], qrels=refs["qrels"])
     assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "cached"
+    # at most one query per passage: another key, another corpus
+    one = doc2query_expand.run(ctx, Doc2QueryParams(max_queries=1), corpus=data["t5_corpus"],
+                               queries=refs["queries"], qrels=refs["qrels"])
+    assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "computed" and one.id != out.id
+    for doc, text, new in zip(corpus.column("doc_id").to_pylist(), corpus.column("text").to_pylist(),
+                              one.table().column("text").to_pylist()):
+        assert new == f"{text} {q_by_doc[doc][0]}"
+    with pytest.raises(ValidationError, match="max_queries"):
+        Doc2QueryParams(max_queries=0)

@@ -1,34 +1,27 @@
-"""The GPL flow end to end through the CLI, under Prefect, on a real SciFact slice, with tiny local
-models in place of the paper's hub models (same from_pretrained / SentenceTransformer paths).
+"""The GPL recipe end to end through irflow.api, under Prefect, on a real SciFact slice, with tiny
+local models in place of the paper's hub models (same from_pretrained / SentenceTransformer paths).
 
-Checks the partial re-execution contract a user sees in `--json`:
+Checks the partial re-execution contract a user sees in the run result:
 - change train.*      -> only training and evaluation of the students recompute
 - change the teacher  -> labels, training, evaluation recompute; generation and mining are reused
 - change the generator -> everything that depends on the generated queries recomputes
 """
 
-import json
-
 import pytest
 import yaml
 
+from irflow import api
+from irflow.models import ModelNotAvailable
 from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
 from irflow.testing import run_cli as cli
 
 
-
-
-def run(config, store, *sets) -> dict:
-    args = ["run", config, "--store", store, "--json"]
-    for s in sets:
-        args += ["--set", s]
-    code, out, err = cli(*args)
-    assert code == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1])
+def run(config, store, *sets, force=()):
+    return api.run(config, list(sets), store=store, force=force)
 
 
 def computed(result) -> set[str]:
-    return {s["name"] for s in result["stages"] if s["status"] == "computed"}
+    return result.computed
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +38,13 @@ def setup(tmp_path_factory, shared_datasets, prefect_harness):
         "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
                      "max_length": 12, "shard_size": 32},
         "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
-                 "top_k": 10},
+                 "depth": 10},
         "teacher": {"type": "cross_encoder", "model": str(ce_a), "batch_size": 16, "max_length": 64},
-        "label": {"negatives_per_query": 1},
+        "label": {"negatives_per_positive": 1},
         "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 48, "warmup_steps": 1,
                   "steps": 3, "checkpoint_every": 2, "qgen": {"steps": 2}},
-        "bm25": {"variants": ["flat"], "top_k": 100},
-        "dense": {"batch_size": 32, "top_k": 100},
+        "bm25": {"variants": ["flat"], "hits": 100},
+        "dense": {"batch_size": 32, "hits": 100},
         "runtime": {"threads": 1},
     }
     config = root / "gpl.yaml"
@@ -61,11 +54,11 @@ def setup(tmp_path_factory, shared_datasets, prefect_harness):
 
 def test_gpl_cold_run_shows_every_system(setup):
     result = run(setup["config"], setup["store"])
-    names = [s["name"] for s in result["stages"]]
+    names = [s.name for s in result.stages]
     for stage in ("generate_queries[t5]", "mine_negatives", "pseudo_label", "train_student[gpl]",
                   "train_student[qgen]", "doc2query_expand", "dense_search[gpl-student]", "evaluate[gpl-student]"):
         assert stage in names
-    assert {m["system"] for m in result["metrics"]} == {
+    assert {m["system"] for m in result.metrics} == {
         "bm25-flat", "dense-bi", "hybrid", "bm25-doc2query-flat", "qgen-student", "gpl-student"}
     # Running it again recomputes nothing.
     assert computed(run(setup["config"], setup["store"])) == set()
@@ -99,25 +92,18 @@ def test_change_generator_recomputes_everything_after_ingest(setup):
 
 def test_from_stage_and_status(setup):
     run(setup["config"], setup["store"])
-    code, out, _ = cli("status", setup["config"], "--store", setup["store"], "--set", "label.negatives_per_query=2",
-                       "--json")
-    assert code == 0
-    plan = {p["name"]: p for p in json.loads(out.strip().splitlines()[-1])}
-    assert plan["generate_queries[t5]"]["status"] == "cached"
-    assert plan["pseudo_label"]["status"] == "stale"
-    assert "cfg.negatives_per_query: 1 -> 2" in plan["pseudo_label"]["why"]
-    forced = computed(run_from(setup, "pseudo_label"))
+    plan = {p.name: p for p in api.status(setup["config"], ["label.negatives_per_positive=2"], store=setup["store"])}
+    assert plan["generate_queries[t5]"].status == "cached"
+    assert plan["pseudo_label"].status == "stale"
+    assert "cfg.negatives_per_positive: 1 -> 2" in plan["pseudo_label"].why
+    forced = computed(run(setup["config"], setup["store"], force=["pseudo_label"]))
     assert "pseudo_label" in forced and "train_student[gpl]" in forced
     assert "generate_queries[t5]" not in forced and "mine_negatives" not in forced
 
 
-def run_from(setup, stage) -> dict:
-    code, out, err = cli("run", setup["config"], "--store", setup["store"], "--from", stage, "--json")
-    assert code == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def test_paper_config_fails_fast_offline(tmp_path):
+    with pytest.raises(ModelNotAvailable, match="BeIR/query-gen-msmarco-t5-base-v1"):
+        api.run("configs/gpl_scifact.yaml", store=tmp_path / "s")
     code, _, err = cli("run", "configs/gpl_scifact.yaml", "--store", tmp_path / "s")
     assert code == 2
-    assert "BeIR/query-gen-msmarco-t5-base-v1" in err and "generate.model" in err
+    assert "BeIR/query-gen-msmarco-t5-base-v1" in err and "generate.model" in err and "Traceback" not in err

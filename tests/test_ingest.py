@@ -1,5 +1,10 @@
 """Ingest of real BEIR data (SciFact slices, the NFCorpus archive over HTTP): counts, contracts,
-bad input (IngestError naming file:line, nothing published), dangling qrels, downloads, cache keys."""
+bad input (IngestError naming file:line, nothing published), dangling qrels, downloads, cache keys.
+
+A source enters the ``ingest`` stage as an input ref (``source_ref``: its content fingerprint, not its
+path); bad *data* is found inside the stage, so it surfaces as ``StageFailed`` whose cause is the
+``IngestError``; a bad *source* (missing file, wrong md5, failed download) is found by ``source_ref``
+before any stage runs, and raises ``IngestError`` itself."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import functools
 import http.server
 import json
 import logging
+import re
 import shutil
 import threading
 import zipfile
@@ -15,14 +21,14 @@ from pathlib import Path
 import duckdb
 import pyarrow.compute as pc
 import pytest
-
-from irflow.testing import SHARED_DATASETS
+from pydantic import ValidationError
 
 from irflow import data_contracts
-from irflow.stage import RunContext
+from irflow.errors import DataError, StageFailed, UserError
+from irflow.stage import Run
 from irflow.store import fingerprint_file
-from irflow.tasks.ingest import IngestError, ingest_beir, ingest_config
-from irflow.testing import beir_slice
+from irflow.tasks.ingest import IngestError, IngestParams, dataset_splits, ingest_beir, is_url, source_ref
+from irflow.testing import SHARED_DATASETS, beir_slice
 
 DATASETS = SHARED_DATASETS
 SCIFACT = DATASETS / "scifact.zip"
@@ -45,12 +51,24 @@ def sl(scifact_slice_master, tmp_path) -> Path:
 
 
 @pytest.fixture
-def ctx(tmp_path) -> RunContext:
-    return RunContext(str(tmp_path / "store"), "run-1")
+def ctx(tmp_path) -> Run:
+    return Run(str(tmp_path / "store"), "run-1")
 
 
-def ingest(ctx: RunContext, source, **extra):
-    return ingest_beir.run(ctx, cfg=ingest_config({"source": str(source), **extra}, ctx.store.root / "downloads"))
+def ingest(ctx: Run, source, md5: str | None = None, **params):
+    """What the recipes do (irflow.flows.common.ingest): the source as an external input ref, then the stage."""
+    ref = ctx.external(source_ref(str(source), md5, ctx.store.root / "downloads"), {"source": str(source)})
+    return ingest_beir.run(ctx, IngestParams(**params), source=ref)
+
+
+def ingest_fails(ctx: Run, source, **extra) -> str:
+    """Ingest bad data: the stage fails, named, with the IngestError (a user error) as its cause. Its message."""
+    with pytest.raises(StageFailed) as e:
+        ingest(ctx, source, **extra)
+    assert e.value.stage == "ingest"
+    assert isinstance(e.value.cause, IngestError) and isinstance(e.value.cause, DataError)
+    assert e.value.user_error and e.value.one_line() == f"stage ingest: {e.value.cause}"
+    return str(e.value.cause)
 
 
 def nonempty_lines(path: Path) -> list[str]:
@@ -61,11 +79,11 @@ def qrels_rows(folder: Path) -> dict[str, list[list[str]]]:
     return {f.stem: [ln.split("\t") for ln in nonempty_lines(f)[1:]] for f in sorted((folder / "qrels").glob("*.tsv"))}
 
 
-def last_status(ctx: RunContext) -> str:
+def last_status(ctx: Run) -> str:
     return ctx.catalog.stage_runs(ctx.run_id)[-1]["status"]
 
 
-def assert_nothing_published(ctx: RunContext):
+def assert_nothing_published(ctx: Run):
     root = Path(ctx.store_root)
     objects = sorted(p.name for p in (root / "objects").iterdir()) if (root / "objects").exists() else []
     assert not [o for o in objects if o.split("-")[0] in ("corpus", "queries", "qrels")], objects
@@ -75,7 +93,10 @@ def assert_nothing_published(ctx: RunContext):
     if (root / "catalog.duckdb").exists():
         con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)
         try:
-            assert con.execute("SELECT count(*) FROM datasets").fetchone()[0] == 0
+            # the source itself may be recorded (an external ref, for lineage); nothing a stage made is
+            assert con.execute("SELECT count(*) FROM datasets WHERE stage <> 'external' OR kind <> 'source'"
+                               ).fetchone()[0] == 0
+            assert con.execute("SELECT count(*) FROM stage_runs").fetchone()[0] == 0
         finally:
             con.close()
 
@@ -229,9 +250,7 @@ def test_bad_input_raises_and_publishes_nothing(sl, ctx, tmp_path, case, as_zip)
     mutate, expected = BAD[case]
     mutate(sl)
     source = zip_folder(sl, tmp_path / "bad.zip", top="scifact") if as_zip else sl
-    with pytest.raises(IngestError) as e:
-        ingest(ctx, source)
-    msg = str(e.value)
+    msg = ingest_fails(ctx, source)
     for s in expected:
         assert s in msg, f"{s!r} not in {msg!r}"
     assert_nothing_published(ctx)
@@ -240,8 +259,7 @@ def test_bad_input_raises_and_publishes_nothing(sl, ctx, tmp_path, case, as_zip)
 def test_qrels_conflict_names_both_lines(sl, ctx):
     _mutate_qrels_conflict(sl)
     n = len(nonempty_lines(sl / "qrels" / "test.tsv"))
-    with pytest.raises(IngestError, match=rf"test\.tsv:{n}: .* on line 2"):
-        ingest(ctx, sl)
+    assert re.search(rf"test\.tsv:{n}: .* on line 2", ingest_fails(ctx, sl))
 
 
 def test_repeated_identical_qrels_row_is_ignored(sl, ctx, caplog):
@@ -257,8 +275,7 @@ def test_repeated_identical_qrels_row_is_ignored(sl, ctx, caplog):
 def test_fixing_bad_input_then_ingests(sl, ctx):
     good = (sl / "corpus.jsonl").read_bytes()
     _mutate_malformed(sl)
-    with pytest.raises(IngestError):
-        ingest(ctx, sl)
+    ingest_fails(ctx, sl)
     (sl / "corpus.jsonl").write_bytes(good)
     check_matches_source(ingest(ctx, sl), sl)
     assert last_status(ctx) == "computed"
@@ -288,9 +305,17 @@ def test_dangling_qrels_drop_is_default_and_warns(sl, ctx, caplog):
 
 def test_dangling_qrels_error(sl, ctx):
     add_dangling(sl)
-    with pytest.raises(IngestError, match=r"\b2 qrels row"):
-        ingest(ctx, sl, dangling_qrels="error")
+    msg = ingest_fails(ctx, sl, dangling_qrels="error")
+    assert re.search(r"\b2 qrels row", msg) and "dangling_qrels: error" in msg
     assert_nothing_published(ctx)
+
+
+def test_dangling_policy_is_validated():
+    with pytest.raises(ValidationError, match="dangling_qrels"):
+        IngestParams(dangling_qrels="ignore")
+    with pytest.raises(ValidationError, match="dangling"):  # extra=forbid: a typo is not a default
+        IngestParams(dangling="keep")
+    assert IngestParams().dangling_qrels == "drop"
 
 
 def test_dangling_qrels_keep(sl, ctx):
@@ -306,6 +331,21 @@ def test_dangling_policy_is_part_of_the_key(sl, ctx):
     keep = ingest(ctx, sl, dangling_qrels="keep")
     assert last_status(ctx) == "computed"
     assert drop["corpus"].id == keep["corpus"].id and drop["qrels"].id != keep["qrels"].id
+
+
+def test_dataset_splits_and_is_url(sl, tmp_path, http_root):
+    """What a recipe config checks before any stage runs: the source's qrels splits."""
+    base, requests = http_root
+    requests.clear()
+    assert dataset_splits(str(sl)) == ("test", "train")
+    z = zip_folder(sl, tmp_path / "s.zip", top="scifact", junk=True)
+    assert dataset_splits(str(z)) == ("test", "train")
+    assert dataset_splits(str(NFCORPUS)) == ("dev", "test", "train")
+    assert is_url(f"{base}/nfcorpus.zip") and not is_url(str(z)) and not is_url("file:///x.zip")
+    assert dataset_splits(f"{base}/nfcorpus.zip") is None  # not known before the download ...
+    assert requests == []  # ... and not downloaded to find out
+    with pytest.raises(IngestError, match="no such file"):
+        dataset_splits(str(tmp_path / "missing"))
 
 
 # ---- URL downloads --------------------------------------------------------------------------
@@ -351,7 +391,7 @@ def nfcorpus_source_counts() -> dict:
 def test_url_download_ingest_and_cache(http_root, tmp_path):
     base, requests = http_root
     requests.clear()
-    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    ctx = Run(str(tmp_path / "store"), "run-1")
     url = f"{base}/nfcorpus.zip"
     refs = ingest(ctx, url, md5=NFCORPUS_MD5)
     assert last_status(ctx) == "computed"
@@ -371,7 +411,7 @@ def test_url_download_ingest_and_cache(http_root, tmp_path):
     assert requests == ["/nfcorpus.zip"]
 
     # same config again, in a new run: no second download, the stage is cached with the same ids
-    ctx2 = RunContext(ctx.store_root, "run-2")
+    ctx2 = Run(ctx.store_root, "run-2")
     refs2 = ingest(ctx2, url, md5=NFCORPUS_MD5)
     assert [s["status"] for s in ctx2.catalog.stage_runs("run-2")] == ["cached"]
     assert {k: r.id for k, r in refs2.items()} == {k: r.id for k, r in refs.items()}
@@ -380,18 +420,19 @@ def test_url_download_ingest_and_cache(http_root, tmp_path):
 
 def test_url_wrong_md5_leaves_nothing(http_root, tmp_path):
     base, _ = http_root
-    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    ctx = Run(str(tmp_path / "store"), "run-1")
     wrong = "0" * 32
     with pytest.raises(IngestError, match="md5 mismatch") as e:
         ingest(ctx, f"{base}/nfcorpus.zip", md5=wrong)
     assert NFCORPUS_MD5 in str(e.value)  # says what it got
+    assert isinstance(e.value, UserError)
     assert list((Path(ctx.store_root) / "downloads").iterdir()) == []
     assert_nothing_published(ctx)
 
 
 def test_url_needs_md5_and_must_exist(http_root, tmp_path):
     base, _ = http_root
-    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    ctx = Run(str(tmp_path / "store"), "run-1")
     with pytest.raises(IngestError, match="md5"):
         ingest(ctx, f"{base}/nfcorpus.zip")
     with pytest.raises(IngestError, match=r"no-such\.zip.*404"):
@@ -401,7 +442,7 @@ def test_url_needs_md5_and_must_exist(http_root, tmp_path):
 
 
 def test_local_zip_md5_checked(tmp_path):
-    ctx = RunContext(str(tmp_path / "store"), "run-1")
+    ctx = Run(str(tmp_path / "store"), "run-1")
     with pytest.raises(IngestError, match="md5 mismatch"):
         ingest(ctx, NFCORPUS, md5="f" * 32)
     with pytest.raises(IngestError, match="no such file"):
@@ -441,13 +482,35 @@ def test_moved_zip_is_cached(sl, ctx, tmp_path):
     second = ingest(ctx, moved)
     assert last_status(ctx) == "cached"
     assert {k: r.id for k, r in second.items()} == {k: r.id for k, r in first.items()}
-    # renamed too: cached as long as the dataset name is the same
+    # renamed too: the file name is not keyed (the dataset's display name is a recipe matter)
     renamed = Path(shutil.move(moved, tmp_path / "b" / "copy-of-it.zip"))
-    ingest(ctx, renamed, name="scifact")
+    ingest(ctx, renamed)
     assert last_status(ctx) == "cached"
     # a folder with the same files is a different source (different bytes to fingerprint)
-    ingest(ctx, sl, name="scifact")
+    ingest(ctx, sl)
     assert last_status(ctx) == "computed"
+
+
+def test_source_ref_id_is_path_independent(sl, tmp_path):
+    """The same zip at two paths (a copy, not a move: both exist) is one source; other bytes are another."""
+    downloads = tmp_path / "downloads"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    z = zip_folder(sl, tmp_path / "a" / "scifact.zip", top="scifact")
+    copy = Path(shutil.copy(z, tmp_path / "b" / "other-name.zip"))
+    ra, rb = source_ref(str(z), None, downloads), source_ref(str(copy), None, downloads)
+    assert ra.id == rb.id == "sha256:" + fingerprint_file(z)
+    assert (ra.path, rb.path) == (str(z.resolve()), str(copy.resolve()))  # where to read it differs
+    assert ra.kind == "source" and ra.name == "scifact.zip" and rb.name == "other-name.zip"
+    # a folder: keyed by its files, wherever it is
+    folder_copy = Path(shutil.copytree(sl, tmp_path / "b" / "scifact"))
+    assert source_ref(str(sl), None, downloads).id == source_ref(str(folder_copy), None, downloads).id != ra.id
+    # one changed byte in the copy: another id
+    rewrite_line(folder_copy / "queries.jsonl", 1, json.dumps({"_id": "new-query", "text": "edited"}))
+    assert source_ref(str(folder_copy), None, downloads).id != source_ref(str(sl), None, downloads).id
+    # a verified md5 is the id of a file (the same for every copy)
+    md5 = fingerprint_file(z, "md5")
+    assert source_ref(str(z), md5, downloads).id == source_ref(str(copy), md5, downloads).id == f"md5:{md5}"
 
 
 def test_folder_md5_is_not_trusted(sl, ctx):

@@ -10,12 +10,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
+from pydantic import ValidationError
 
+from irflow.errors import StageFailed
+from irflow.fusion import fuse_runs
+from irflow.runtime import RuntimeConfig, StageRuntime
+from irflow.stage import Run
+from irflow.tasks.fuse import FuseParams, fuse
+from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, PseudoLabelParams,
+                                       build_triples, fusion_scores, label_positives, pseudo_label)
 from irflow.testing import SHARED_DATASETS
-
-from irflow.stage import RunContext
-from irflow.store import Store
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -62,26 +68,26 @@ def run_to_negatives(run: pa.Table, miner: str) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from irflow.tasks.ingest import ingest_beir, ingest_config
-    from irflow.tasks.pseudo_label import doc_text
-    from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
+    from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
 
     base = tmp_path_factory.mktemp("pl")
-    root = base / "store"
-    ctx = RunContext(str(root), "run-1")
+    run = Run(str(base / "store"), "run-1")
     sl = beir_slice(SCIFACT, base / "slice", n_test_queries=4, n_train_queries=8, n_extra_docs=40)
-    beir = ingest_beir.run(ctx, cfg=ingest_config({"source": str(sl)}, Path(root) / "downloads"))
+    beir = ingest_folder(run, sl)
     corpus = beir["corpus"].table()
-    docs = {d: doc_text(t, x) for d, t, x in zip(*(corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
+    # BEIR's passage text, written out here rather than taken from irflow.text
+    docs = {d: f"{t or ''} {x or ''}".strip()
+            for d, t, x in zip(*(corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
     # Generated queries (cropping-style): the first words of 10 passages; the source is the positive.
     src = sorted(docs)[:10]
-    gen_q = {f"gq-{d}": " ".join(corpus.filter(pa.compute.equal(corpus.column("doc_id"), d)).column("text")[0]
+    gen_q = {f"gq-{d}": " ".join(corpus.filter(pc.equal(corpus.column("doc_id"), d)).column("text")[0]
                                  .as_py().split()[:12]) for d in src}
     real_q = beir["queries"].table()
-    train_ids = set(beir["qrels"].table().filter(pa.compute.equal(beir["qrels"].table().column("split"), "train"))
-                    .column("query_id").to_pylist())
+    qrels_all = beir["qrels"].table()
+    train_ids = set(qrels_all.filter(pc.equal(qrels_all.column("split"), "train")).column("query_id").to_pylist())
     train_q = {q: t for q, t in zip(real_q.column("query_id").to_pylist(), real_q.column("text").to_pylist())
                if q in train_ids}
+    assert len(train_q) == 8
     all_q = {**gen_q, **train_q}
     queries_t = pa.table({"query_id": list(all_q), "text": list(all_q.values())})
     qrels_t = pa.table({"query_id": list(gen_q), "doc_id": src, "score": pa.array([1] * len(src), pa.int32()),
@@ -92,23 +98,26 @@ def env(tmp_path_factory):
     den = dense_run(bi, all_q, docs, "dense", 12)
     # The miners' lists contain the positives too: the stage must drop them.
     negs_t = pa.concat_tables([run_to_negatives(lex, "lex"), run_to_negatives(den, "dense")])
-    store = Store(root)
-    pub = lambda name, contract, t: store.publish_table(name, contract, t)[0]  # noqa: E731
+    pub = lambda name, contract, t: run.store.publish_table(name, contract, t)[0]  # noqa: E731
     return {
-        "ctx": ctx, "base": base, "docs": docs, "queries_text": all_q, "gen_q": gen_q, "train_q": train_q,
-        "bi": bi, "ce": ce, "corpus": beir["corpus"], "queries": pub("queries", "queries", queries_t),
+        "run": run, "base": base, "docs": docs, "queries_text": all_q, "gen_q": gen_q, "train_q": train_q,
+        "bi": bi, "ce": ce, "bi_ref": model(run, bi), "ce_ref": model(run, ce),
+        "corpus": beir["corpus"], "queries": pub("queries", "queries", queries_t),
         "qrels": pub("qrels", "qrels", qrels_t), "negatives": pub("negatives", "negatives", negs_t),
         "lex_run": pub("run", "run", lex), "dense_run": pub("run", "run", den), "negs_t": negs_t,
     }
 
 
-def _ce_cfg(env, **kw):
-    return {"teacher": {"type": "cross_encoder", "model": "tiny-ce", "model_key": "tiny-ce",
-                        "_model_path": env["ce"], "batch_size": 4, "max_length": 128},
-            "positive": "qrels", "split": "generated", "negatives_per_query": 3, "seed": 7, "scale": None, **kw}
+def _ce_params(**kw) -> dict:
+    return {"teacher": {"type": "cross_encoder", "batch_size": 4, "max_length": 128},
+            "positive": "qrels", "split": "generated", "negatives_per_positive": 3, "seed": 7, "scale": None, **kw}
 
 
-def _direct_logits(model_path, pairs):
+def _qrels_inputs(env) -> dict:
+    return dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], negatives=env["negatives"])
+
+
+def _direct_logits(model_path, pairs, max_length=128):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -117,28 +126,34 @@ def _direct_logits(model_path, pairs):
     out = []
     with torch.no_grad():
         for q, d in pairs:  # one at a time: no padding at all
-            enc = tok(q, d, truncation=True, max_length=128, return_tensors="pt")
+            enc = tok(q, d, truncation=True, max_length=max_length, return_tensors="pt")
             out.append(float(model(**enc).logits[0, 0]))
     return np.array(out)
 
 
+def _statuses(run: Run) -> list[str]:
+    return [s["status"] for s in run.catalog.stage_runs(run.run_id)]
+
+
 # ---- tests ----------------------------------------------------------------------------------------
 def test_cross_encoder_scores_are_raw_logits(env):
-    from irflow.tasks.pseudo_label import cross_encoder_scores
+    from irflow.scoring import cross_encoder_scores
 
     docs = env["docs"]
     pairs = [(env["gen_q"][q], docs[d]) for q, d in zip(sorted(env["gen_q"]), sorted(docs)[5:11])]
     got = cross_encoder_scores(env["ce"], pairs, batch_size=3, max_length=128, show_progress=False)
     np.testing.assert_allclose(got, _direct_logits(env["ce"], pairs), atol=1e-5)
-    assert (got < 0).any() or (got > 1).any() or np.ptp(got) > 0  # not squashed into one constant
+    assert np.ptp(got) > 0  # not squashed into one constant
+    # max_length is honoured (the passages are longer than 16 tokens)
+    short = cross_encoder_scores(env["ce"], pairs, batch_size=3, max_length=16, show_progress=False)
+    np.testing.assert_allclose(short, _direct_logits(env["ce"], pairs, max_length=16), atol=1e-5)
+    assert not np.allclose(short, got, atol=1e-4)
 
 
 def test_cross_encoder_teacher_stage(env):
-    from irflow.tasks.pseudo_label import build_triples, pseudo_label
-
-    ctx = env["ctx"]
-    inputs = dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], negatives=env["negatives"])
-    ref = pseudo_label.run(ctx, cfg=_ce_cfg(env), label="ce", **inputs)
+    run = env["run"]
+    inputs = _qrels_inputs(env)
+    ref = pseudo_label.run(run, _ce_params(), label="ce", teacher=env["ce_ref"], **inputs)
     t = ref.table()
     assert t.num_rows > 0
     margin = t.column("margin").to_numpy()
@@ -161,83 +176,199 @@ def test_cross_encoder_teacher_stage(env):
     for q, ns in per_q.items():
         assert len(ns) == len(set(ns)) == min(3, len(pool[q] - {q[len('gq-'):]}))
 
-    # Teacher scores are the cross-encoder's raw logits for (query, title + " " + text).
+    # Teacher scores are the cross-encoder's raw logits for (query, title + " " + text), read to max_length.
     some = rows[:4]
-    direct = _direct_logits(env["ce"], [(env["queries_text"][r["query_id"]], env["docs"][r["neg_doc_id"]]) for r in some])
-    np.testing.assert_allclose([r["neg_score"] for r in some], direct, atol=1e-5)
+    pairs = [(env["queries_text"][r["query_id"]], env["docs"][r["neg_doc_id"]]) for r in some]
+    np.testing.assert_allclose([r["neg_score"] for r in some], _direct_logits(env["ce"], pairs), atol=1e-5)
+    pos_pairs = [(env["queries_text"][r["query_id"]], env["docs"][r["pos_doc_id"]]) for r in some]
+    np.testing.assert_allclose([r["pos_score"] for r in some], _direct_logits(env["ce"], pos_pairs), atol=1e-5)
 
-    # Deterministic for a seed, different for another.
+    # Deterministic for a seed, different for another (sampling does not depend on the teacher).
     tabs = {k: v.table() for k, v in inputs.items()}
-    a = build_triples(tabs["queries"], tabs["corpus"], {**_ce_cfg(env), "teacher": {"type": "fusion"}},
-                      qrels=tabs["qrels"], negatives=tabs["negatives"], runs=[env["lex_run"].table()])
-    b = build_triples(tabs["queries"], tabs["corpus"], {**_ce_cfg(env), "teacher": {"type": "fusion"}},
-                      qrels=tabs["qrels"], negatives=tabs["negatives"], runs=[env["lex_run"].table()])
-    c = build_triples(tabs["queries"], tabs["corpus"], {**_ce_cfg(env, seed=8), "teacher": {"type": "fusion"}},
-                      qrels=tabs["qrels"], negatives=tabs["negatives"], runs=[env["lex_run"].table()])
-    assert a["triples"] == b["triples"] == [(r["query_id"], r["pos_doc_id"], r["neg_doc_id"]) for r in rows]
-    assert a["triples"] != c["triples"]
+    fusion = {"type": "fusion"}
+
+    def triples(**kw):
+        p = PseudoLabelParams.model_validate(_ce_params(teacher=fusion, **kw))
+        return build_triples(p, StageRuntime(), tabs["queries"], tabs["corpus"], qrels=tabs["qrels"],
+                             negatives=tabs["negatives"], runs=[env["lex_run"].table()])["triples"]
+
+    a, b, c = triples(), triples(), triples(seed=8)
+    assert a == b == [(r["query_id"], r["pos_doc_id"], r["neg_doc_id"]) for r in rows]
+    assert a != c
+    # ... and on the order of the negatives table
+    shuffled = tabs["negatives"].take(pa.array(np.random.default_rng(0).permutation(tabs["negatives"].num_rows)))
+    p = PseudoLabelParams.model_validate(_ce_params(teacher=fusion))
+    assert build_triples(p, StageRuntime(), tabs["queries"], tabs["corpus"], qrels=tabs["qrels"], negatives=shuffled,
+                         runs=[env["lex_run"].table()])["triples"] == a
 
     # The second call is a cache hit: same dataset, nothing recomputed.
-    ctx2 = RunContext(ctx.store_root, "run-2")
-    assert pseudo_label.run(ctx2, cfg=_ce_cfg(env), label="ce", **inputs).id == ref.id
-    assert [s["status"] for s in ctx2.catalog.stage_runs("run-2")] == ["cached"]
+    run2 = Run(run.store_root, "run-2")
+    assert pseudo_label.run(run2, _ce_params(), label="ce", teacher=env["ce_ref"], **inputs).id == ref.id
+    assert _statuses(run2) == ["cached"]
+    # the teacher's max_length is part of what is computed (and keyed)
+    shorter = pseudo_label.run(run2, _ce_params(teacher={"type": "cross_encoder", "batch_size": 4, "max_length": 16}),
+                               label="ce", teacher=env["ce_ref"], **inputs)
+    assert shorter.id != ref.id and _statuses(run2) == ["cached", "computed"]
+
+
+def test_teacher_inputs_are_checked(env):
+    inputs = _qrels_inputs(env)
+    with pytest.raises(ValueError, match="needs the teacher input"):
+        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params()), StageRuntime(), **inputs)
+    with pytest.raises(ValueError, match="needs the teacher_runs input"):
+        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"})), StageRuntime(),
+                        **inputs)
+    with pytest.raises(ValueError, match="needs the student input"):
+        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"},
+                                                                    scale={"similarity": "cos"})),
+                        StageRuntime(), teacher_runs=[env["lex_run"]], **inputs)
+    with pytest.raises(ValueError, match="needs the qrels and negatives"):
+        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params()), StageRuntime(), queries=env["queries"],
+                        corpus=env["corpus"], teacher=env["ce_ref"])
+    # a split without positives is a user error, named
+    with pytest.raises(StageFailed, match="no positive qrels in split 'train'") as e:
+        pseudo_label.run(env["run"], _ce_params(split="train"), teacher=env["ce_ref"], **inputs)
+    assert e.value.user_error
+
+
+def test_pseudo_label_params_are_validated():
+    p = PseudoLabelParams(teacher={"type": "fusion"})
+    assert isinstance(p.teacher, FusionTeacher) and p.scale is None and p.negatives_per_positive == 1
+    assert isinstance(PseudoLabelParams(teacher={"type": "cross_encoder"}).teacher, CrossEncoderTeacher)
+    assert isinstance(PseudoLabelParams(teacher={"type": "fusion"}, scale={"similarity": "dot"}).scale, AutoScale)
+    assert PseudoLabelParams(teacher={"type": "fusion"}, scale=0.5).scale == 0.5
+    bad = [
+        {"teacher": {"type": "bm25"}},
+        {"teacher": {"type": "cross_encoder", "model": "x"}},  # the model is an input, not a param
+        {"teacher": {"type": "cross_encoder", "max_length": 0}},
+        {"teacher": {"type": "fusion", "method": "combmnz"}},
+        {"teacher": {"type": "fusion"}, "positive": "bm25_top1"},
+        {"teacher": {"type": "fusion"}, "rank_range": (1, 5)},  # rank 1 is the positive
+        {"teacher": {"type": "fusion"}, "rank_range": (6, 5)},
+        {"teacher": {"type": "fusion"}, "negatives_per_positive": 0},
+        {"teacher": {"type": "fusion"}, "negatives_per_query": 2},  # the old name
+        {"teacher": {"type": "fusion"}, "scale": "auto"},  # the recipe turns auto into AutoScale
+        {"teacher": {"type": "fusion"}, "scale": {"similarity": "l2"}},
+        {"teacher": {"type": "fusion"}, "split": ""},
+        {"positive": "qrels"},  # no teacher
+    ]
+    for kw in bad:
+        with pytest.raises(ValidationError):
+            PseudoLabelParams(**kw)
+    with pytest.raises(ValidationError, match="rank 1 is the positive"):
+        PseudoLabelParams(teacher={"type": "fusion"}, rank_range=(1, 5))
+
+
+def _run(system, q, docs_scores):
+    return pa.table({"query_id": [q] * len(docs_scores), "doc_id": [d for d, _ in docs_scores],
+                     "rank": pa.array(range(1, len(docs_scores) + 1), pa.int32()),
+                     "score": pa.array([s for _, s in docs_scores], pa.float32()),
+                     "system": [system] * len(docs_scores)})
 
 
 def test_fusion_scores_by_hand():
-    from irflow.tasks.pseudo_label import fused_scores
-
-    def run(system, q, docs_scores):
-        return pa.table({"query_id": [q] * len(docs_scores), "doc_id": [d for d, _ in docs_scores],
-                         "rank": pa.array(range(1, len(docs_scores) + 1), pa.int32()),
-                         "score": pa.array([s for _, s in docs_scores], pa.float32()), "system": [system] * len(docs_scores)})
-
-    a = run("bm25", "q1", [("d1", 3.0), ("d2", 2.0), ("d3", 1.0)])
-    b = run("dense", "q1", [("d2", 0.9), ("d4", 0.5)])
+    a = _run("bm25", "q1", [("d1", 3.0), ("d2", 2.0), ("d3", 1.0)])
+    b = _run("dense", "q1", [("d2", 0.9), ("d4", 0.5)])
     za = (np.array([3.0, 2.0, 1.0]) - 2.0) / np.std([3.0, 2.0, 1.0])
     zb = (np.array([0.9, 0.5]) - 0.7) / np.std([0.9, 0.5])
     expect = {"d1": 0.3 * za[0] + 0.7 * zb.min(), "d2": 0.3 * za[1] + 0.7 * zb[0],
               "d3": 0.3 * za[2] + 0.7 * zb.min(), "d4": 0.3 * za.min() + 0.7 * zb[1]}
-    got = fused_scores([a, b], method="zscore", weights={"bm25": 0.3, "dense": 0.7})
+    weights = {"bm25": 0.3, "dense": 0.7}
+    got = fuse_runs([a, b], method="zscore", weights=weights)
     got = dict(zip(got.column("doc_id").to_pylist(), got.column("score").to_pylist()))
     assert got.keys() == expect.keys()
     for d in expect:
         assert got[d] == pytest.approx(expect[d], abs=1e-6)
+    # the teacher's scores, pair by pair, in the order asked
+    order = ["d4", "d1", "d3", "d2"]
+    teacher = fusion_scores([a, b], FusionTeacher(type="fusion", weights=weights), [("q1", d) for d in order])
+    np.testing.assert_allclose(teacher, [expect[d] for d in order], atol=1e-6)
 
-    mm = fused_scores([a, b], method="minmax", weights=[1.0, 1.0])
+    mm = fuse_runs([a, b], method="minmax", weights={"bm25": 1.0, "dense": 1.0})
     mm = dict(zip(mm.column("doc_id").to_pylist(), mm.column("score").to_pylist()))
     assert mm == pytest.approx({"d1": 1.0, "d2": 0.5 + 1.0, "d3": 0.0, "d4": 0.0}, abs=1e-6)
+    # null weights: equal, summing to 1
+    eq = fusion_scores([a, b], FusionTeacher(type="fusion", method="minmax"), [("q1", "d2")])
+    assert eq[0] == pytest.approx(0.5 * 0.5 + 0.5 * 1.0)
 
     # Only the pairs asked for; a pair no run has gets each run's minimum.
     pairs = pa.table({"query_id": ["q1"], "doc_id": ["dX"]})
-    only = fused_scores([a, b], weights={"bm25": 0.3, "dense": 0.7}, pairs=pairs)
+    only = fuse_runs([a, b], weights=weights, pairs=pairs)
     assert only.num_rows == 1 and only.column("score")[0].as_py() == pytest.approx(0.3 * za.min() + 0.7 * zb.min())
+    dx = fusion_scores([a, b], FusionTeacher(type="fusion", weights=weights), [("q1", "dX"), ("q1", "d2")])
+    np.testing.assert_allclose(dx, [0.3 * za.min() + 0.7 * zb.min(), expect["d2"]], atol=1e-6)
     with pytest.raises(ValueError, match="no weight"):
-        fused_scores([a, b], weights={"bm25": 1.0})
+        fuse_runs([a, b], weights={"bm25": 1.0})
+    with pytest.raises(ValueError, match="no weight"):
+        fusion_scores([a, b], FusionTeacher(type="fusion", weights={"bm25": 1.0}), [("q1", "d1")])
+    with pytest.raises(ValueError, match="teacher_runs"):
+        fusion_scores([], FusionTeacher(type="fusion"), [("q1", "d1")])
 
 
 def test_teacher_top1_on_unlabelled_queries(env):
-    from irflow.tasks.pseudo_label import fused_scores, pseudo_label
-
-    ctx = env["ctx"]
-    cfg = {"teacher": {"type": "fusion", "method": "zscore", "weights": {"lex": 0.3, "dense": 0.7}},
-           "positive": "teacher_top1", "neg_rank_range": [3, 6], "negatives_per_query": 2, "seed": 1, "scale": None}
+    run = env["run"]
+    weights = {"lex": 0.3, "dense": 0.7}
+    params = {"teacher": {"type": "fusion", "method": "zscore", "weights": weights},
+              "positive": "teacher_top1", "rank_range": [3, 6], "negatives_per_positive": 2, "seed": 1, "scale": None}
     runs = [env["lex_run"], env["dense_run"]]
-    t = pseudo_label.run(ctx, cfg=cfg, label="top1", queries=env["queries"], corpus=env["corpus"],
-                         teacher_runs=runs).table()
-    fused = fused_scores([r.table() for r in runs], weights={"lex": 0.3, "dense": 0.7})
+    ref = pseudo_label.run(run, params, label="top1", queries=env["queries"], corpus=env["corpus"], teacher_runs=runs)
+    t = ref.table()
+    fused = fuse_runs([r.table() for r in runs], weights=weights)
     ranked = {}
     for q, d, s in zip(*(fused.column(c).to_pylist() for c in ("query_id", "doc_id", "score"))):
         ranked.setdefault(q, []).append((-s, d))
     ranked = {q: [d for _, d in sorted(v)] for q, v in ranked.items()}
     rows = t.to_pylist()
     assert {r["query_id"] for r in rows} == set(env["queries_text"])  # real (unlabelled) and generated queries
+    per_q = {}
     for r in rows:
         order = ranked[r["query_id"]]
         assert r["pos_doc_id"] == order[0]
         assert 3 <= order.index(r["neg_doc_id"]) + 1 <= 6
         assert r["margin"] > 0  # the negative ranks below the teacher's top-1
+        per_q.setdefault(r["query_id"], set()).add(r["neg_doc_id"])
+    assert all(len(ns) == 2 for ns in per_q.values())
     with pytest.raises(ValueError, match="reads no qrels"):
-        pseudo_label.fn(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], teacher_runs=runs, cfg=cfg)
+        pseudo_label.fn(PseudoLabelParams.model_validate(params), StageRuntime(), queries=env["queries"],
+                        corpus=env["corpus"], qrels=env["qrels"], teacher_runs=runs)
+    # label_positives: the teacher's (query, top-1) pairs as qrels of split "generated"
+    qrels = label_positives.run(run, {}, pseudo_labels=ref).table()
+    assert sorted(zip(qrels.column("query_id").to_pylist(), qrels.column("doc_id").to_pylist())) == sorted(
+        {(r["query_id"], r["pos_doc_id"]) for r in rows})
+    assert set(qrels.column("split").to_pylist()) == {"generated"} and set(qrels.column("score").to_pylist()) == {1}
+
+
+@pytest.mark.parametrize("method,depth", [("zscore", None), ("minmax", 8), ("rrf", None)])
+def test_fuse_stage_and_fusion_teacher_give_identical_scores(env, method, depth):
+    """One fusion implementation: the teacher's score of a (query, doc) is the fuse stage's score of it."""
+    run = env["run"]
+    weights = {"lex": 0.4, "dense": 0.6}
+    runs = [env["lex_run"], env["dense_run"]]
+    fused = fuse.run(run, FuseParams(method=method, depth=depth, weights=weights, system="teacher"),
+                     label=f"teacher-{method}", runs=runs).table()
+    score = {(q, d): s for q, d, s in zip(*(fused.column(c).to_pylist() for c in ("query_id", "doc_id", "score")))}
+    top1 = {q: d for q, d, r in zip(*(fused.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))) if r == 1}
+    teacher = {"type": "fusion", "method": method, "depth": depth, "weights": weights}
+    labels = pseudo_label.run(run, {"teacher": teacher, "positive": "teacher_top1", "rank_range": [2, 12],
+                                    "negatives_per_positive": 6, "seed": 0},
+                              label=f"top1-{method}", queries=env["queries"], corpus=env["corpus"],
+                              teacher_runs=runs).table().to_pylist()
+    assert {r["query_id"] for r in labels} == set(top1)
+    for r in labels:
+        q = r["query_id"]
+        assert r["pos_doc_id"] == top1[q]
+        assert r["pos_score"] == score[(q, r["pos_doc_id"])]  # float32, bit for bit
+        assert r["neg_score"] == score[(q, r["neg_doc_id"])]
+    # positive=qrels scores the same pairs the same way (the pairs the fused run holds)
+    qlabels = pseudo_label.run(run, {"teacher": teacher, "negatives_per_positive": 4, "seed": 0},
+                               label=f"qrels-{method}", teacher_runs=runs, **_qrels_inputs(env)).table().to_pylist()
+    compared = 0
+    for r in qlabels:
+        for d, s in ((r["pos_doc_id"], r["pos_score"]), (r["neg_doc_id"], r["neg_score"])):
+            if (r["query_id"], d) in score:
+                assert s == score[(r["query_id"], d)]
+                compared += 1
+    assert compared >= len(qlabels)
 
 
 def test_least_squares_scale():
@@ -248,23 +379,22 @@ def test_least_squares_scale():
     noisy = 0.07 * t + np.array([0.01, -0.02, 0.0, 0.01])
     assert least_squares_scale(t, noisy) == pytest.approx(float(t @ noisy / (t @ t)))
     assert least_squares_scale(t, -t) == pytest.approx(1.0)  # disagreement: RMS ratio, never negative
+    assert least_squares_scale(np.zeros(3), np.ones(3)) == 1.0
 
 
 def test_scale_auto_matches_student_units(env):
-    from irflow.tasks.pseudo_label import pseudo_label, student_margins
+    from irflow.tasks.pseudo_label import student_margins
 
-    ctx = env["ctx"]
-    inputs = dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], negatives=env["negatives"],
-                  teacher_runs=[env["lex_run"], env["dense_run"]])
+    run = env["run"]
+    inputs = dict(**_qrels_inputs(env), teacher_runs=[env["lex_run"], env["dense_run"]])
     base = {"teacher": {"type": "fusion", "method": "zscore", "weights": {"lex": 0.2, "dense": 0.8}},
-            "positive": "qrels", "negatives_per_query": 4, "seed": 3}
-    raw = pseudo_label.run(ctx, cfg={**base, "scale": None}, label="raw", **inputs).table()
-    fixed = pseudo_label.run(ctx, cfg={**base, "scale": 0.5}, label="fixed", **inputs).table()
+            "positive": "qrels", "negatives_per_positive": 4, "seed": 3}
+    raw = pseudo_label.run(run, {**base, "scale": None}, label="raw", **inputs).table()
+    fixed = pseudo_label.run(run, {**base, "scale": 0.5}, label="fixed", **inputs).table()
     np.testing.assert_allclose(fixed.column("margin").to_numpy(), 0.5 * raw.column("margin").to_numpy(), rtol=1e-5,
                                atol=1e-6)
-    auto_cfg = {**base, "scale": "auto", "student": {"model_key": "tiny-bi", "_model_path": env["bi"],
-                                                     "similarity": "cos"}}
-    auto = pseudo_label.run(ctx, cfg=auto_cfg, label="auto", **inputs).table()
+    auto = pseudo_label.run(run, {**base, "scale": {"similarity": "cos"}}, label="auto", student=env["bi_ref"],
+                            **inputs).table()
     teacher = auto.column("margin").to_numpy().astype(np.float64)
     docs, qt = env["docs"], env["queries_text"]
     triples = [(qt[r["query_id"]], docs[r["pos_doc_id"]], docs[r["neg_doc_id"]]) for r in auto.to_pylist()]
@@ -275,3 +405,62 @@ def test_scale_auto_matches_student_units(env):
     assert not 1 / 3 < ratio_raw < 3
     assert 1 / 3 < ratio_auto < 3, (ratio_raw, ratio_auto)
     assert np.corrcoef(teacher, student)[0, 1] > 0.3
+    # every score is scaled by one factor, so margin == pos - neg still holds
+    k = teacher / raw_m.astype(np.float64)
+    np.testing.assert_allclose(k, k[0], rtol=1e-4)
+    np.testing.assert_allclose(auto.column("pos_score").to_numpy(), k[0] * raw.column("pos_score").to_numpy(),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_runtime_device_reaches_every_model_load(env):
+    """A "meta" device cannot compute anything: a stage given one fails wherever it loads a model, which
+    proves that runtime.device is what every model load uses (teacher and student alike)."""
+    inputs = _qrels_inputs(env)
+    ce = PseudoLabelParams.model_validate(_ce_params())
+    auto = PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"}, scale={"similarity": "cos"}))
+    runs = [env["lex_run"], env["dense_run"]]
+    meta = StageRuntime(device="meta")
+    with pytest.raises(Exception, match="meta"):
+        pseudo_label.fn(ce, meta, teacher=env["ce_ref"], **inputs)
+    with pytest.raises(Exception, match="meta"):  # the fusion teacher loads nothing; the student does
+        pseudo_label.fn(auto, meta, teacher_runs=runs, student=env["bi_ref"], **inputs)
+    # the very same calls on the CPU work: the device is what failed them
+    assert pseudo_label.fn(ce, StageRuntime(device="cpu"), teacher=env["ce_ref"], **inputs).num_rows > 0
+    assert pseudo_label.fn(auto, StageRuntime(device="cpu"), teacher_runs=runs, student=env["bi_ref"],
+                           **inputs).num_rows > 0
+    # through the runner: pseudo_label is "score" work, and the config's score device reaches it
+    run = Run(env["run"].store_root, "run-meta", runtime=RuntimeConfig(device={"default": "cpu", "score": "meta"}))
+    with pytest.raises(StageFailed, match="meta") as e:
+        pseudo_label.run(run, _ce_params(seed=99), label="meta", teacher=env["ce_ref"], **inputs)
+    assert e.value.stage == "pseudo_label[meta]"
+
+
+def test_teacher_max_length_default_is_written_once(monkeypatch):
+    """The cross-encoder's max_length default lives in the stage's params; the GPL recipe inherits it
+    (GPL reads 350 tokens), it does not restate it."""
+    import irflow.flows.gpl as gpl
+    from irflow.api import load_config
+
+    default = CrossEncoderTeacher.model_fields["max_length"].default
+    assert default == 350
+    assert PseudoLabelParams(teacher={"type": "cross_encoder"}).teacher.max_length == default
+    assert "max_length" not in vars(gpl.CrossEncoderTeacherConfig).get("__annotations__", {})
+    assert gpl.GPLConfig.model_fields["teacher"].default.max_length == default
+    # a config that does not name it, through the recipe's own labelling step
+    c = load_config({"flow": "gpl", "dataset": {"source": str(SCIFACT)},
+                     "teacher": {"type": "cross_encoder", "model": "some/cross-encoder"}})
+    assert c.teacher.max_length == default
+    seen = []
+
+    class FakeRun:
+        def model(self, name, where):
+            return f"<model {name}>"
+
+    monkeypatch.setattr(gpl, "pseudo_label", lambda run, p, **inputs: seen.append((p, inputs)))
+    gpl.labelling(FakeRun(), c, {"queries": "q", "qrels": "r"}, "negatives", ["m"], "student", "corpus")
+    [(p, inputs)] = seen
+    assert type(p) is PseudoLabelParams and type(p.teacher) is CrossEncoderTeacher
+    assert p.teacher.max_length == default and inputs["teacher"] == "<model some/cross-encoder>"
+    # the paper config agrees with the default
+    paper = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpl_scifact.yaml")
+    assert paper.teacher.max_length == default

@@ -1,18 +1,25 @@
-"""Dense encoding/search, BM25 search and BEIR evaluation, on real SciFact text."""
+"""Dense encoding/search, BM25 index/search and BEIR evaluation, on real SciFact text; the runtime's
+device, precision and JVM heap reaching them."""
 
 import json
 import math
+import types
 import zipfile
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from pydantic import ValidationError
 
-from irflow.stage import RunContext
-from irflow.tasks.dense import build_index, embeddings_to_numpy, encode_corpus, encode_texts, passage_texts, \
-    search_index
-from irflow.tasks.evaluate import evaluate_run, mrr_at_k
-from irflow.testing import make_tiny_bi_encoder
+from irflow.encoding import encode_texts
+from irflow.errors import StageFailed
+from irflow.runtime import RuntimeConfig, StageRuntime
+from irflow.stage import Run
+from irflow.tasks.dense import (DenseSearchParams, EncodeParams, build_index, dense_search, embeddings_to_numpy,
+                                encode_corpus, search_index)
+from irflow.tasks.evaluate import EvaluateParams, evaluate, evaluate_run, mrr_at_k
+from irflow.testing import make_tiny_bi_encoder, model
+from irflow.text import passage_texts
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +42,40 @@ def tiny(tmp_path_factory):
     return path, SentenceTransformer(str(path), device="cpu")
 
 
+@pytest.fixture(scope="module")
+def dense_env(tmp_path_factory, scifact_docs, tiny):
+    """A store with the corpus, its embeddings (computed once) and title queries whose ids are doc ids."""
+    path, _ = tiny
+    run = Run(str(tmp_path_factory.mktemp("dense") / "store"), "r")
+    corpus, _ = run.store.publish_table("corpus", "corpus", scifact_docs)
+    some = scifact_docs.slice(0, 6)
+    queries, _ = run.store.publish_table("queries", "queries", pa.table({
+        "query_id": some.column("doc_id"), "text": some.column("title")}))
+    model_ref = model(run, path)
+    emb = encode_corpus.run(run, EncodeParams(similarity="cos", batch_size=32), corpus=corpus, model=model_ref)
+    return {"run": run, "corpus": corpus, "queries": queries, "model": model_ref, "embeddings": emb}
+
+
 def test_length_sorted_encoding_keeps_input_order(scifact_docs, tiny):
-    _, model = tiny
+    _, model_ = tiny
     texts = passage_texts(scifact_docs)
-    ours = encode_texts(model, texts, batch_size=16, normalize=True)
-    ref = model.encode(texts, batch_size=16, normalize_embeddings=True, convert_to_numpy=True)
+    ours = encode_texts(model_, texts, batch_size=16, normalize=True)
+    ref = model_.encode(texts, batch_size=16, normalize_embeddings=True, convert_to_numpy=True)
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() < 1e-4
 
 
-def test_encode_stage_roundtrip_and_hnsw_matches_flat(tmp_path, scifact_docs, tiny):
-    path, model = tiny
-    ctx = RunContext(str(tmp_path / "store"), "r")
-    corpus, _ = ctx.store.publish_table("corpus", "corpus", scifact_docs)
-    emb_ref = encode_corpus.run(ctx, cfg={"model": "tiny", "model_key": "k", "_model_path": str(path),
-                                          "similarity": "cos", "batch_size": 32}, corpus=corpus)
+def test_encode_stage_roundtrip_and_hnsw_matches_flat(dense_env, scifact_docs):
+    run = dense_env["run"]
+    emb_ref = dense_env["embeddings"]
     emb = embeddings_to_numpy(emb_ref.table())
+    assert emb_ref.table().column("doc_id").to_pylist() == scifact_docs.column("doc_id").to_pylist()  # corpus order
     assert emb.shape == (scifact_docs.num_rows, 32)
     assert np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-4)
+    # cached on (params, corpus, model): a dict is validated into the same params
+    again = encode_corpus.run(Run(run.store_root, "r2"), {"similarity": "cos", "batch_size": 32},
+                              corpus=dense_env["corpus"], model=dense_env["model"])
+    assert again.id == emb_ref.id
     queries = emb[:10] + 0.01
     flat_scores, flat_idx = search_index(build_index(emb, "flat"), queries, 10)
     hnsw_scores, hnsw_idx = search_index(build_index(emb, "hnsw", hnsw_m=16), queries, 10, ef_search=200)
@@ -61,6 +84,92 @@ def test_encode_stage_roundtrip_and_hnsw_matches_flat(tmp_path, scifact_docs, ti
     assert np.allclose(flat_scores[:, 0], hnsw_scores[:, 0], atol=1e-5)
     brute = (queries @ emb.T).argsort(axis=1)[:, ::-1][:, :10]
     assert (brute[:, 0] == flat_idx[:, 0]).all()
+
+
+def test_dense_search_is_exact_top_k_and_removes_query_ids(dense_env, tiny):
+    _, model_ = tiny
+    run = dense_env["run"]
+    emb_t = dense_env["embeddings"].table()
+    emb, doc_ids = embeddings_to_numpy(emb_t), emb_t.column("doc_id").to_pylist()
+    q = dense_env["queries"].table()
+    q_emb = encode_texts(model_, q.column("text").to_pylist(), batch_size=8, normalize=True)
+    inputs = dict(embeddings=dense_env["embeddings"], queries=dense_env["queries"], model=dense_env["model"])
+    kept = dense_search.run(run, DenseSearchParams(system="d", hits=5, remove_query=False), label="keep",
+                            **inputs).table()
+    dropped = dense_search.run(run, DenseSearchParams(system="d", hits=5), label="drop", **inputs).table()
+    for i, qid in enumerate(q.column("query_id").to_pylist()):
+        exact = [doc_ids[j] for j in np.argsort(-(emb @ q_emb[i]), kind="stable")[:5]]
+        got = kept.filter(pa.compute.equal(kept.column("query_id"), qid))
+        assert got.column("doc_id").to_pylist() == exact
+        assert got.column("rank").to_pylist() == [1, 2, 3, 4, 5]
+        np.testing.assert_allclose(got.column("score").to_numpy(), np.sort(emb @ q_emb[i])[::-1][:5], atol=1e-4)
+        removed = dropped.filter(pa.compute.equal(dropped.column("query_id"), qid))
+        assert removed.column("doc_id").to_pylist() == [d for d in exact if d != qid]
+        assert removed.column("rank").to_pylist() == list(range(1, removed.num_rows + 1))
+    # a title finds its own passage among the top 5 for at least one query: the case remove_query is for
+    assert dropped.num_rows < kept.num_rows
+    assert set(kept.column("system").to_pylist()) == {"d"}
+
+
+def test_encoding_precision_comes_from_the_runtime(dense_env, scifact_docs):
+    """bf16 encoding (runtime.precision.encode) runs under autocast: close to fp32, not identical."""
+    p = EncodeParams(similarity="cos", batch_size=32)
+    corpus = dense_env["run"].store.publish_table("corpus-head", "corpus", scifact_docs.slice(0, 40))[0]
+    fp32 = embeddings_to_numpy(encode_corpus.fn(p, StageRuntime(), corpus=corpus, model=dense_env["model"]))
+    bf16 = embeddings_to_numpy(encode_corpus.fn(p, StageRuntime(precision="bf16"), corpus=corpus,
+                                                model=dense_env["model"]))
+    assert fp32.dtype == bf16.dtype == np.float32
+    assert not np.array_equal(fp32, bf16)
+    assert (np.sum(fp32 * bf16, axis=1) > 0.99).all()
+    # other batches (40 passages, not 120) pad differently: equal up to float noise
+    np.testing.assert_allclose(fp32, embeddings_to_numpy(dense_env["embeddings"].table())[:40], atol=1e-5)
+
+
+def test_runtime_device_reaches_every_dense_model_load(dense_env):
+    """A "meta" device cannot compute anything: both dense stages fail once their model is on it, which
+    proves runtime.device is what their model loads use (the same calls on the CPU are the tests above)."""
+    meta = StageRuntime(device="meta")
+    with pytest.raises(Exception, match="meta"):
+        encode_corpus.fn(EncodeParams(), meta, corpus=dense_env["corpus"], model=dense_env["model"])
+    with pytest.raises(Exception, match="meta"):
+        dense_search.fn(DenseSearchParams(system="d", hits=5), meta, embeddings=dense_env["embeddings"],
+                        queries=dense_env["queries"], model=dense_env["model"])
+    # through the runner: both are "encode" work, and the config's encode device reaches them
+    run = Run(dense_env["run"].store_root, "run-meta", runtime=RuntimeConfig(device={"default": "cpu",
+                                                                                      "encode": "meta"}))
+    with pytest.raises(StageFailed, match="meta") as e:
+        encode_corpus.run(run, EncodeParams(batch_size=7), label="meta", corpus=dense_env["corpus"],
+                          model=dense_env["model"])
+    assert e.value.stage == "encode_corpus[meta]"
+    with pytest.raises(StageFailed, match="meta") as e:
+        dense_search.run(run, DenseSearchParams(system="meta", hits=5), embeddings=dense_env["embeddings"],
+                         queries=dense_env["queries"], model=dense_env["model"])
+    assert e.value.stage == "dense_search"
+
+
+def test_retrieval_params_are_validated():
+    with pytest.raises(ValidationError, match="similarity"):
+        EncodeParams(similarity="cos_sim")
+    with pytest.raises(ValidationError, match="index"):
+        DenseSearchParams(system="d", index="ivf")
+    with pytest.raises(ValidationError, match="system"):
+        DenseSearchParams()  # the system name written into the run is required
+    with pytest.raises(ValidationError, match="hits"):
+        DenseSearchParams(system="d", hits=0)
+    with pytest.raises(ValidationError, match="top_k"):
+        DenseSearchParams(system="d", top_k=10)  # the old key: an error, never a silent default
+    from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams
+
+    with pytest.raises(ValidationError, match="variant"):
+        BM25IndexParams(variant="bogus")
+    with pytest.raises(ValidationError, match=r"\nb\n"):
+        BM25SearchParams(system="b", variant="flat", b=1.5)
+    with pytest.raises(ValidationError, match="metrics"):
+        EvaluateParams(dataset="x", split="test", metrics=("ndcg@0",))
+    with pytest.raises(ValidationError, match="metrics"):
+        EvaluateParams(dataset="x", split="test", metrics=("bleu@10",))
+    with pytest.raises(ValidationError, match="jvm_heap"):
+        RuntimeConfig(jvm_heap="lots")
 
 
 def test_metrics_follow_beir_definitions():
@@ -79,23 +188,73 @@ def test_metrics_follow_beir_definitions():
     assert mrr_at_k(qrels, results, 1) == {"q1": 0.0, "q2": 0.0}
 
 
-def test_bm25_search_removes_query_id_hits(tmp_path, scifact_docs):
-    from irflow.tasks.bm25 import bm25_index, bm25_search
+def test_evaluate_stage_averages_over_the_asked_queries(tmp_path):
+    run = Run(str(tmp_path / "store"), "r")
+    pub = lambda name, contract, t: run.store.publish_table(name, contract, t)[0]  # noqa: E731
+    qrels = pub("qrels", "qrels", pa.table({"query_id": ["q1", "q2", "q3", "q1"], "doc_id": ["d1", "d2", "d3", "d9"],
+                                            "score": pa.array([1, 1, 1, 1], pa.int32()),
+                                            "split": ["test", "test", "test", "train"]}))
+    # q1 answered (d1 first, after its own id, which is ignored); q2 asked, unanswered; q3 not asked
+    ranked = pub("run", "run", pa.table({"query_id": ["q1", "q1"], "doc_id": ["q1", "d1"],
+                                         "rank": pa.array([1, 2], pa.int32()),
+                                         "score": pa.array([2.0, 1.0], pa.float32()), "system": ["s", "s"]}))
+    queries = pub("queries", "queries", pa.table({"query_id": ["q1", "q2"], "text": ["a", "b"]}))
+    p = EvaluateParams(dataset="toy", split="test", metrics=("mrr@1", "ndcg@10"))
+    out = evaluate.run(run, p, run=ranked, qrels=qrels, queries=queries)
+    metrics = {r["metric"]: r for r in out["metrics"].table().to_pylist()}
+    assert metrics["mrr@1"]["value"] == 0.5 and metrics["mrr@1"]["num_queries"] == 2
+    assert metrics["ndcg@10"]["value"] == 0.5 and metrics["mrr@1"]["dataset"] == "toy"
+    per_query = out["per_query"].table()
+    assert sorted(set(per_query.column("query_id").to_pylist())) == ["q1", "q2"]
+    # without the queries input: every judged query of the split counts
+    everyone = evaluate.fn(p, StageRuntime(), run=ranked, qrels=qrels).get("metrics").to_pylist()
+    assert {r["metric"]: r["num_queries"] for r in everyone} == {"mrr@1": 3, "ndcg@10": 3}
+    # the own-id hit counts only when asked not to ignore identical ids
+    strict = evaluate.fn(p.model_copy(update={"ignore_identical_ids": False}), StageRuntime(), run=ranked,
+                         qrels=qrels, queries=queries)["metrics"].to_pylist()
+    assert {r["metric"]: r["value"] for r in strict}["mrr@1"] == 0.0
 
-    ctx = RunContext(str(tmp_path / "store"), "r")
-    corpus, _ = ctx.store.publish_table("corpus", "corpus", scifact_docs)
+
+def test_bm25_search_removes_query_id_hits_and_the_jvm_heap_is_the_runtimes(tmp_path, scifact_docs, monkeypatch):
+    import subprocess
+
+    from irflow.tasks import bm25
+    from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams, bm25_index, bm25_search, index_command
+
+    cmd = index_command(tmp_path / "c", tmp_path / "i", "multifield", 3, "3g")
+    assert "-Xmx3g" in cmd and cmd.index("-Xmx3g") < cmd.index("-cp")  # a JVM option, before the class
+    assert cmd[cmd.index("-threads") + 1] == "3" and cmd[-2:] == ["-fields", "title"]
+
+    commands = []
+
+    def spy_run(command, *args, **kwargs):
+        commands.append(list(command))
+        return subprocess.run(command, *args, **kwargs)
+
+    monkeypatch.setattr(bm25, "subprocess", types.SimpleNamespace(run=spy_run))
+    run = Run(str(tmp_path / "store"), "r", runtime=RuntimeConfig(jvm_heap="640m", threads=1))
+    corpus, _ = run.store.publish_table("corpus", "corpus", scifact_docs)
     # A query whose id equals a document id and whose text is that document's title (like ArguAna).
     doc = scifact_docs.slice(3, 1).to_pylist()[0]
-    queries, _ = ctx.store.publish_table("queries", "queries", pa.table({"query_id": [doc["doc_id"]],
+    queries, _ = run.store.publish_table("queries", "queries", pa.table({"query_id": [doc["doc_id"]],
                                                                          "text": [doc["title"]]}))
-    index = bm25_index.run(ctx, cfg={"variant": "flat"}, corpus=corpus)
-    kept = bm25_search.run(ctx, cfg={"system": "b", "variant": "flat", "top_k": 10, "remove_query": False},
+    index = bm25_index.run(run, BM25IndexParams(variant="flat"), corpus=corpus)
+    [command] = commands
+    assert "-Xmx640m" in command and not any(c.startswith("-Xmx") and c != "-Xmx640m" for c in command)
+    assert command[command.index("-threads") + 1] == "1"
+    import jnius_config
+
+    jvm_was_running = jnius_config.vm_running
+    kept = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", hits=10, remove_query=False),
                            label="keep", bm25_index=index, queries=queries).table()
-    removed = bm25_search.run(ctx, cfg={"system": "b", "variant": "flat", "top_k": 10, "remove_query": True},
+    removed = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", hits=10, remove_query=True),
                               label="drop", bm25_index=index, queries=queries).table()
     assert kept.column("doc_id")[0].as_py() == doc["doc_id"]  # its own title finds it first
     assert doc["doc_id"] not in removed.column("doc_id").to_pylist()
     assert removed.column("rank").to_pylist() == list(range(1, removed.num_rows + 1))
+    if not jvm_was_running:  # the search JVM (started once per process) got the runtime's heap too
+        assert "-Xmx640m" in jnius_config.options
+    assert kept.num_rows == 10 and removed.column("doc_id").to_pylist() == kept.column("doc_id").to_pylist()[1:]
 
 
 def test_unanswered_judged_queries_score_zero():

@@ -13,12 +13,16 @@ import pytest
 
 from irflow.testing import SHARED_DATASETS
 
+from pydantic import Field, ValidationError
+
 from irflow.catalog import Catalog
 from irflow.data_contracts import ContractError
-from irflow.stage import Output, RunContext, Stage, stage
-from irflow.store import TABLE_FILE, Store
-from irflow.tasks.ingest import ingest_beir, ingest_config
-from irflow.testing import beir_slice
+from irflow.errors import StageFailed
+from irflow.params import NoParams, Params
+from irflow.runtime import RuntimeConfig, StageRuntime
+from irflow.stage import Output, Run, Stage, stage
+from irflow.store import TABLE_FILE, DatasetRef, Store
+from irflow.testing import beir_slice, ingest_folder
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -37,8 +41,8 @@ def docs() -> pa.Table:
 
 
 @pytest.fixture
-def ctx(tmp_path) -> RunContext:
-    return RunContext(str(tmp_path / "store"), "run-1")
+def ctx(tmp_path) -> Run:
+    return Run(str(tmp_path / "store"), "run-1")
 
 
 def objects(root) -> list[str]:
@@ -49,7 +53,7 @@ def tmp_entries(root) -> list[str]:
     return sorted(p.name for p in (Path(root) / "tmp").iterdir())
 
 
-def statuses(ctx: RunContext) -> list[str]:
+def statuses(ctx: Run) -> list[str]:
     return [s["status"] for s in ctx.catalog.stage_runs(ctx.run_id)]
 
 
@@ -126,13 +130,22 @@ def test_publish_dir_check_failure_leaves_nothing(tmp_path):
 
 
 # ---- the stage runner -----------------------------------------------------------------------
+class ToyParams(Params):
+    suffix: str = Field(description="appended to every upper-cased text")
+    limit: int | None = Field(None, description="keep the first n rows")
+
+
+class HeadParams(Params):
+    n: int = Field(description="rows kept")
+
+
 def make_toy(calls: list, version: str = "1", name: str = "toy_upper") -> Stage:
     @stage(name, version=version, outputs=Output("out", "corpus"))
-    def toy(docs, cfg: dict) -> pa.Table:
-        calls.append(dict(cfg))
+    def toy(p: ToyParams, rt: StageRuntime, *, docs: DatasetRef) -> pa.Table:
+        calls.append((p, rt))
         t = docs.table()
-        text = pc.binary_join_element_wise(pc.utf8_upper(t["text"]), pa.scalar(cfg["suffix"]), "")
-        return t.set_column(2, "text", text).slice(0, cfg.get("limit", t.num_rows))
+        text = pc.binary_join_element_wise(pc.utf8_upper(t["text"]), pa.scalar(p.suffix), "")
+        return t.set_column(2, "text", text).slice(0, p.limit or t.num_rows)
 
     return toy
 
@@ -142,60 +155,124 @@ def test_stage_caching(ctx, docs):
     src, _ = store.publish_table("corpus", "corpus", docs)
     calls: list = []
     toy = make_toy(calls)
-    cfg = {"suffix": "!"}
+    p = ToyParams(suffix="!")
 
-    out = toy.run(ctx, cfg=cfg, docs=src)
+    out = toy.run(ctx, p, docs=src)
     assert out.id.startswith("toy_upper-") and len(calls) == 1
     t = out.table()
     assert t["text"][0].as_py() == docs["text"][0].as_py().upper() + "!"
     assert t.num_rows == docs.num_rows
 
-    again = toy.run(ctx, cfg=dict(cfg), docs=src)
+    again = toy.run(ctx, {"suffix": "!"}, docs=src)  # a dict is validated into the same params
     assert again == out and len(calls) == 1
     assert statuses(ctx) == ["computed", "cached"]
 
-    # '_'-keys are run-time hints, not keyed
-    toy.run(ctx, cfg={**cfg, "_threads": 4}, docs=src)
+    # the runtime (threads, device, precision) is not keyed: another runtime is a cache hit
+    other_rt = Run(ctx.store_root, "run-1", runtime=RuntimeConfig(threads=1, device="cpu", precision="bf16"))
+    toy.run(other_rt, p, docs=src)
     assert len(calls) == 1 and statuses(ctx)[-1] == "cached"
 
-    # cfg change -> recompute, new output
-    other = toy.run(ctx, cfg={"suffix": "?"}, docs=src)
+    # params change -> recompute, new output
+    other = toy.run(ctx, ToyParams(suffix="?"), docs=src)
     assert len(calls) == 2 and statuses(ctx)[-1] == "computed" and other.id != out.id
 
     # code version change -> recompute; same bytes -> same id (early cut-off)
-    v2 = make_toy(calls, version="2").run(ctx, cfg=cfg, docs=src)
+    v2 = make_toy(calls, version="2").run(ctx, p, docs=src)
     assert len(calls) == 3 and statuses(ctx)[-1] == "computed" and v2.id == out.id
 
     # input content change -> recompute
     src2, _ = store.publish_table("corpus", "corpus", docs.slice(0, 50))
-    small = toy.run(ctx, cfg=cfg, docs=src2)
+    small = toy.run(ctx, p, docs=src2)
     assert len(calls) == 4 and statuses(ctx)[-1] == "computed" and small.table().num_rows == 50
 
     # output deleted from the store -> recompute, and it is back
     shutil.rmtree(out.path)
-    back = toy.run(ctx, cfg=cfg, docs=src)
+    back = toy.run(ctx, p, docs=src)
     assert len(calls) == 5 and statuses(ctx)[-1] == "computed"
     assert back.id == out.id and Path(back.path, TABLE_FILE).exists()
 
     # forced by label -> recompute even though cached
-    forced_ctx = RunContext(ctx.store_root, "run-2", force={"toy_upper"})
-    toy.run(forced_ctx, cfg=cfg, docs=src)
+    forced_ctx = Run(ctx.store_root, "run-2", force={"toy_upper"})
+    toy.run(forced_ctx, p, docs=src)
     assert len(calls) == 6 and statuses(forced_ctx) == ["computed"]
 
     # a new run with nothing changed: cached, and the catalog keeps the runs apart
-    ctx3 = RunContext(ctx.store_root, "run-3")
-    toy.run(ctx3, cfg=cfg, docs=src)
+    ctx3 = Run(ctx.store_root, "run-3")
+    toy.run(ctx3, p, docs=src)
     assert len(calls) == 6 and statuses(ctx3) == ["cached"]
     assert len(statuses(ctx)) == 7
     assert tmp_entries(ctx.store_root) == []
+
+
+def test_stage_params_are_checked_and_frozen(ctx, docs):
+    src, _ = ctx.store.publish_table("corpus", "corpus", docs)
+    toy = make_toy([])
+    with pytest.raises(ValidationError, match="suffx"):
+        toy.run(ctx, {"suffx": "!"}, docs=src)  # a typo is an error, never a silent default
+    with pytest.raises(ValidationError):
+        ToyParams(suffix="!").suffix = "?"  # what a key was made of cannot change
+    with pytest.raises(TypeError, match="missing input"):
+        toy.run(ctx, ToyParams(suffix="!"))
+    with pytest.raises(TypeError, match="unknown input"):
+        toy.run(ctx, ToyParams(suffix="!"), docs=src, corpus=src)
+
+    class Section(ToyParams):  # a config section that adds a recipe-level field
+        model: str = Field("m", description="not the stage's business")
+
+    with pytest.raises(ValidationError, match="model"):
+        toy.run(ctx, Section(suffix="!"), docs=src)  # must be projected with .to(ToyParams), not keyed
+    assert toy.run(ctx, Section(suffix="!").to(ToyParams), docs=src).id == toy.run(ctx, ToyParams(suffix="!"),
+                                                                                    docs=src).id
+
+
+def test_every_params_field_is_described():
+    with pytest.raises(TypeError, match="description"):
+        class Undocumented(Params):
+            x: int = 1
+
+
+def test_runtime_reaches_the_stage_and_is_recorded(ctx, docs):
+    src, _ = ctx.store.publish_table("corpus", "corpus", docs)
+    calls: list = []
+
+    @stage("toy_device", version="1", outputs=Output("out", "corpus"), work="encode")
+    def toy_device(p: NoParams, rt: StageRuntime, *, docs: DatasetRef) -> pa.Table:
+        calls.append(rt)
+        return docs.table()
+
+    run = Run(ctx.store_root, "run-rt", runtime=RuntimeConfig(device={"default": "cpu", "encode": "meta"},
+                                                               precision={"encode": "bf16"}, threads=1))
+    toy_device.run(run, NoParams(), docs=src)
+    [rt] = calls
+    assert (rt.device, rt.precision, rt.threads, rt.work) == ("meta", "bf16", 1, "encode")
+    [row] = run.catalog.stage_runs("run-rt")
+    assert row["runtime"]["device"] == "meta" and row["runtime"]["precision"] == "bf16"
+    assert row["runtime"]["versions"]["torch"].startswith("2.")
+    with run.catalog.connect() as con:
+        recorded = json.loads(con.execute("SELECT runtime FROM datasets WHERE stage = 'toy_device'").fetchone()[0])
+    assert recorded["device"] == "meta" and recorded["threads"] == 1
+
+
+def test_a_failing_stage_is_named(ctx, docs):
+    src, _ = ctx.store.publish_table("corpus", "corpus", docs)
+    from irflow.errors import DataError
+
+    @stage("picky", version="1", outputs=Output("out", "corpus"))
+    def picky(p: NoParams, rt: StageRuntime, *, docs: DatasetRef) -> pa.Table:
+        raise DataError("no queries are judged in split 'train'")
+
+    with pytest.raises(StageFailed) as e:
+        picky.run(ctx, NoParams(), label="x", docs=src)
+    assert e.value.stage == "picky[x]" and e.value.user_error
+    assert e.value.one_line() == "stage picky[x]: no queries are judged in split 'train'"
 
 
 def test_stage_label_and_cache_key_are_per_label(ctx, docs):
     src, _ = ctx.store.publish_table("corpus", "corpus", docs)
     calls: list = []
     toy = make_toy(calls)
-    toy.run(ctx, cfg={"suffix": "!"}, docs=src, label="a")
-    toy.run(ctx, cfg={"suffix": "!"}, docs=src, label="b")  # same key: shared result
+    toy.run(ctx, ToyParams(suffix="!"), docs=src, label="a")
+    toy.run(ctx, ToyParams(suffix="!"), docs=src, label="b")  # same key: shared result
     runs = ctx.catalog.stage_runs(ctx.run_id)
     assert [r["name"] for r in runs] == ["toy_upper[a]", "toy_upper[b]"]
     assert [r["status"] for r in runs] == ["computed", "cached"] and len(calls) == 1
@@ -207,19 +284,20 @@ def test_failing_stage_publishes_nothing(ctx, docs):
     before = objects(ctx.store_root)
 
     @stage("dup_maker", version="1", outputs=Output("out", "corpus"))
-    def dup_maker(docs, cfg):
+    def dup_maker(p: NoParams, rt: StageRuntime, *, docs: DatasetRef):
         t = docs.table()
         return pa.concat_tables([t, t.slice(0, 1)])  # breaks the corpus contract
 
     @stage("crasher", version="1", outputs=Output("out", "corpus"))
-    def crasher(docs, cfg, workdir):
-        (workdir / "half.parquet").write_bytes(b"PAR1")
+    def crasher(p: NoParams, rt: StageRuntime, *, docs: DatasetRef):
+        (rt.workdir / "half.parquet").write_bytes(b"PAR1")
         raise RuntimeError("boom")
 
     with pytest.raises(ContractError, match="duplicate doc_id"):
-        dup_maker.run(ctx, cfg={}, docs=src)
-    with pytest.raises(RuntimeError, match="boom"):
-        crasher.run(ctx, cfg={}, docs=src)
+        dup_maker.run(ctx, NoParams(), docs=src)
+    with pytest.raises(StageFailed, match="boom") as e:
+        crasher.run(ctx, NoParams(), docs=src)
+    assert isinstance(e.value.cause, RuntimeError) and not e.value.user_error
     assert objects(ctx.store_root) == before
     assert tmp_entries(ctx.store_root) == []
     assert ctx.catalog.stage_runs(ctx.run_id) == []
@@ -231,15 +309,15 @@ def test_multi_output_stage(ctx, docs):
     src, _ = ctx.store.publish_table("corpus", "corpus", docs)
 
     @stage("splitter", version="1", outputs=[Output("head", "corpus"), Output("tail", "corpus")])
-    def splitter(docs, cfg):
+    def splitter(p: HeadParams, rt: StageRuntime, *, docs: DatasetRef):
         t = docs.table()
-        return {"head": t.slice(0, cfg["n"]), "tail": t.slice(cfg["n"])}
+        return {"head": t.slice(0, p.n), "tail": t.slice(p.n)}
 
-    refs = splitter.run(ctx, cfg={"n": 10}, docs=src)
+    refs = splitter.run(ctx, HeadParams(n=10), docs=src)
     assert set(refs) == {"head", "tail"}
     assert refs["head"].id.startswith("head-") and refs["tail"].id.startswith("tail-")
     assert refs["head"].table().num_rows + refs["tail"].table().num_rows == docs.num_rows
-    assert splitter.run(ctx, cfg={"n": 10}, docs=src) == refs
+    assert splitter.run(ctx, HeadParams(n=10), docs=src) == refs
     assert statuses(ctx) == ["computed", "cached"]
 
 
@@ -248,32 +326,34 @@ def test_multi_output_stage(ctx, docs):
 def chain(ctx, tmp_path):
     """ingest (real SciFact slice) -> toy_upper -> toy_head."""
     sl = beir_slice(SCIFACT, tmp_path / "scifact", n_test_queries=5, n_extra_docs=10, seed=3)
-    beir = ingest_beir.run(ctx, cfg=ingest_config({"source": str(sl)}, ctx.store.root / "downloads"))
-    upper = make_toy([]).run(ctx, cfg={"suffix": "!"}, docs=beir["corpus"])
+    beir = ingest_folder(ctx, sl)
+    upper = make_toy([]).run(ctx, ToyParams(suffix="!"), docs=beir["corpus"])
 
     @stage("toy_head", version="7", outputs=Output("out", "corpus"))
-    def toy_head(docs, cfg):
-        return docs.table().slice(0, cfg["n"])
+    def toy_head(p: HeadParams, rt: StageRuntime, *, docs: DatasetRef):
+        return docs.table().slice(0, p.n)
 
-    head = toy_head.run(ctx, cfg={"n": 4, "_device": "cpu"}, docs=upper)
+    head = toy_head.run(ctx, HeadParams(n=4), docs=upper)
     return beir, upper, head
 
 
 def test_lineage(ctx, chain):
     beir, upper, head = chain
     lin = ctx.catalog.lineage(head.id)
-    assert [x["dataset_id"] for x in lin] == [head.id, upper.id, beir["corpus"].id]
-    assert [x["depth"] for x in lin] == [0, 1, 2]
-    assert [x["stage"] for x in lin] == ["toy_head", "toy_upper", "ingest"]
-    assert [x["code_version"] for x in lin] == ["7", "1", "1"]
-    assert {x["run_id"] for x in lin} == {"run-1"}
-    assert [x["num_rows"] for x in lin] == [4, upper.table().num_rows, beir["corpus"].table().num_rows]
-    assert json.loads(lin[0]["params"]) == {"n": 4}  # run-time hints are not params
-    assert json.loads(lin[1]["params"]) == {"suffix": "!"}
-    ingest_params = json.loads(lin[2]["params"])
-    assert ingest_params["fingerprint"].startswith("sha256:") and "_path" not in ingest_params
+    source_id = lin[3]["dataset_id"]
+    assert [x["dataset_id"] for x in lin] == [head.id, upper.id, beir["corpus"].id, source_id]
+    assert [x["depth"] for x in lin] == [0, 1, 2, 3]
+    assert [x["stage"] for x in lin] == ["toy_head", "toy_upper", "ingest", "external"]
+    # lineage ends at the source, named by its content fingerprint (not its path)
+    assert source_id.startswith("sha256:") and lin[3]["kind"] == "source" and lin[3]["parents"] == []
+    assert [x["code_version"] for x in lin[:3]] == ["7", "1", "2"]
+    assert {x["run_id"] for x in lin[:3]} == {"run-1"}
+    assert [x["num_rows"] for x in lin[:3]] == [4, upper.table().num_rows, beir["corpus"].table().num_rows]
+    assert json.loads(lin[0]["params"]) == {"n": 4}
+    assert json.loads(lin[1]["params"]) == {"suffix": "!", "limit": None}
+    assert json.loads(lin[2]["params"]) == {"dangling_qrels": "drop"}
     assert lin[0]["parents"] == [{"role": "docs", "dataset_id": upper.id}]
-    assert lin[2]["parents"] == []
+    assert lin[2]["parents"] == [{"role": "source", "dataset_id": source_id}]
     assert lin[0]["num_bytes"] == Path(head.parquet).stat().st_size
     assert ctx.catalog.resolve(head.id[: len("toy_head-") + 6]) == head.id
     with pytest.raises(KeyError):
@@ -284,7 +364,7 @@ def test_lineage_after_reopening(ctx, chain):
     """The catalog is a file: a fresh Catalog object sees the same lineage."""
     _, _, head = chain
     fresh = Catalog(Path(ctx.store_root) / "catalog.duckdb")
-    assert [x["stage"] for x in fresh.lineage(head.id)] == ["toy_head", "toy_upper", "ingest"]
+    assert [x["stage"] for x in fresh.lineage(head.id)] == ["toy_head", "toy_upper", "ingest", "external"]
 
 
 def test_connect_with_views(ctx, chain):
@@ -336,12 +416,12 @@ def test_multi_output_stage_is_all_or_nothing(ctx, docs):
     before = objects(ctx.store_root)
 
     @stage("half_good", version="1", outputs=[Output("good", "corpus"), Output("bad", "corpus")])
-    def half_good(docs, cfg):
+    def half_good(p: NoParams, rt: StageRuntime, *, docs: DatasetRef):
         t = docs.table()
         return {"good": t.slice(0, 5), "bad": pa.concat_tables([t.slice(0, 2), t.slice(0, 1)])}
 
     with pytest.raises(ContractError, match="duplicate doc_id"):
-        half_good.run(ctx, cfg={}, docs=src)
+        half_good.run(ctx, NoParams(), docs=src)
     assert objects(ctx.store_root) == before
     assert tmp_entries(ctx.store_root) == []
 

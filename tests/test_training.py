@@ -1,9 +1,11 @@
-"""Losses, the student trainer (Margin-MSE / MNRL) and the cross-encoder trainer, on tiny models and a
-real SciFact slice. A few steps each: what is tested is behaviour (loss goes down, resume is exact,
-the saved model loads), not quality."""
+"""Losses, the training loop, the student trainer (Margin-MSE / MNRL) and the cross-encoder trainer, on
+tiny models and a real SciFact slice. A few steps each: what is tested is behaviour (loss goes down,
+resume is exact, the saved model loads, the runtime's device and precision reach the loop), not
+quality."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -14,12 +16,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pyarrow as pa
 import pytest
-
-from irflow.testing import SHARED_DATASETS
 import torch
+from pydantic import ValidationError
 
-from irflow.stage import RunContext
-from irflow.store import Store
+from irflow import runtime as irt
+from irflow import training
+from irflow.errors import DataError, StageFailed
+from irflow.runtime import RuntimeConfig, StageRuntime
+from irflow.stage import Run
+from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder, training_pairs
+from irflow.tasks.train_student import TrainStudentParams, mnrl_examples, train_student
+from irflow.testing import SHARED_DATASETS
+from irflow.training import CHECKPOINT, BatchPlan, LoopParams, epoch_batches, train_loop
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -63,8 +71,6 @@ def test_mnrl_formula_scale_and_hard_negatives():
 
 
 def test_batches_are_seeded_and_free_of_duplicates():
-    from irflow.tasks.train_student import BatchPlan, epoch_batches
-
     a = epoch_batches(10, 3, seed=1, epoch=0)
     assert a == epoch_batches(10, 3, seed=1, epoch=0) and a != epoch_batches(10, 3, seed=1, epoch=1)
     assert len(a) == 3 and all(len(b) == 3 for b in a)  # drop_last
@@ -72,8 +78,76 @@ def test_batches_are_seeded_and_free_of_duplicates():
     for b in epoch_batches(12, 4, seed=0, epoch=0, keys=keys):
         assert len({i % 4 for i in b}) == len(b)
     plan = BatchPlan(10, 3, seed=1)
-    assert plan.total_steps({"epochs": 2}) == 6 and plan.total_steps({"steps": 5}) == 5
+    assert plan.total_steps(LoopParams(epochs=2)) == 6 and plan.total_steps(LoopParams(steps=5)) == 5
     assert plan.at(4) == epoch_batches(10, 3, 1, 1)[1] and plan.at(0) == a[0]
+
+
+def test_training_params_are_validated():
+    """Bad training settings fail when the params are built, naming the field; the old `bf16_autocast`
+    key is gone (precision is the runtime's) and is rejected, never silently ignored."""
+    with pytest.raises(ValidationError, match="similarity"):
+        TrainStudentParams(similarity="cos_sim")  # GPL's spelling is not ours
+    with pytest.raises(ValidationError, match="loss"):
+        TrainStudentParams(loss="triplet")
+    with pytest.raises(ValidationError, match="bf16_autocast"):
+        TrainStudentParams(bf16_autocast=True)
+    with pytest.raises(ValidationError, match="batch_size"):
+        TrainStudentParams(batch_size=0)
+    with pytest.raises(ValidationError, match="lr"):
+        TrainCrossEncoderParams(lr=0)
+    with pytest.raises(ValidationError, match="negatives_per_positive"):
+        TrainCrossEncoderParams(negatives_per_positive=0)
+    with pytest.raises(ValidationError, match="checkpoint_every"):
+        LoopParams(checkpoint_every=-1)
+    with pytest.raises(ValidationError, match="precision"):
+        RuntimeConfig(precision="bf8")
+    assert TrainStudentParams(steps=3).steps == 3 and TrainStudentParams().steps is None
+
+
+# ---- precision: what `auto` picks, and that the runtime's precision reaches the loop -------------
+def test_auto_precision_follows_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(irt, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "avx512f"}))
+    assert irt.resolve_precision("auto", "train", "cpu") == "fp32"
+    warning = irt.precision_warning("bf16", "train", "cpu")
+    assert warning and "bf16" in warning and "avx512_bf16" in warning
+    plan = irt.resolved_plan(RuntimeConfig(device="cpu", precision="bf16"))
+    assert plan["train"]["precision"] == "bf16" and plan["train"]["warning"]  # forced: honoured, with a warning
+    assert irt.resolved_plan(RuntimeConfig(device="cpu"))["train"] == {"device": "cpu", "precision": "fp32",
+                                                                       "warning": None}
+    for flag in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(irt, "cpu_flags", lambda flag=flag: frozenset({"avx2", flag}))
+        assert irt.resolve_precision("auto", "train", "cpu") == "bf16"
+        assert irt.precision_warning("bf16", "train", "cpu") is None
+        # inference stays fp32 under auto (its outputs are what other stages read)
+        assert irt.resolve_precision("auto", "encode", "cpu") == "fp32"
+        assert irt.resolve_precision("auto", "score", "cpu") == "fp32"
+    assert irt.resolve_precision("fp32", "train", "cpu") == "fp32"  # a forced value is kept
+    assert irt.stage_runtime(RuntimeConfig(device="cpu"), "train").precision == "bf16"
+    assert irt.stage_runtime(RuntimeConfig(device="cpu"), "encode").precision == "fp32"
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_train_loop_autocasts_at_the_runtimes_precision(precision, tmp_path):
+    torch.manual_seed(0)
+    model, x, y = _Tiny(), torch.randn(8, 4), torch.randn(8)
+    seen = []
+
+    def compute_loss(idx):
+        out = model.lin(x[idx]).view(-1)
+        seen.append((torch.is_autocast_enabled("cpu"), out.dtype))
+        return torch.nn.functional.mse_loss(out.float(), y[idx])
+
+    rt = StageRuntime(device="cpu", precision=precision, resume_dir=tmp_path)
+    history = train_loop(model, compute_loss, BatchPlan(8, 4, seed=0), LoopParams(steps=3, lr=1e-2), 0, rt, "t")
+    assert len(history) == 3 and all(np.isfinite(h["loss"]) for h in history)
+    expect = (True, torch.bfloat16) if precision == "bf16" else (False, torch.float32)
+    assert seen == [expect] * 3
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -83,19 +157,17 @@ def _words(s):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    if not SCIFACT.exists():
-        pytest.skip("needs the SciFact zip")
-    from irflow.tasks.ingest import ingest_beir, ingest_config
-    from irflow.tasks.pseudo_label import doc_text
-    from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
+    from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
 
     base = tmp_path_factory.mktemp("train")
     root = base / "store"
-    ctx = RunContext(str(root), "run-1")
+    run = Run(str(root), "run-1")
     sl = beir_slice(SCIFACT, base / "slice", n_test_queries=2, n_train_queries=10, n_extra_docs=30)
-    beir = ingest_beir.run(ctx, cfg=ingest_config({"source": str(sl)}, Path(root) / "downloads"))
+    beir = ingest_folder(run, sl)
     corpus = beir["corpus"].table()
-    docs = {d: doc_text(t, x) for d, t, x in zip(*(corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
+    # BEIR's passage text, written out here rather than taken from irflow.text
+    docs = {d: f"{t or ''} {x or ''}".strip()
+            for d, t, x in zip(*(corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
     src = sorted(docs)[:12]
     gen_q = {f"gq-{d}": " ".join(docs[d].split()[:10]) for d in src}
     real_q = beir["queries"].table()
@@ -122,25 +194,57 @@ def env(tmp_path_factory):
             pl["pos_score"].append(ps), pl["neg_score"].append(ns)
     pl_t = pa.table({k: (pa.array(v, pa.float32()) if "score" in k else v) for k, v in pl.items()})
     pl_t = pl_t.append_column("margin", pa.compute.subtract(pl_t.column("pos_score"), pl_t.column("neg_score")))
-    store = Store(root)
+    store = run.store
     pub = lambda name, contract, t: store.publish_table(name, contract, t)[0]  # noqa: E731
-    return {"ctx": ctx, "base": base, "docs": docs, "queries_text": allq, "corpus": beir["corpus"],
-            "bi": str(make_tiny_bi_encoder(base / "bi")), "ce": str(make_tiny_cross_encoder(base / "ce")),
+    bi, ce = make_tiny_bi_encoder(base / "bi"), make_tiny_cross_encoder(base / "ce")
+    return {"run": run, "base": base, "docs": docs, "queries_text": allq, "corpus": beir["corpus"],
+            "bi": str(bi), "ce": str(ce), "bi_ref": model(run, bi), "ce_ref": model(run, ce),
             "queries": pub("queries", "queries", queries_t), "qrels": pub("qrels", "qrels", qrels_t),
             "negatives": pub("negatives", "negatives", neg_t), "pseudo_labels": pub("pl", "pseudo_labels", pl_t),
             "pl_t": pl_t}
 
 
-def _student_cfg(env, **kw):
-    return {"model": "tiny-bi", "model_key": "tiny-bi", "_model_path": env["bi"], "loss": "margin_mse",
-            "similarity": "dot", "batch_size": 4, "max_seq_length": 48, "lr": 1e-3, "warmup_steps": 2, "steps": 6,
-            "seed": 11, "checkpoint_every": 3, **kw}
+def _student_params(**kw) -> TrainStudentParams:
+    return TrainStudentParams(**{"loss": "margin_mse", "similarity": "dot", "batch_size": 4, "max_seq_length": 48,
+                                 "lr": 1e-3, "warmup_steps": 2, "steps": 6, "seed": 11, "checkpoint_every": 3, **kw})
+
+
+def _mm_inputs(env) -> dict:
+    return dict(queries=env["queries"], corpus=env["corpus"], pseudo_labels=env["pseudo_labels"],
+                base_model=env["bi_ref"])
 
 
 def _weights(path):
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(path), device="cpu").state_dict()
+
+
+class _ForwardSpy:
+    """Global forward hooks while installed: (autocast on?, output dtype) of every nn.Linear call, and
+    the device of the weights of every module called (recorded before its forward runs)."""
+
+    def __init__(self):
+        self.seen: list[tuple[bool, torch.dtype]] = []
+        self.devices: set[str] = set()
+
+    def __enter__(self):
+        def pre_hook(module, args):
+            first = next(module.parameters(), None)
+            if first is not None:
+                self.devices.add(first.device.type)
+
+        def hook(module, args, output):
+            if isinstance(module, torch.nn.Linear) and isinstance(output, torch.Tensor):
+                self.seen.append((torch.is_autocast_enabled("cpu"), output.dtype))
+
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre_hook),
+                         torch.nn.modules.module.register_module_forward_hook(hook)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
 
 
 # ---- student --------------------------------------------------------------------------------------
@@ -175,35 +279,43 @@ def test_margin_mse_decreases_on_a_repeated_batch(env):
 def test_train_student_margin_mse_saves_a_loadable_model_and_caches(env):
     from sentence_transformers import SentenceTransformer
 
-    from irflow.tasks.train_student import train_student
-
-    ctx = env["ctx"]
-    inputs = dict(queries=env["queries"], corpus=env["corpus"], pseudo_labels=env["pseudo_labels"])
-    ref = train_student.run(ctx, cfg=_student_cfg(env), label="mm", **inputs)
+    run = env["run"]
+    inputs = _mm_inputs(env)
+    ref = train_student.run(run, _student_params(), label="mm", **inputs)
     assert ref.kind == "model"
     m = SentenceTransformer(ref.path, device="cpu")
     emb = m.encode(["a query about cells", "another one"])
     assert emb.shape == (2, 32) and np.isfinite(emb).all()
     trained, base = m.state_dict(), _weights(env["bi"])
     assert any(not torch.equal(trained[k], base[k]) for k in base)  # it did train
-    log = __import__("json").loads((Path(ref.path) / "irflow_training.json").read_text())
+    log = json.loads((Path(ref.path) / "irflow_training.json").read_text())
     assert [h["step"] for h in log["history"]] == list(range(1, 7))
-    assert not (Path(ctx.store_root) / "partial" / train_student.key(_student_cfg(env), inputs)).exists()
+    assert not (Path(run.store_root) / "partial" / train_student.key(_student_params(), inputs)).exists()
 
-    ctx2 = RunContext(ctx.store_root, "run-2")
-    assert train_student.run(ctx2, cfg=_student_cfg(env), label="mm", **inputs).id == ref.id
-    assert [s["status"] for s in ctx2.catalog.stage_runs("run-2")] == ["cached"]
+    run2 = Run(run.store_root, "run-2")
+    # a dict is validated into the same params: same key, same model
+    as_dict = _student_params().model_dump()
+    assert train_student.run(run2, as_dict, label="mm", **inputs).id == ref.id
+    assert [s["status"] for s in run2.catalog.stage_runs("run-2")] == ["cached"]
+    # the base model is an input: another base model is another key
+    other = dict(inputs, base_model=env["ce_ref"])
+    assert train_student.key(_student_params(), other) != train_student.key(_student_params(), inputs)
 
 
 def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, caplog):
-    from irflow.tasks import train_student as ts
+    from irflow.testing import model
 
-    inputs = dict(queries=env["queries"], corpus=env["corpus"], pseudo_labels=env["pseudo_labels"])
-    cfg = _student_cfg(env, steps=7, checkpoint_every=3, similarity="cos")
+    params = _student_params(steps=7, checkpoint_every=3, similarity="cos")
+
+    def inputs_for(run):
+        return dict(_mm_inputs(env), base_model=model(run, env["bi"]))
+
     # Reference: uninterrupted, in its own store.
-    ref_full = ts.train_student.run(RunContext(str(tmp_path / "a"), "r"), cfg=cfg, **inputs)
+    run_a = Run(str(tmp_path / "a"), "r")
+    ref_full = train_student.run(run_a, params, **inputs_for(run_a))
 
-    crash_ctx = RunContext(str(tmp_path / "b"), "r1")
+    crash_run = Run(str(tmp_path / "b"), "r1")
+    inputs = inputs_for(crash_run)
     seen = []
 
     def crash_after_4(step):
@@ -211,42 +323,82 @@ def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, c
         if step == 4:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(ts, "_on_step", crash_after_4)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        ts.train_student.run(crash_ctx, cfg=cfg, **inputs)
-    assert (Path(crash_ctx.store_root) / "partial" / ts.train_student.key(cfg, inputs) / ts.CHECKPOINT).exists()
+    monkeypatch.setattr(training, "_on_step", crash_after_4)
+    with pytest.raises(StageFailed, match="simulated crash") as e:
+        train_student.run(crash_run, params, **inputs)
+    assert isinstance(e.value.cause, RuntimeError) and e.value.stage == "train_student"
+    partial = Path(crash_run.store_root) / "partial" / train_student.key(params, inputs)
+    assert (partial / CHECKPOINT).exists()
 
     seen.clear()
-    monkeypatch.setattr(ts, "_on_step", lambda step: seen.append(step))
+    monkeypatch.setattr(training, "_on_step", lambda step: seen.append(step))
     with caplog.at_level(logging.INFO, logger="irflow.train"):
-        ref_resumed = ts.train_student.run(RunContext(str(tmp_path / "b"), "r2"), cfg=cfg, **inputs)
+        ref_resumed = train_student.run(Run(str(tmp_path / "b"), "r2"), params, **inputs)
     assert "resuming from step 3" in caplog.text
     assert seen == [4, 5, 6, 7]  # steps 1-3 were not redone
     a, b = _weights(ref_full.path), _weights(ref_resumed.path)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    assert not (Path(crash_ctx.store_root) / "partial" / ts.train_student.key(cfg, inputs)).exists()
+    assert not partial.exists()
 
 
-def test_train_student_mnrl_with_hard_negatives(env):
+def test_train_student_mnrl_with_hard_negatives(env, tmp_path):
     from sentence_transformers import SentenceTransformer
 
-    from irflow.tasks.train_student import mnrl_examples, train_student
-
-    ex = mnrl_examples(env["qrels"].table(), env["negatives"].table(), sorted(env["docs"]), {"split": "generated"})
+    ex = mnrl_examples(env["qrels"].table(), env["negatives"].table(), sorted(env["docs"]), "generated", 11)
     assert len(ex["q"]) == 12 and all(n != p for p, n in zip(ex["p"], ex["n"]))
-    cfg = _student_cfg(env, loss="mnrl", similarity="cos", steps=3, checkpoint_every=0, bf16_autocast=True)
-    ref = train_student.run(env["ctx"], cfg=cfg, label="mnrl", queries=env["queries"], corpus=env["corpus"],
-                            qrels=env["qrels"], negatives=env["negatives"])
+    with pytest.raises(DataError, match="no positive qrels in split 'nope'"):
+        mnrl_examples(env["qrels"].table(), None, sorted(env["docs"]), "nope", 11)
+    params = _student_params(loss="mnrl", similarity="cos", steps=3, checkpoint_every=0)
+    # bf16 autocast (what the old `bf16_autocast: true` asked for) now comes from the runtime
+    run = Run(env["run"].store_root, "run-mnrl", runtime=RuntimeConfig(device="cpu", precision="bf16"))
+    ref = train_student.run(run, params, label="mnrl", queries=env["queries"], corpus=env["corpus"],
+                            qrels=env["qrels"], negatives=env["negatives"], base_model=env["bi_ref"])
     assert SentenceTransformer(ref.path, device="cpu").encode(["x"]).shape == (1, 32)
+    [row] = run.catalog.stage_runs("run-mnrl")
+    assert row["name"] == "train_student[mnrl]" and row["runtime"]["precision"] == "bf16"
+    history = json.loads((Path(ref.path) / "irflow_training.json").read_text())["history"]
+    assert len(history) == 3 and all(np.isfinite(h["loss"]) for h in history)
+
+    rt = StageRuntime(workdir=tmp_path)
     with pytest.raises(ValueError, match="pseudo_labels"):
-        train_student.fn(queries=env["queries"], corpus=env["corpus"], cfg=_student_cfg(env), workdir=Path("."),
-                         resume_dir=None)
+        train_student.fn(_student_params(), rt, queries=env["queries"], corpus=env["corpus"],
+                         base_model=env["bi_ref"])
+    with pytest.raises(ValueError, match="qrels"):
+        train_student.fn(params, rt, queries=env["queries"], corpus=env["corpus"], base_model=env["bi_ref"])
+    with pytest.raises(TypeError, match="base_model"):  # the base model is a required input now
+        train_student.run(env["run"], params, queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"])
+
+
+def test_runtime_precision_reaches_student_training(env, tmp_path):
+    """Through the runner: runtime.precision.train = bf16 makes the model's forward passes inside the
+    loop run under bf16 autocast (bf16 activations); fp32 does not autocast. Encoding precision is
+    another setting and does not leak into training."""
+    from irflow.testing import model
+
+    params = _student_params(steps=1, checkpoint_every=0)
+    out = {}
+    for precision in ({"default": "fp32", "train": "bf16"}, {"default": "bf16", "train": "fp32"}):
+        run = Run(str(tmp_path / precision["train"]), "r", runtime=RuntimeConfig(device="cpu", precision=precision))
+        with _ForwardSpy() as spy:
+            train_student.run(run, params, **dict(_mm_inputs(env), base_model=model(run, env["bi"])))
+        out[precision["train"]] = set(spy.seen)
+        assert spy.devices == {"cpu"}
+        [row] = run.catalog.stage_runs("r")
+        assert row["runtime"]["precision"] == precision["train"]
+    assert out["bf16"] == {(True, torch.bfloat16)}
+    assert out["fp32"] == {(False, torch.float32)}
 
 
 # ---- cross-encoder --------------------------------------------------------------------------------
+def _ce_params(**kw) -> TrainCrossEncoderParams:
+    return TrainCrossEncoderParams(**{"split": "train", "negatives_per_positive": 1, "batch_size": 8,
+                                      "max_length": 48, "lr": 3e-3, "warmup_steps": 2, "steps": 60, "seed": 5,
+                                      "checkpoint_every": 0, **kw})
+
+
 def _bce_on_pairs(model_path, env, ex):
-    from irflow.tasks.pseudo_label import cross_encoder_scores
+    from irflow.scoring import cross_encoder_scores
 
     pairs = [(env["queries_text"][q], env["docs"][d]) for q, d in zip(ex["q"], ex["d"])]
     logits = torch.from_numpy(cross_encoder_scores(model_path, pairs, batch_size=16, max_length=48,
@@ -257,18 +409,18 @@ def _bce_on_pairs(model_path, env, ex):
 def test_train_cross_encoder_learns_and_loads(env):
     from transformers import AutoModelForSequenceClassification
 
-    from irflow.tasks.train_cross_encoder import train_cross_encoder, training_pairs
-
-    cfg = {"model": "tiny-ce", "model_key": "tiny-ce", "_model_path": env["ce"], "split": "train",
-           "negatives_per_positive": 1, "batch_size": 8, "max_length": 48, "lr": 3e-3, "warmup_steps": 2,
-           "steps": 60, "seed": 5, "checkpoint_every": 0}
+    params = _ce_params()
     qrels = env["qrels"].table()
-    ex = training_pairs(qrels, sorted(env["docs"]), cfg, env["negatives"].table())
-    judged = {(q, d) for q, d, s in zip(*(qrels.column(c).to_pylist() for c in ("query_id", "doc_id", "score"))) if s > 0}
-    assert sum(ex["label"]) > 0 and all(((q, d) in judged) == (lab == 1.0) for q, d, lab in zip(ex["q"], ex["d"], ex["label"]))
+    ex = training_pairs(qrels, sorted(env["docs"]), params, env["negatives"].table())
+    cols = (qrels.column(c).to_pylist() for c in ("query_id", "doc_id", "score"))
+    judged = {(q, d) for q, d, s in zip(*cols) if s > 0}
+    assert sum(ex["label"]) > 0
+    assert all(((q, d) in judged) == (lab == 1.0) for q, d, lab in zip(ex["q"], ex["d"], ex["label"]))
+    with pytest.raises(DataError, match="no positive qrels in split 'dev'"):
+        training_pairs(qrels, sorted(env["docs"]), _ce_params(split="dev"))
     before = _bce_on_pairs(env["ce"], env, ex)
-    ref = train_cross_encoder.run(env["ctx"], cfg=cfg, queries=env["queries"], corpus=env["corpus"],
-                                  qrels=env["qrels"], negatives=env["negatives"])
+    ref = train_cross_encoder.run(env["run"], params, queries=env["queries"], corpus=env["corpus"],
+                                  qrels=env["qrels"], negatives=env["negatives"], base_model=env["ce_ref"])
     after = _bce_on_pairs(ref.path, env, ex)
     assert after < 0.8 * before, (before, after)
     m = AutoModelForSequenceClassification.from_pretrained(ref.path)
@@ -280,28 +432,71 @@ def test_train_cross_encoder_from_a_bi_encoder_and_resume(env, tmp_path, monkeyp
     a crash after step 3 resumes from the step-2 checkpoint to the same weights."""
     from transformers import AutoModelForSequenceClassification
 
-    from irflow.tasks import train_student as ts
-    from irflow.tasks.train_cross_encoder import train_cross_encoder
+    from irflow.testing import model
 
-    cfg = {"model": "tiny-bi", "model_key": "tiny-bi", "_model_path": env["bi"], "split": "train",
-           "negatives_per_positive": 1, "batch_size": 8, "max_length": 64, "lr": 1e-3, "warmup_steps": 1,
-           "steps": 4, "seed": 5, "checkpoint_every": 2}
-    inputs = dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"])
-    full = train_cross_encoder.run(RunContext(str(tmp_path / "a"), "r"), cfg=cfg, **inputs)
+    params = _ce_params(max_length=64, lr=1e-3, warmup_steps=1, steps=4, checkpoint_every=2)
+
+    def inputs_for(run):
+        return dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], base_model=model(run, env["bi"]))
+
+    run_a = Run(str(tmp_path / "a"), "r")
+    full = train_cross_encoder.run(run_a, params, **inputs_for(run_a))
 
     def crash(step):
         if step == 3:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(ts, "_on_step", crash)
-    with pytest.raises(RuntimeError):
-        train_cross_encoder.run(RunContext(str(tmp_path / "b"), "r1"), cfg=cfg, **inputs)
-    monkeypatch.setattr(ts, "_on_step", lambda step: None)
+    monkeypatch.setattr(training, "_on_step", crash)
+    crash_run = Run(str(tmp_path / "b"), "r1")
+    with pytest.raises(StageFailed, match="simulated crash"):
+        train_cross_encoder.run(crash_run, params, **inputs_for(crash_run))
+    monkeypatch.setattr(training, "_on_step", lambda step: None)
+    resume_run = Run(str(tmp_path / "b"), "r2")
     with caplog.at_level(logging.INFO, logger="irflow.train"):
-        resumed = train_cross_encoder.run(RunContext(str(tmp_path / "b"), "r2"), cfg=cfg, **inputs)
+        resumed = train_cross_encoder.run(resume_run, params, **inputs_for(resume_run))
     assert "resuming from step 2" in caplog.text
     a = AutoModelForSequenceClassification.from_pretrained(full.path).state_dict()
     b = AutoModelForSequenceClassification.from_pretrained(resumed.path).state_dict()
     assert a.keys() == b.keys() and a["classifier.weight"].shape == (1, 32)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_runtime_precision_reaches_cross_encoder_training(env, tmp_path):
+    inputs = dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], base_model=env["ce_ref"])
+    params = _ce_params(steps=1)
+    for precision, expect in (("bf16", {(True, torch.bfloat16)}), ("fp32", {(False, torch.float32)})):
+        with _ForwardSpy() as spy:
+            out = train_cross_encoder.fn(params, StageRuntime(precision=precision, workdir=tmp_path / precision),
+                                         **inputs)
+        assert (out / "config.json").exists()
+        assert set(spy.seen) == expect, precision
+
+
+# ---- device ---------------------------------------------------------------------------------------
+def test_runtime_device_reaches_every_training_model_load(env, tmp_path):
+    """A "meta" device cannot compute anything: a training stage given one fails once its model is on it,
+    which proves that runtime.device is what the model loads use (the same calls on the CPU are the
+    tests above). The spy also sees that every forward pass ran with weights on the meta device."""
+    meta = StageRuntime(device="meta", workdir=tmp_path)
+    calls = [
+        lambda: train_student.fn(_student_params(steps=1), meta, **_mm_inputs(env)),
+        lambda: train_student.fn(_student_params(loss="mnrl", similarity="cos", steps=1), meta,
+                                 queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"],
+                                 base_model=env["bi_ref"]),
+        lambda: train_cross_encoder.fn(_ce_params(steps=1), meta, queries=env["queries"], corpus=env["corpus"],
+                                       qrels=env["qrels"], base_model=env["ce_ref"]),
+    ]
+    for call in calls:
+        with _ForwardSpy() as spy, pytest.raises(Exception, match="meta"):
+            call()
+        assert spy.devices == {"meta"}
+    # through the runner: both are "train" work, and the config's train device reaches them
+    run = Run(env["run"].store_root, "run-meta", runtime=RuntimeConfig(device={"default": "cpu", "train": "meta"}))
+    with pytest.raises(StageFailed, match="meta") as e:
+        train_student.run(run, _student_params(steps=1, seed=99), label="meta", **_mm_inputs(env))
+    assert e.value.stage == "train_student[meta]"
+    with pytest.raises(StageFailed, match="meta") as e:
+        train_cross_encoder.run(run, _ce_params(steps=1, seed=99), label="meta", queries=env["queries"],
+                                corpus=env["corpus"], qrels=env["qrels"], base_model=env["ce_ref"])
+    assert e.value.stage == "train_cross_encoder[meta]"

@@ -10,25 +10,40 @@
                      evaluate[system] ──> report (metrics table, Prefect artifact, catalog)
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
+# is not in sys.modules, where pydantic could not resolve string annotations of the config models.
+from typing import Literal
 
-from prefect import flow
+from pydantic import Field
 
-from irflow.config import section
-from irflow.flows.common import DENSE_DEFAULTS, bm25_runs, dense_cfg, dense_run, evaluate_runs, ingest, system_name
-from irflow.stage import RunContext
-from irflow.tasks.report import report
-
-
-def baselines(cfg: dict, ctx: RunContext) -> list[dict]:
-    beir, queries = ingest(ctx, cfg)
-    runs = bm25_runs(ctx, cfg, beir["corpus"], queries)
-    if section(cfg, "dense", DENSE_DEFAULTS).get("enabled", True):
-        dcfg = dense_cfg(cfg, ctx)
-        system = section(cfg, "dense").get("system") or system_name(dcfg["model"])
-        runs[system] = dense_run(ctx, dcfg, beir["corpus"], queries, system=system, label="zero-shot")
-    evals = evaluate_runs(ctx, cfg, runs, beir["qrels"], queries)
-    return [] if ctx.dry_run else report(ctx, evals)
+from irflow.flows.common import (BM25Config, DatasetConfig, ZeroShotDense, bm25_runs, dense_run, evaluate_runs,
+                                 ingest, system_name)
+from irflow.recipe import RecipeConfig, recipe
+from irflow.stage import Run
+from irflow.tasks.evaluate import EvaluationParams
 
 
-baselines_flow = flow(name="baselines", log_prints=True, validate_parameters=False)(baselines)
+class BaselinesConfig(RecipeConfig):
+    flow: Literal["baselines"] = Field(description="this recipe: baselines")
+    dataset: DatasetConfig = Field(description="the BEIR dataset and the split to evaluate")
+    bm25: BM25Config = Field(BM25Config(), description="BM25 systems")
+    dense: ZeroShotDense = Field(ZeroShotDense(), description="the zero-shot dense system")
+    evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
+
+
+@recipe("baselines", BaselinesConfig)
+def baselines(c: BaselinesConfig, run: Run) -> list[dict]:
+    data = ingest(run, c.dataset)
+    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
+    if c.dense.enabled:
+        system = c.dense.system or system_name(c.dense.model)
+        runs[system] = dense_run(run, c.dense, data.corpus, data.test_queries, system=system, label="zero-shot",
+                                 model=run.model(c.dense.model, "dense.model"))
+    return evaluate_runs(run, c.evaluate, data, runs)
+
+
+def __getattr__(name: str):
+    # `baselines_flow`: the Prefect flow (prefect.yaml's entrypoint), built on first use.
+    if name == "baselines_flow":
+        return baselines.flow
+    raise AttributeError(name)

@@ -1,88 +1,143 @@
-"""Building blocks shared by every recipe: the baseline spine of the graph.
+"""Config sections and building blocks shared by every recipe: the baseline spine of the graph.
 
     ingest -> select_queries -> bm25_index -> bm25_search ----\\
                              -> encode_corpus -> dense_search --> evaluate (per system) -> report
 
-Each function wires stages together; each stage is cached on its own inputs.
+Each section is composed of the params of the stages it feeds (defaults live there, once); each
+building block wires stages together, and each stage is cached on its own inputs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from irflow.config import section
-from irflow.models import model_cfg
-from irflow.stage import RunContext
-from irflow.tasks.bm25 import bm25_index, bm25_search
-from irflow.tasks.dense import dense_search, encode_corpus
-from irflow.tasks.evaluate import DEFAULT_METRICS, evaluate
-from irflow.tasks.ingest import ingest_beir, ingest_config, select_queries
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
-BM25_DEFAULTS = {"variants": ["flat"], "k1": 0.9, "b": 0.4, "top_k": 1000, "remove_query": True}
-DENSE_DEFAULTS = {"model": "all-MiniLM-L6-v2", "similarity": "cos", "batch_size": 64, "max_seq_length": None,
-                  "index": "flat", "top_k": 1000, "remove_query": True}
-
-
-def threads(cfg: dict) -> int:
-    return int(section(cfg, "runtime").get("threads", 2))
+from irflow.params import ModelName
+from irflow.stage import Run
+from irflow.store import DatasetRef
+from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
+from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
+from irflow.tasks.evaluate import EvaluateParams, EvaluationParams, evaluate
+from irflow.tasks.ingest import (IngestError, IngestParams, SelectQueriesParams, dataset_splits, ingest_beir,
+                                 select_queries, source_ref)
 
 
-def ingest(ctx: RunContext, cfg: dict) -> tuple[dict, object]:
-    """The dataset and its evaluation queries: ({corpus, queries, qrels}, split queries)."""
-    ds = section(cfg, "dataset", {"split": "test"})
-    beir = ingest_beir(ctx, cfg=ingest_config(ds, Path(ctx.store_root) / "downloads"))
-    split_cfg = {"split": ds["split"], **({"limit": ds["limit_queries"]} if ds.get("limit_queries") else {})}
-    queries = select_queries(ctx, cfg=split_cfg, label=ds["split"], queries=beir["queries"], qrels=beir["qrels"])
-    return beir, queries
+# ---- sections ---------------------------------------------------------------------------------
+class DatasetConfig(IngestParams):
+    source: str = Field(min_length=1, description="a BEIR folder, a .zip, or an http(s) URL (then md5 is required)")
+    name: str | None = Field(None, description="name in the metrics (null: the source's file name without "
+                                               "extension)")
+    md5: str | None = Field(None, description="md5 of the zip: required for a URL, checked for a local file")
+    split: str = Field("test", min_length=1, description="the evaluated split: its judged queries are the test "
+                                                         "queries")
+    limit_queries: PositiveInt | None = Field(None, description="evaluate only the first n test queries by id "
+                                                                "(null: all)")
+
+    @field_validator("md5", mode="before")
+    @classmethod
+    def _md5(cls, v):
+        return str(v) if isinstance(v, int) else v
+
+    @model_validator(mode="after")
+    def _source_and_split(self):
+        from irflow.tasks.ingest import is_url
+
+        if is_url(self.source) and not self.md5:
+            raise ValueError(f"md5: required for a URL source ({self.source}), so the download can be "
+                             "verified")
+        splits = self.splits()
+        if splits is not None and self.split not in splits:
+            raise ValueError(f"split: '{self.split}' is not a split of {self.source} "
+                             f"(its qrels: {', '.join(splits) or 'none'})")
+        return self
+
+    def splits(self) -> tuple[str, ...] | None:
+        """The source's qrels splits (None: not known before download)."""
+        try:
+            return dataset_splits(self.source)
+        except IngestError as e:
+            raise ValueError(f"source: {e}") from None
+
+    @property
+    def display_name(self) -> str:
+        return self.name or Path(str(self.source).rstrip("/")).stem
 
 
-def bm25_runs(ctx: RunContext, cfg: dict, corpus, queries, system_prefix: str = "bm25", label_suffix: str = "") -> dict:
-    """system name -> run ref, one per BM25 variant."""
-    bm = section(cfg, "bm25", BM25_DEFAULTS)
+class BM25Config(BM25Retrieval):
+    variants: tuple[Variant, ...] = Field(("flat",), min_length=1, description="index variants, one system each "
+                                                                               "(bm25-flat, bm25-multifield)")
+
+    @field_validator("variants")
+    @classmethod
+    def _unique(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"each variant once, got {list(v)}")
+        return v
+
+
+class DenseConfig(DenseRetrieval):
+    """How dense systems encode and search (the model comes from the recipe)."""
+
+
+class ZeroShotDense(DenseRetrieval):
+    enabled: bool = Field(True, description="run the zero-shot dense system")
+    model: ModelName = Field("all-MiniLM-L6-v2", description="bi-encoder: a hub id, a local directory or a "
+                                                             "stored model id (MiniLM comes from a package, offline)")
+    system: str | None = Field(None, description="system name (null: dense-<model directory name>)")
+
+
+# ---- building blocks ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dataset:
+    """A BEIR dataset in the store, and its evaluation queries."""
+
+    name: str
+    split: str
+    corpus: DatasetRef
+    queries: DatasetRef
+    qrels: DatasetRef
+    test_queries: DatasetRef
+
+
+def ingest(run: Run, d: DatasetConfig) -> Dataset:
+    """The dataset (fetched once if a URL) and the judged queries of its evaluated split."""
+    source = run.external(source_ref(d.source, d.md5, run.store.root / "downloads"), {"source": d.source})
+    beir = ingest_beir(run, d.to(IngestParams), source=source)
+    test = select_queries(run, SelectQueriesParams(split=d.split, limit=d.limit_queries), label=d.split,
+                          queries=beir["queries"], qrels=beir["qrels"])
+    return Dataset(d.display_name, d.split, beir["corpus"], beir["queries"], beir["qrels"], test)
+
+
+def bm25_runs(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, *, prefix: str = "bm25",
+              label_suffix: str = "") -> dict[str, DatasetRef]:
+    """System name -> run, one per BM25 variant (an index each, cached apart from the search)."""
     runs = {}
-    for variant in bm["variants"]:
+    for variant in c.variants:
         label = variant + label_suffix
-        index = bm25_index(ctx, cfg={"variant": variant, "_threads": threads(cfg)}, label=label, corpus=corpus)
-        search_cfg = {"system": f"{system_prefix}-{variant}", "variant": variant, "k1": bm["k1"], "b": bm["b"],
-                      "top_k": bm["top_k"], "remove_query": bm["remove_query"], "_threads": threads(cfg)}
-        runs[search_cfg["system"]] = bm25_search(ctx, cfg=search_cfg, label=label, bm25_index=index, queries=queries)
+        index = bm25_index(run, BM25IndexParams(variant=variant), label=label, corpus=corpus)
+        system = f"{prefix}-{variant}"
+        runs[system] = bm25_search(run, c.to(BM25SearchParams, variant=variant, system=system), label=label,
+                                   bm25_index=index, queries=queries)
     return runs
 
 
-def dense_cfg(cfg: dict, ctx: RunContext, section_name: str = "dense", model: str | None = None) -> dict:
-    d = section(cfg, section_name, DENSE_DEFAULTS)
-    out = {k: v for k, v in d.items() if k not in ("model", "system")}
-    out["_threads"] = threads(cfg)
-    if d.get("device"):
-        out["_device"] = out.pop("device")
-    out.update(model_cfg(model or d["model"], ctx.store_root, role=f"{section_name}.model"))
-    return out
+def dense_run(run: Run, c: DenseRetrieval, corpus: DatasetRef, queries: DatasetRef, *, model: DatasetRef,
+              system: str, label: str) -> DatasetRef:
+    """Encode the corpus (cached on corpus + model + encoding settings: shared by every query set),
+    then search it."""
+    embeddings = encode_corpus(run, c.to(EncodeParams), label=label, corpus=corpus, model=model)
+    return dense_search(run, c.to(DenseSearchParams, system=system), label=label, embeddings=embeddings,
+                        queries=queries, model=model)
 
 
 def system_name(model: str) -> str:
     return "dense-" + Path(str(model).rstrip("/")).name
 
 
-def dense_run(ctx: RunContext, dcfg: dict, corpus, queries, *, system: str, label: str, model_ref=None):
-    """Encode the corpus (cached on corpus + model + encoding settings), then search."""
-    enc_keys = ("model", "model_key", "_model_path", "similarity", "batch_size", "max_seq_length", "_device")
-    enc_cfg = {k: dcfg[k] for k in enc_keys if k in dcfg}
-    if model_ref is not None:  # a model from an earlier stage: its id is in the key through the input
-        enc_cfg = {k: v for k, v in enc_cfg.items() if k not in ("model", "model_key", "_model_path")}
-    emb = encode_corpus(ctx, cfg=enc_cfg, label=label, corpus=corpus, model=model_ref)
-    search_cfg = {**dcfg, "system": system}
-    if model_ref is not None:
-        search_cfg = {k: v for k, v in search_cfg.items() if k not in ("model", "model_key", "_model_path")}
-    return dense_search(ctx, cfg=search_cfg, label=label, embeddings=emb, queries=queries, model=model_ref)
-
-
-def evaluate_runs(ctx: RunContext, cfg: dict, runs: dict, qrels, queries) -> list[dict]:
-    """runs: system name -> run ref, each answering ``queries``. One evaluate stage per system, so a
-    changed system re-evaluates alone."""
-    ds = section(cfg, "dataset", {"split": "test"})
-    ev = section(cfg, "evaluate", {"metrics": DEFAULT_METRICS})
-    name = ds.get("name") or Path(str(ds["source"])).stem
-    eval_cfg = {"dataset": name, "split": ds["split"], "metrics": ev["metrics"],
-                "ignore_identical_ids": ev.get("ignore_identical_ids", True)}
-    return [evaluate(ctx, cfg=eval_cfg, label=system, run=run, qrels=qrels, queries=queries)
-            for system, run in runs.items()]
+def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, DatasetRef]) -> list[dict]:
+    """One evaluate stage per system (a changed system re-evaluates alone), on the test queries."""
+    p = c.to(EvaluateParams, dataset=data.name, split=data.split)
+    return [evaluate(run, p, label=system, run=ref, qrels=data.qrels, queries=data.test_queries)
+            for system, ref in runs.items()]

@@ -14,160 +14,301 @@
 Each arrow is a stage cached on its inputs: change `train.*` and only training and evaluation
 recompute; change the teacher and labels, training, evaluation recompute while generation and
 mining are reused; change the generator and everything after ingest recomputes.
+
+Cross-stage rules are validators of ``GPLConfig`` (checked before any work, with no model or data):
+the positive follows the query source (``teacher_top1`` for unlabelled queries, which have no
+source passage); ``label.scale: auto`` fits margins to the student that ``train`` trains (its
+similarity and length); the evaluated dense systems use the student's similarity; doc2query needs
+a generator; an unlabelled query source's split must exist and must not be the evaluated split;
+teacher weights and label miners name miners.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
+# is not in sys.modules, where pydantic could not resolve string annotations of the config models.
+from typing import Annotated, Literal, Union
 
-from prefect import flow
+from pydantic import Field, PositiveInt, model_validator
 
-from irflow.config import section
-from irflow.flows.common import bm25_runs, dense_cfg, dense_run, evaluate_runs, ingest, system_name, threads
-from irflow.models import model_cfg
-from irflow.stage import RunContext
-from irflow.tasks.bm25 import bm25_index, bm25_search
-from irflow.tasks.doc2query import doc2query_expand
-from irflow.tasks.fuse import fuse
-from irflow.tasks.generate_queries import generate_queries
-from irflow.tasks.mine_negatives import mine_negatives
-from irflow.tasks.pseudo_label import label_positives, pseudo_label
-from irflow.tasks.report import report
-from irflow.tasks.train_student import train_student
-
-GENERATOR_DEFAULTS = {"source": "t5", "model": "BeIR/query-gen-msmarco-t5-base-v1", "queries_per_passage": 3,
-                      "max_input_length": 350, "max_length": 64, "top_p": 0.95, "top_k": 25, "batch_size": 32,
-                      "shard_size": 10000, "seed": 42}
-MINE_DEFAULTS = {"miners": [{"name": "bm25", "type": "bm25"}], "strategy": "topk", "top_k": 50, "seed": 42}
-TEACHER_DEFAULTS = {"type": "cross_encoder", "model": "cross-encoder/ms-marco-MiniLM-L-6-v2", "batch_size": 32,
-                    "max_length": 350}
-LABEL_DEFAULTS = {"negatives_per_query": 1, "neg_rank_range": [3, 30], "scale": None, "seed": 42}
-TRAIN_DEFAULTS = {"model": "GPL/msmarco-distilbert-margin-mse", "loss": "margin_mse", "similarity": "dot",
-                  "batch_size": 32, "max_seq_length": 350, "lr": 2e-5, "warmup_steps": 1000, "steps": 140000,
-                  "seed": 42, "checkpoint_every": 500, "bf16_autocast": False}
+from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig, bm25_runs, dense_run,
+                                 evaluate_runs, ingest, system_name)
+from irflow.params import ModelName, NoParams, Params
+from irflow.recipe import RecipeConfig, recipe
+from irflow.stage import Run
+from irflow.store import DatasetRef
+from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams, BM25Weights, Variant, bm25_index, bm25_search
+from irflow.tasks.dense import DenseRetrieval
+from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand
+from irflow.tasks.evaluate import EvaluationParams
+from irflow.tasks.fuse import FuseParams, FuseSettings, fuse
+from irflow.tasks.generate_queries import CropSource, ICTSource, T5Source, UnlabelledSource, generate_queries
+from irflow.tasks.mine_negatives import MineParams, mine_negatives
+from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelSettings,
+                                       PseudoLabelParams, label_positives, pseudo_label)
+from irflow.tasks.train_student import TrainStudentParams, train_student
 
 
-def _device(cfg: dict) -> dict:
-    d = section(cfg, "runtime").get("device")
-    return {"_device": d} if d else {}
+# ---- config -------------------------------------------------------------------------------------
+class T5Generate(T5Source):
+    model: ModelName = Field("BeIR/query-gen-msmarco-t5-base-v1", description="the seq2seq query generator")
 
 
-def _generator_cfg(cfg: dict, ctx: RunContext) -> dict:
-    gen = section(cfg, "generate", GENERATOR_DEFAULTS)
-    out = {k: v for k, v in gen.items() if k != "model"}
-    if gen["source"] == "t5":
-        out.update(model_cfg(gen["model"], ctx.store_root, role="generate.model"))
-    else:  # model-free sources: the generator's model settings are not part of what they compute
-        for k in ("max_input_length", "max_length", "top_p", "top_k", "batch_size", "shard_size"):
-            out.pop(k, None)
-    return {**out, "_threads": threads(cfg), **_device(cfg)}
+GenerateConfig = Annotated[Union[T5Generate, ICTSource, CropSource, UnlabelledSource], Field(discriminator="source")]
 
 
-def _miner_runs(ctx: RunContext, cfg: dict, corpus, queries) -> list:
-    """Each miner retrieves top_k for the generated queries; the run's system is the miner's name."""
-    mine = section(cfg, "mine", MINE_DEFAULTS)
-    runs = []
-    for m in mine["miners"]:
-        name = m.get("name") or (m["type"] if m["type"] == "bm25" else system_name(m["model"]))
-        label = f"miner-{name}"
-        if m["type"] == "bm25":
-            variant = m.get("variant", "flat")
-            index = bm25_index(ctx, cfg={"variant": variant, "_threads": threads(cfg)}, label=variant, corpus=corpus)
-            runs.append(bm25_search(ctx, label=label, bm25_index=index, queries=queries, cfg={
-                "system": name, "variant": variant, "k1": m.get("k1", 0.9), "b": m.get("b", 0.4),
-                "top_k": mine["top_k"], "remove_query": False, "_threads": threads(cfg)}))
-        elif m["type"] == "dense":
-            dcfg = {**dense_cfg(cfg, ctx, model=m["model"]), "top_k": mine["top_k"], "remove_query": False}
-            if m.get("similarity"):
-                dcfg["similarity"] = m["similarity"]
-            # Same model + corpus as the zero-shot system: its corpus embeddings are reused (cached).
-            runs.append(dense_run(ctx, dcfg, corpus, queries, system=name, label=label))
-        else:
-            raise ValueError(f"mine.miners: unknown miner type '{m['type']}' (bm25 or dense)")
-    return runs
+class BM25Miner(BM25Weights):
+    type: Literal["bm25"] = Field(description="BM25 retrieves the candidates")
+    name: str = Field("bm25", min_length=1, description="the miner's name (its run's system)")
+    variant: Variant = Field("flat", description="BM25 index variant")
 
 
-def _teacher_cfg(cfg: dict, ctx: RunContext, student: dict) -> dict:
-    teacher = section(cfg, "teacher", TEACHER_DEFAULTS)
-    label = section(cfg, "label", LABEL_DEFAULTS)
-    source = section(cfg, "generate", GENERATOR_DEFAULTS)["source"]
-    if teacher["type"] == "cross_encoder":
-        t = {"type": "cross_encoder", **model_cfg(teacher["model"], ctx.store_root, role="teacher.model"),
-             "batch_size": teacher.get("batch_size", 32), "max_length": teacher.get("max_length", 350)}
-    elif teacher["type"] == "fusion":
-        t = {"type": "fusion", "method": teacher.get("method", "zscore"), "weights": teacher.get("weights")}
-    else:
-        raise ValueError(f"teacher.type: unknown '{teacher['type']}' (cross_encoder or fusion)")
-    # Real unlabelled queries have no source passage: the teacher's top-1 is the positive.
-    positive = label.get("positive") or ("teacher_top1" if source == "unlabelled" else "qrels")
-    out = {**{k: v for k, v in label.items() if k != "positive"}, "teacher": t, "positive": positive,
-           **_device(cfg)}
-    if out.get("scale") == "auto":
-        out["student"] = {k: student[k] for k in ("model_key", "_model_path", "similarity", "max_seq_length")
-                          if k in student}
-    return out
+class DenseMiner(Params):
+    type: Literal["dense"] = Field(description="a bi-encoder retrieves the candidates")
+    model: ModelName = Field(description="the bi-encoder (hub id, local directory, stored model id)")
+    name: str | None = Field(None, description="the miner's name (null: dense-<model directory name>)")
+    similarity: Literal["cos", "dot"] | None = Field(None, description="its similarity (null: dense.similarity)")
 
 
-def gpl(cfg: dict, ctx: RunContext) -> list[dict]:
-    beir, test_queries = ingest(ctx, cfg)
-    corpus = beir["corpus"]
-    train = section(cfg, "train", TRAIN_DEFAULTS)
-    student_cfg = {**{k: v for k, v in train.items() if k not in ("model", "qgen")},
-                   **model_cfg(train["model"], ctx.store_root, role="train.model"), **_device(cfg)}
+Miner = Annotated[Union[BM25Miner, DenseMiner], Field(discriminator="type")]
 
-    # 1. Query generation.
-    gen_cfg = _generator_cfg(cfg, ctx)
-    unlabelled = gen_cfg["source"] == "unlabelled"
-    gen = generate_queries(ctx, cfg=gen_cfg, label=gen_cfg["source"], corpus=corpus,
-                           queries=beir["queries"] if unlabelled else None,
-                           qrels=beir["qrels"] if unlabelled else None)
 
-    # 2. Negative mining with every miner.
-    miner_runs = _miner_runs(ctx, cfg, corpus, gen["queries"])
-    mine = section(cfg, "mine", MINE_DEFAULTS)
-    negatives = mine_negatives(ctx, cfg={k: v for k, v in mine.items() if k != "miners"},
-                               runs=miner_runs, qrels=gen["qrels"], corpus=corpus)
+def miner_name(m: BM25Miner | DenseMiner) -> str:
+    return m.name or system_name(m.model)
 
-    # 3. Pseudo labels from the teacher.
-    label_cfg = _teacher_cfg(cfg, ctx, student_cfg)
-    labels = pseudo_label(ctx, cfg=label_cfg, queries=gen["queries"], corpus=corpus,
-                          qrels=None if label_cfg["positive"] == "teacher_top1" else gen["qrels"],
-                          negatives=negatives,
-                          teacher_runs=miner_runs if label_cfg["teacher"]["type"] == "fusion" else None)
+
+class MineConfig(MineParams):
+    miners: tuple[Miner, ...] = Field((BM25Miner(type="bm25"),), min_length=1,
+                                      description="retrievers whose top `depth` per query are mined")
+
+
+class CrossEncoderTeacherConfig(CrossEncoderTeacher):
+    model: ModelName = Field("cross-encoder/ms-marco-MiniLM-L-6-v2", description="the cross-encoder")
+
+
+TeacherConfig = Annotated[Union[CrossEncoderTeacherConfig, FusionTeacher], Field(discriminator="type")]
+
+
+class LabelConfig(LabelSettings):
+    positive: Literal["qrels", "teacher_top1"] | None = Field(
+        None, description="qrels: the generated query's source passage; teacher_top1: the teacher's best "
+                          "candidate (null: follows generate.source -- teacher_top1 for unlabelled queries)")
+    scale: AutoScale | float | None = Field(
+        None, description="margin scale: auto (fitted to the student that train trains: its similarity and "
+                          "length follow train), a factor, or null (teacher units, as GPL)")
+
+
+class QGenConfig(Params):
+    enabled: bool = Field(True, description="train the QGen baseline: MNRL on (query, positive) pairs")
+    steps: PositiveInt | None = Field(None, description="its steps (null: train.steps)")
+    epochs: PositiveInt | None = Field(None, description="its epochs (null: train.epochs)")
+    lr: float | None = Field(None, gt=0, description="its learning rate (null: train.lr)")
+    batch_size: PositiveInt | None = Field(None, description="its batch size (null: train.batch_size)")
+    warmup_steps: int | None = Field(None, ge=0, description="its warm-up (null: train.warmup_steps)")
+
+
+class TrainConfig(TrainStudentParams):
+    model: ModelName = Field("GPL/msmarco-distilbert-margin-mse", description="the student's starting point")
+    qgen: QGenConfig = Field(QGenConfig(), description="the QGen baseline (same settings unless given)")
+
+    def gpl_params(self) -> TrainStudentParams:
+        return self.to(TrainStudentParams)
+
+    def qgen_params(self) -> TrainStudentParams:
+        given = {k: v for k, v in self.qgen.model_dump().items() if k != "enabled" and v is not None}
+        return self.to(TrainStudentParams, loss="mnrl", **given)
+
+
+class HybridConfig(FuseSettings):
+    enabled: bool = Field(True, description="evaluate the hybrid of BM25 and the zero-shot dense model")
+    sparse_weight: float = Field(0.3, ge=0, le=1, description="weight of BM25; the dense system gets 1 - w")
+
+    def params(self, sparse: str, dense: str) -> FuseParams:
+        weights = {sparse: self.sparse_weight, dense: 1 - self.sparse_weight}
+        return self.to(FuseParams, weights=weights, system="hybrid")
+
+
+class Doc2QueryConfig(Doc2QueryParams):
+    enabled: bool | None = Field(None, description="evaluate BM25 over doc2query-expanded passages (null: when "
+                                                   "generate.source is t5; needs a generator)")
+
+
+class GPLConfig(RecipeConfig):
+    flow: Literal["gpl"] = Field(description="this recipe: gpl")
+    dataset: DatasetConfig = Field(description="the BEIR dataset and the split to evaluate")
+    generate: GenerateConfig = Field(T5Generate(source="t5"), description="where training queries come from")
+    mine: MineConfig = Field(MineConfig(), description="hard-negative mining")
+    teacher: TeacherConfig = Field(CrossEncoderTeacherConfig(type="cross_encoder"), description="who labels")
+    label: LabelConfig = Field(LabelConfig(), description="how triples are drawn and labelled")
+    train: TrainConfig = Field(TrainConfig(), description="the students")
+    bm25: BM25Config = Field(BM25Config(), description="BM25 systems (and the BM25 of doc2query)")
+    dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search (similarity "
+                                                          "follows train.similarity)")
+    hybrid: HybridConfig = Field(HybridConfig(), description="BM25 + zero-shot fusion")
+    doc2query: Doc2QueryConfig = Field(Doc2QueryConfig(), description="the docT5query baseline")
+    evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _follow(cls, data):
+        """Fill what follows another section, before validation (so `irflow config` shows it)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        gen, train = _raw(data, "generate"), _raw(data, "train", create=True)
+        source = gen.get("source", "t5") if gen is not None else "t5"
+        if train is None:  # not a mapping: validation reports it
+            return data
+        fields = TrainStudentParams.model_fields
+        similarity = train.get("similarity", fields["similarity"].default)
+        label = _raw(data, "label", create=True)
+        if label is not None:
+            label.setdefault("positive", "teacher_top1" if source == "unlabelled" else "qrels")
+            if label.get("scale") == "auto":
+                label["scale"] = {"similarity": similarity,
+                                  "max_seq_length": train.get("max_seq_length", fields["max_seq_length"].default)}
+        dense = _raw(data, "dense", create=True)
+        if dense is not None:
+            dense.setdefault("similarity", similarity)
+        doc2query = _raw(data, "doc2query", create=True)
+        if doc2query is not None and doc2query.get("enabled") is None:
+            doc2query["enabled"] = source == "t5"
+        return data
+
+    @model_validator(mode="after")
+    def _rules(self):
+        source = self.generate.source
+        if self.train.loss != "margin_mse":
+            raise ValueError("train.loss: the GPL student learns the teacher's margins (margin_mse); the MNRL "
+                             "baseline is train.qgen")
+        if source == "unlabelled" and self.label.positive == "qrels":
+            raise ValueError("label.positive: qrels needs the source passage of each query; unlabelled queries "
+                             "have none: use teacher_top1 (or leave it out)")
+        if isinstance(self.label.scale, AutoScale) and (
+                self.label.scale.similarity != self.train.similarity
+                or self.label.scale.max_seq_length != self.train.max_seq_length):
+            raise ValueError(f"label.scale: auto fits margins to the student train trains (similarity "
+                             f"{self.train.similarity}, max_seq_length {self.train.max_seq_length}); got "
+                             f"{self.label.scale.model_dump()}")
+        if self.dense.similarity != self.train.similarity:
+            raise ValueError(f"dense.similarity: the evaluated students use train.similarity "
+                             f"({self.train.similarity}); got {self.dense.similarity}")
+        if self.doc2query.enabled and source != "t5":
+            raise ValueError(f"doc2query.enabled: doc2query expands passages with generated queries; "
+                             f"generate.source is {source}, not t5")
+        if source == "unlabelled":
+            if self.generate.split == self.dataset.split:
+                raise ValueError(f"generate.split: '{self.generate.split}' is the evaluated split "
+                                 f"(dataset.split); training on its queries would leak the test set")
+            splits = self.dataset.splits()
+            if splits is not None and self.generate.split not in splits:
+                raise ValueError(f"generate.split: '{self.generate.split}' is not a split of {self.dataset.source} "
+                                 f"(its qrels: {', '.join(splits)})")
+        names = [miner_name(m) for m in self.mine.miners]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mine.miners: miner names must be distinct, got {names}")
+        if isinstance(self.teacher, FusionTeacher) and self.teacher.weights is not None:
+            wrong = sorted(set(self.teacher.weights) ^ set(names))
+            if wrong:
+                raise ValueError(f"teacher.weights: one weight per miner, by name: miners are {names}, weights "
+                                 f"name {sorted(self.teacher.weights)}")
+        if self.label.miners and not set(self.label.miners) <= set(names):
+            raise ValueError(f"label.miners: {sorted(set(self.label.miners) - set(names))} are not miners "
+                             f"(miners: {names})")
+        return self
+
+
+def _raw(data: dict, key: str, create: bool = False) -> dict | None:
+    """A section of the raw config as a mutable copy (None if it is not a mapping: validation says why)."""
+    value = data.get(key)
+    if value is None and create:
+        value = {}
+    if not isinstance(value, dict):
+        return None
+    data[key] = dict(value)
+    return data[key]
+
+
+# ---- building blocks ------------------------------------------------------------------------------
+def query_generation(run: Run, g, data: Dataset) -> dict[str, DatasetRef]:
+    """Generated (or unlabelled real) queries and their qrels (the source passage; none if unlabelled)."""
+    if isinstance(g, T5Generate):
+        return generate_queries(run, g.to(T5Source), label="t5", corpus=data.corpus,
+                                model=run.model(g.model, "generate.model"))
+    if isinstance(g, UnlabelledSource):
+        return generate_queries(run, g, label=g.source, corpus=data.corpus, queries=data.queries, qrels=data.qrels)
+    return generate_queries(run, g, label=g.source, corpus=data.corpus)
+
+
+def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef
+              ) -> DatasetRef:
+    """A miner's top `mine.depth` for the generated queries; the run's system is the miner's name."""
+    name = miner_name(m)
+    if isinstance(m, BM25Miner):
+        index = bm25_index(run, BM25IndexParams(variant=m.variant), label=m.variant, corpus=corpus)
+        return bm25_search(run, m.to(BM25SearchParams, hits=c.mine.depth, remove_query=False, system=name),
+                           label=f"miner-{name}", bm25_index=index, queries=queries)
+    # Same model and encoding as an evaluated system: its corpus embeddings are reused (cached).
+    settings = c.dense.to(DenseRetrieval, hits=c.mine.depth, remove_query=False,
+                          similarity=m.similarity or c.dense.similarity)
+    where = f"mine.miners.{c.mine.miners.index(m)}.model"
+    return dense_run(run, settings, corpus, queries, model=run.model(m.model, where), system=name,
+                     label=f"miner-{name}")
+
+
+def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined: list[DatasetRef],
+              student: DatasetRef, corpus: DatasetRef) -> DatasetRef:
+    """The teacher's (q, pos, neg, margin) triples."""
+    teacher = c.teacher
+    p = c.label.to(PseudoLabelParams, teacher=teacher.to(CrossEncoderTeacher) if
+                   isinstance(teacher, CrossEncoderTeacherConfig) else teacher)
+    return pseudo_label(run, p, queries=gen["queries"], corpus=corpus, negatives=negatives,
+                        qrels=gen["qrels"] if p.positive == "qrels" else None,
+                        teacher_runs=mined if isinstance(teacher, FusionTeacher) else None,
+                        teacher=run.model(teacher.model, "teacher.model") if
+                        isinstance(teacher, CrossEncoderTeacherConfig) else None,
+                        student=student if isinstance(p.scale, AutoScale) else None)
+
+
+# ---- the recipe -----------------------------------------------------------------------------------
+@recipe("gpl", GPLConfig)
+def gpl(c: GPLConfig, run: Run) -> list[dict]:
+    data = ingest(run, c.dataset)
+    base = run.model(c.train.model, "train.model")
+
+    # 1. Query generation; 2. negative mining with every miner; 3. pseudo labels from the teacher.
+    gen = query_generation(run, c.generate, data)
+    mined = [miner_run(run, m, c, data.corpus, gen["queries"]) for m in c.mine.miners]
+    negatives = mine_negatives(run, c.mine.to(MineParams), runs=mined, qrels=gen["qrels"], corpus=data.corpus)
+    labels = labelling(run, c, gen, negatives, mined, base, data.corpus)
 
     # 4. Students: GPL (Margin-MSE on the teacher's margins) and the QGen baseline (MNRL on (q, pos)).
-    gpl_student = train_student(ctx, cfg=student_cfg, label="gpl", queries=gen["queries"], corpus=corpus,
-                                pseudo_labels=labels)
-    qgen_section = train.get("qgen") or {}
-    qgen_student = None
-    if qgen_section.get("enabled", True):
-        positives = label_positives(ctx, cfg={}, pseudo_labels=labels)
-        qgen_cfg = {**student_cfg, "loss": "mnrl", **{k: v for k, v in qgen_section.items() if k != "enabled"}}
-        qgen_student = train_student(ctx, cfg=qgen_cfg, label="qgen", queries=gen["queries"], corpus=corpus,
-                                     qrels=positives)
+    students = {"gpl-student": train_student(run, c.train.gpl_params(), label="gpl", queries=gen["queries"],
+                                             corpus=data.corpus, base_model=base, pseudo_labels=labels)}
+    if c.train.qgen.enabled:
+        positives = label_positives(run, NoParams(), pseudo_labels=labels)
+        students["qgen-student"] = train_student(run, c.train.qgen_params(), label="qgen", queries=gen["queries"],
+                                                 corpus=data.corpus, base_model=base, qrels=positives)
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
-    runs = bm25_runs(ctx, cfg, corpus, test_queries)
-    zs_cfg = dense_cfg(cfg, ctx, model=train["model"])
-    zs_cfg["similarity"] = train["similarity"]
-    zero_shot_system = system_name(train["model"])
-    runs[zero_shot_system] = dense_run(ctx, zs_cfg, corpus, test_queries, system=zero_shot_system, label="zero-shot")
-    hybrid = section(cfg, "hybrid", {"enabled": True, "method": "zscore", "weights": [0.3, 0.7], "top_k": 100})
-    if hybrid.pop("enabled"):
-        bm25_system = next(iter(runs))
-        runs["hybrid"] = fuse(ctx, cfg={**hybrid, "system": "hybrid"}, label="hybrid",
-                              runs=[runs[bm25_system], runs[zero_shot_system]])
-    d2q = section(cfg, "doc2query", {"enabled": gen_cfg["source"] == "t5"})
-    if d2q.pop("enabled"):
-        expanded = doc2query_expand(ctx, cfg=d2q, corpus=corpus, queries=gen["queries"], qrels=gen["qrels"])
-        runs.update(bm25_runs(ctx, {**cfg, "bm25": {**section(cfg, "bm25"), "variants": ["flat"]}}, expanded,
-                              test_queries, system_prefix="bm25-doc2query", label_suffix="-doc2query"))
-    eval_dense = zs_cfg  # same encoding/search settings; the model comes in as a stored model ref
-    if qgen_student is not None:
-        runs["qgen-student"] = dense_run(ctx, eval_dense, corpus, test_queries, system="qgen-student",
-                                         label="qgen-student", model_ref=qgen_student)
-    runs["gpl-student"] = dense_run(ctx, eval_dense, corpus, test_queries, system="gpl-student",
-                                    label="gpl-student", model_ref=gpl_student)
-    evals = evaluate_runs(ctx, cfg, runs, beir["qrels"], test_queries)
-    return [] if ctx.dry_run else report(ctx, evals)
+    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
+    zero_shot = system_name(c.train.model)
+    runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
+                                label="zero-shot")
+    if c.hybrid.enabled:
+        sparse = next(iter(runs))
+        runs["hybrid"] = fuse(run, c.hybrid.params(sparse, zero_shot), label="hybrid",
+                              runs=[runs[sparse], runs[zero_shot]])
+    if c.doc2query.enabled:
+        expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
+                                    queries=gen["queries"], qrels=gen["qrels"])
+        runs.update(bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
+                              prefix="bm25-doc2query", label_suffix="-doc2query"))
+    for name, model in students.items():
+        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, label=name)
+    return evaluate_runs(run, c.evaluate, data, runs)
 
 
-gpl_flow = flow(name="gpl", log_prints=True, validate_parameters=False)(gpl)
+def __getattr__(name: str):
+    # `gpl_flow`: the Prefect flow (prefect.yaml's entrypoint), built on first use.
+    if name == "gpl_flow":
+        return gpl.flow
+    raise AttributeError(name)

@@ -18,17 +18,45 @@ import logging
 import subprocess
 import time
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from pydantic import Field, PositiveInt
+
 from irflow.java import anserini_jar, java_binary, pyserini_searcher
+from irflow.params import Params
+from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
+from irflow.store import DatasetRef
 
 log = logging.getLogger("irflow.bm25")
 
 COLLECTIONS = {"flat": "BeirFlatCollection", "multifield": "BeirMultifieldCollection"}
 SEARCH_FIELDS = {"flat": {}, "multifield": {"contents": 1.0, "title": 1.0}}
+Variant = Literal["flat", "multifield"]
+
+
+class BM25IndexParams(Params):
+    variant: Variant = Field(description="flat: title + text in one field; multifield: title as its own field "
+                                         "(Anserini's BEIR regression collections)")
+
+
+class BM25Weights(Params):
+    k1: float = Field(0.9, ge=0, description="BM25 term-frequency saturation (Pyserini's BEIR setting)")
+    b: float = Field(0.4, ge=0, le=1, description="BM25 document-length normalisation (Pyserini's BEIR setting)")
+
+
+class BM25Retrieval(BM25Weights):
+    hits: PositiveInt = Field(1000, description="hits per query")
+    remove_query: bool = Field(True, description="drop a hit whose doc id equals the query id (Pyserini's "
+                                                  "--remove-query, BEIR's ignore_identical_ids)")
+
+
+class BM25SearchParams(BM25Retrieval):
+    variant: Variant = Field(description="the index variant searched (multifield searches title and contents)")
+    system: str = Field(min_length=1, description="system name written into the run")
 
 
 def _check_index(path: Path) -> None:
@@ -46,8 +74,8 @@ def write_beir_jsonl(corpus: pa.Table, out_dir: Path) -> Path:
     return path
 
 
-def index_command(collection_dir: Path, index_dir: Path, variant: str, threads: int) -> list[str]:
-    cmd = [str(java_binary()), "-cp", anserini_jar(), "io.anserini.index.IndexCollection",
+def index_command(collection_dir: Path, index_dir: Path, variant: str, threads: int, heap: str = "2g") -> list[str]:
+    cmd = [str(java_binary()), f"-Xmx{heap}", "-cp", anserini_jar(), "io.anserini.index.IndexCollection",
            "-collection", COLLECTIONS[variant], "-input", str(collection_dir), "-index", str(index_dir),
            "-generator", "DefaultLuceneDocumentGenerator", "-threads", str(threads),
            "-storePositions", "-storeDocvectors", "-storeRaw"]
@@ -56,27 +84,24 @@ def index_command(collection_dir: Path, index_dir: Path, variant: str, threads: 
     return cmd
 
 
-@stage("bm25_index", version="1", outputs=Output("bm25_index", kind="index", check=_check_index))
-def bm25_index(corpus, cfg: dict, workdir: Path) -> Path:
-    """cfg: {variant: flat|multifield, _threads}. Runs Anserini's IndexCollection in a Java 21 JVM."""
-    variant = cfg["variant"]
-    if variant not in COLLECTIONS:
-        raise ValueError(f"bm25.variants: unknown variant '{variant}' (known: {sorted(COLLECTIONS)})")
-    collection_dir, index_dir = workdir / "collection", workdir / "index"
+@stage("bm25_index", version="2", outputs=Output("bm25_index", kind="index", check=_check_index))
+def bm25_index(p: BM25IndexParams, rt: StageRuntime, *, corpus: DatasetRef) -> Path:
+    """Runs Anserini's IndexCollection in a Java 21 JVM (heap: runtime.jvm_heap)."""
+    collection_dir, index_dir = rt.workdir / "collection", rt.workdir / "index"
     write_beir_jsonl(corpus.table(), collection_dir)
-    cmd = index_command(collection_dir, index_dir, variant, int(cfg.get("_threads", 2)))
+    cmd = index_command(collection_dir, index_dir, p.variant, rt.threads, rt.jvm_heap)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not index_dir.exists():
         raise RuntimeError(f"Anserini indexing failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    log.info("bm25 %s index of %d docs in %.1fs", variant, corpus.table().num_rows, time.perf_counter() - t0)
+    log.info("bm25 %s index of %d docs in %.1fs", p.variant, corpus.table().num_rows, time.perf_counter() - t0)
     return index_dir
 
 
 def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: float, top_k: int,
-           fields: dict, remove_query: bool, threads: int, batch_size: int = 1000) -> dict[str, list]:
+           fields: dict, remove_query: bool, threads: int, batch_size: int = 1000, heap: str = "2g") -> dict[str, list]:
     """Pyserini's batch search in chunks (for a progress bar); returns run columns."""
-    searcher = pyserini_searcher(index_dir)
+    searcher = pyserini_searcher(index_dir, heap)
     searcher.set_bm25(k1, b)
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
     # Like Pyserini's --remove-query: fetch top_k, then drop the query's own id (so <= top_k remain).
@@ -98,14 +123,13 @@ def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: f
     return cols
 
 
-@stage("bm25_search", version="1", outputs=Output("run", "run"))
-def bm25_search(bm25_index, queries, cfg: dict) -> pa.Table:
-    """cfg: {system, variant, k1, b, top_k, remove_query, _threads}."""
+@stage("bm25_search", version="2", outputs=Output("run", "run"))
+def bm25_search(p: BM25SearchParams, rt: StageRuntime, *, bm25_index: DatasetRef, queries: DatasetRef) -> pa.Table:
+    """BM25 top ``hits`` per query from a ``bm25_index`` of ``p.variant``."""
     q = queries.table()
     cols = search(bm25_index.path, q.column("query_id").to_pylist(), q.column("text").to_pylist(),
-                  k1=float(cfg.get("k1", 0.9)), b=float(cfg.get("b", 0.4)), top_k=int(cfg.get("top_k", 1000)),
-                  fields=SEARCH_FIELDS[cfg["variant"]], remove_query=bool(cfg.get("remove_query", True)),
-                  threads=int(cfg.get("_threads", 2)))
+                  k1=p.k1, b=p.b, top_k=p.hits, fields=SEARCH_FIELDS[p.variant], remove_query=p.remove_query,
+                  threads=rt.threads, heap=rt.jvm_heap)
     n = len(cols["query_id"])
     return pa.table({**cols, "rank": pa.array(cols["rank"], pa.int32()), "score": pa.array(cols["score"], pa.float32()),
-                     "system": [cfg["system"]] * n})
+                     "system": [p.system] * n})

@@ -11,8 +11,17 @@ from __future__ import annotations
 
 import duckdb
 import pyarrow as pa
+from pydantic import Field, PositiveInt
 
+from irflow.params import Params
+from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
+from irflow.store import DatasetRef
+
+
+class Doc2QueryParams(Params):
+    separator: str = Field(" ", description="what joins the passage and each appended query")
+    max_queries: PositiveInt | None = Field(None, description="append at most n queries per passage (null: all)")
 
 
 def expand_corpus(corpus: pa.Table, queries: pa.Table, qrels: pa.Table, separator: str = " ",
@@ -23,7 +32,11 @@ def expand_corpus(corpus: pa.Table, queries: pa.Table, qrels: pa.Table, separato
     order of the queries table (generation order), at most ``max_queries`` per passage. Passages
     keep their order; a passage without queries is unchanged.
     """
-    con = duckdb.connect()
+    with duckdb.connect() as con:
+        return _expand(con, corpus, queries, qrels, separator, max_queries)
+
+
+def _expand(con, corpus: pa.Table, queries: pa.Table, qrels: pa.Table, separator: str, max_queries) -> pa.Table:
     # Explicit positions: a parallel scan does not promise row order, and both orders matter here.
     con.register("cn", corpus.select(["doc_id", "title", "text"]).append_column(
         "pos", pa.array(range(corpus.num_rows), pa.int64())))
@@ -44,11 +57,8 @@ def expand_corpus(corpus: pa.Table, queries: pa.Table, qrels: pa.Table, separato
 
 
 @stage("doc2query_expand", version="1", outputs=Output("corpus", "corpus"))
-def doc2query_expand(corpus, queries, qrels, cfg: dict) -> pa.Table:
-    """Expanded corpus (doc2query). Inputs: the corpus, generated ``queries`` and their ``qrels``
-    (generate_queries' outputs). cfg: {separator: " ", max_queries: null (all)}.
-
-    Index the result with ``bm25_index`` for the docT5query baseline.
-    """
-    return expand_corpus(corpus.table(), queries.table(), qrels.table(), cfg.get("separator", " "),
-                         cfg.get("max_queries"))
+def doc2query_expand(p: Doc2QueryParams, rt: StageRuntime, *, corpus: DatasetRef, queries: DatasetRef,
+                     qrels: DatasetRef) -> pa.Table:
+    """Expanded corpus (doc2query): the corpus, with the generated ``queries`` whose ``qrels`` point to a
+    passage appended to it. Index the result with ``bm25_index`` for the docT5query baseline."""
+    return expand_corpus(corpus.table(), queries.table(), qrels.table(), p.separator, p.max_queries)

@@ -22,17 +22,40 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytrec_eval
 
-from irflow.stage import Output, stage
+from pydantic import Field, field_validator
 
-DEFAULT_METRICS = ["ndcg@10", "recall@100", "map@100", "mrr@10"]
+from irflow.params import Params
+from irflow.runtime import StageRuntime
+from irflow.stage import Output, stage
+from irflow.store import DatasetRef
+
+DEFAULT_METRICS = ("ndcg@10", "recall@100", "map@100", "mrr@10")
 _TREC = {"ndcg": "ndcg_cut", "recall": "recall", "map": "map_cut", "p": "P"}
 
 
 def _parse(metric: str) -> tuple[str, int]:
     name, _, k = metric.lower().partition("@")
-    if not k.isdigit() or (name not in _TREC and name != "mrr"):
-        raise ValueError(f"evaluate.metrics: cannot read '{metric}' (use e.g. ndcg@10, recall@100, map@100, mrr@10)")
+    if not k.isdigit() or int(k) < 1 or (name not in _TREC and name != "mrr"):
+        raise ValueError(f"cannot read metric '{metric}' (use e.g. ndcg@10, recall@100, map@100, mrr@10, p@5)")
     return name, int(k)
+
+
+class EvaluationParams(Params):
+    metrics: tuple[str, ...] = Field(DEFAULT_METRICS, min_length=1,
+                                     description="BEIR metrics: ndcg@k, recall@k, map@k, mrr@k, p@k")
+    ignore_identical_ids: bool = Field(True, description="ignore hits whose doc id equals the query id (BEIR)")
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, v):
+        for m in v:
+            _parse(m)
+        return tuple(v)
+
+
+class EvaluateParams(EvaluationParams):
+    dataset: str = Field(min_length=1, description="dataset name written into the metrics")
+    split: str = Field(min_length=1, description="the qrels split the run is judged against")
 
 
 def run_to_dict(run: pa.Table, ignore_identical_ids: bool = True) -> dict[str, dict[str, float]]:
@@ -93,27 +116,27 @@ def evaluate_run(qrels: dict, results: dict, metrics: list[str], asked: set[str]
     return per_query
 
 
-@stage("evaluate", version="2", outputs=[Output("per_query", "per_query_metrics"), Output("metrics", "metrics")])
-def evaluate(run, qrels, cfg: dict, queries=None):
-    """Inputs: run, qrels, and the queries the system was asked (without them: every judged query of
-    the split). cfg: {dataset, split, metrics, ignore_identical_ids}."""
+@stage("evaluate", version="3", outputs=[Output("per_query", "per_query_metrics"), Output("metrics", "metrics")])
+def evaluate(p: EvaluateParams, rt: StageRuntime, *, run: DatasetRef, qrels: DatasetRef,
+             queries: DatasetRef | None = None):
+    """Metrics of ``run`` against the ``p.split`` qrels, over the queries the system was asked
+    (``queries``; without them: every judged query of the split)."""
     r = run.table()
     asked = set(queries.table(columns=["query_id"]).column("query_id").to_pylist()) if queries is not None else None
     systems = sorted(set(r.column("system").to_pylist()))
-    qrels_d = qrels_to_dict(qrels.table(), cfg["split"])
+    qrels_d = qrels_to_dict(qrels.table(), p.split)
     pq_rows = {"system": [], "query_id": [], "metric": [], "value": []}
     m_rows = {"system": [], "dataset": [], "split": [], "metric": [], "value": [], "num_queries": []}
     for system in systems:
-        results = run_to_dict(r.filter(pc.equal(r.column("system"), system)),
-                              cfg.get("ignore_identical_ids", True))
-        per_query = evaluate_run(qrels_d, results, cfg.get("metrics", DEFAULT_METRICS), asked)
+        results = run_to_dict(r.filter(pc.equal(r.column("system"), system)), p.ignore_identical_ids)
+        per_query = evaluate_run(qrels_d, results, list(p.metrics), asked)
         for metric, values in per_query.items():
             for q, v in sorted(values.items()):
                 pq_rows["system"].append(system)
                 pq_rows["query_id"].append(q)
                 pq_rows["metric"].append(metric)
                 pq_rows["value"].append(v)
-            for col, v in zip(m_rows, (system, cfg["dataset"], cfg["split"], metric,
+            for col, v in zip(m_rows, (system, p.dataset, p.split, metric,
                                        sum(values.values()) / max(len(values), 1), len(values))):
                 m_rows[col].append(v)
     return {"per_query": pa.table(pq_rows), "metrics": pa.table(m_rows)}

@@ -1,6 +1,6 @@
 """Pseudo-queries for passages of the target corpus: the training signal of unsupervised domain adaptation.
 
-One stage, ``generate_queries``, with four sources (``cfg["source"]``):
+One stage, ``generate_queries``, with four sources (the params' ``source``):
 
 - ``t5`` -- a seq2seq query generator samples queries from each passage: docT5query (Nogueira & Lin,
   2019, "From doc2query to docTTTTTquery"), as BEIR's ``QueryGenerator`` (Thakur et al., 2021) and
@@ -26,17 +26,27 @@ Model-free sources are offered as cheap baselines and for machines without a que
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import re
+import tempfile
 from pathlib import Path
+
+from typing import Annotated, Literal, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field, PositiveInt, field_validator
 from tqdm.auto import tqdm
 
+from irflow.errors import DataError
+from irflow.params import Params
+from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
+from irflow.store import DatasetRef
+from irflow.text import passage_text
 
 log = logging.getLogger("irflow.generate_queries")
 
@@ -51,22 +61,68 @@ ID_TAGS = {"t5": "q", "ict": "ict", "crop": "crop"}
 
 SHARD_SCHEMA = pa.schema([("query_id", pa.string()), ("doc_id", pa.string()), ("text", pa.string())])
 
+QueriesPerPassage = Union[PositiveInt, Literal["auto"]]
+
+
+class T5Source(Params):
+    source: Literal["t5"] = Field(description="a seq2seq query generator samples queries per passage (docT5query)")
+    queries_per_passage: QueriesPerPassage = Field(3, description="queries sampled per passage, or auto: about "
+                                                                  "250k in all (GPL), 1 to 50 per passage")
+    max_input_length: PositiveInt = Field(350, description="passage tokens the generator reads")
+    max_length: PositiveInt = Field(64, description="most tokens per generated query")
+    top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
+    sample_top_k: PositiveInt = Field(25, description="sample among the k most likely tokens")
+    batch_size: PositiveInt = Field(32, description="passages per generation batch (halved on out-of-memory)")
+    shard_size: PositiveInt = Field(10_000, description="passages per resumable shard")
+    max_rounds: PositiveInt = Field(3, description="sampling rounds to replace empty or repeated queries")
+    seed: int = Field(42, description="sampling seed (re-seeded per shard)")
+
+
+class ICTSource(Params):
+    source: Literal["ict"] = Field(description="Inverse Cloze Task: a random sentence of the passage is the query")
+    queries_per_passage: QueriesPerPassage = Field(1, description="sentences drawn per passage (or auto)")
+    min_words: PositiveInt = Field(3, description="shortest sentence used, in words")
+    seed: int = Field(42, description="sampling seed")
+
+
+class CropSource(Params):
+    source: Literal["crop"] = Field(description="independent cropping (Contriever): a random span is the query")
+    queries_per_passage: QueriesPerPassage = Field(1, description="spans drawn per passage (or auto)")
+    crop_ratio: tuple[float, float] = Field((0.1, 0.5), description="span length as a fraction of the passage, "
+                                                                    "drawn uniformly from [lo, hi]")
+    min_words: PositiveInt = Field(3, description="shortest span, in words")
+    seed: int = Field(42, description="sampling seed")
+
+    @field_validator("crop_ratio")
+    @classmethod
+    def _ratio(cls, v):
+        if not 0 < v[0] <= v[1] <= 1:
+            raise ValueError(f"crop_ratio must be [lo, hi] with 0 < lo <= hi <= 1, got {list(v)}")
+        return v
+
+
+class UnlabelledSource(Params):
+    source: Literal["unlabelled"] = Field(description="the dataset's own query texts of one split, labels unused "
+                                                      "(what a query log gives)")
+    split: str = Field("train", min_length=1, description="whose queries (never the evaluated split)")
+
+    @field_validator("split")
+    @classmethod
+    def _not_test(cls, v):
+        if v == "test":
+            raise ValueError("test queries must not be used for training")
+        return v
+
+
+GenerateParams = Annotated[Union[T5Source, ICTSource, CropSource, UnlabelledSource], Field(discriminator="source")]
+
 
 # ---- shared helpers ---------------------------------------------------------------------------
 def queries_per_passage(value, num_passages: int) -> int:
     """``value`` as an int, or GPL's ``"auto"``: round(250_000 / |C|), clipped to [1, 50]."""
     if value == "auto":
         return max(1, min(MAX_AUTO_QPP, round(GPL_TOTAL_QUERIES / max(1, num_passages))))
-    n = int(value)
-    if n < 1:
-        raise ValueError(f"generate_queries: queries_per_passage must be >= 1 or 'auto', got {value!r}")
-    return n
-
-
-def passage_input(title: str, text: str) -> str:
-    """What a passage looks like to the generator: BEIR's ``title + " " + text`` (no title: just text)."""
-    title = (title or "").strip()
-    return f"{title} {text}" if title else text
+    return int(value)
 
 
 def _outputs(queries: dict[str, list], with_qrels: bool) -> dict[str, pa.Table]:
@@ -117,8 +173,6 @@ def crop_queries(doc_id: str, text: str, n: int, seed: int, ratio=(0.1, 0.5), mi
     if len(words) < min_words:
         return []
     lo, hi = (float(ratio), float(ratio)) if isinstance(ratio, (int, float)) else (float(ratio[0]), float(ratio[1]))
-    if not 0 < lo <= hi <= 1:
-        raise ValueError(f"generate_queries: crop_ratio must lie in (0, 1], got {ratio!r}")
     rng = _passage_rng(seed, doc_id)
     out: list[str] = []
     for _ in range(n * max_tries):
@@ -132,10 +186,10 @@ def crop_queries(doc_id: str, text: str, n: int, seed: int, ratio=(0.1, 0.5), mi
     return out
 
 
-def _model_free(corpus: pa.Table, cfg: dict, source: str) -> dict[str, pa.Table]:
-    n = queries_per_passage(cfg.get("queries_per_passage", 1), corpus.num_rows)
-    seed = int(cfg.get("seed", 0))
-    min_words = int(cfg.get("min_words", 3))
+def _model_free(corpus: pa.Table, p: ICTSource | CropSource) -> dict[str, pa.Table]:
+    source = p.source
+    n = queries_per_passage(p.queries_per_passage, corpus.num_rows)
+    seed, min_words = p.seed, p.min_words
     tag = ID_TAGS[source]
     out: dict[str, list] = {"query_id": [], "doc_id": [], "text": []}
     doc_ids, texts = corpus.column("doc_id").to_pylist(), corpus.column("text").to_pylist()
@@ -144,36 +198,31 @@ def _model_free(corpus: pa.Table, cfg: dict, source: str) -> dict[str, pa.Table]
         if source == "ict":
             qs = ict_queries(doc_id, text, n, seed, min_words)
         else:
-            qs = crop_queries(doc_id, text, n, seed, cfg.get("crop_ratio", (0.1, 0.5)), min_words)
+            qs = crop_queries(doc_id, text, n, seed, p.crop_ratio, min_words)
         for i, q in enumerate(qs):
             out["query_id"].append(f"{doc_id}-{tag}{i}")
             out["doc_id"].append(doc_id)
             out["text"].append(q)
     if not out["query_id"]:
-        raise ValueError(f"generate_queries: source '{source}' produced no query from {corpus.num_rows} passages")
+        raise DataError(f"source '{source}' produced no query from {corpus.num_rows} passages")
     return _outputs(out, with_qrels=True)
 
 
 # ---- unlabelled -------------------------------------------------------------------------------
-def _unlabelled(queries, qrels, cfg: dict) -> dict[str, pa.Table]:
-    split = cfg.get("split")
-    if not split:
-        raise ValueError("generate_queries: source 'unlabelled' needs cfg['split'] (e.g. 'train')")
-    if split == "test":
-        raise ValueError("generate_queries: test queries must not be used for training "
-                         "(source 'unlabelled' refuses split 'test')")
+def _unlabelled(queries, qrels, p: UnlabelledSource) -> dict[str, pa.Table]:
     if queries is None or qrels is None:
         raise ValueError("generate_queries: source 'unlabelled' needs the dataset's 'queries' and 'qrels' inputs")
     import duckdb
 
-    con = duckdb.connect()
-    con.register("q", queries.table())
-    # The judgements are read only to know which queries belong to the split; none are passed on.
-    con.register("r", qrels.table(columns=["query_id", "split"]))
-    t = con.sql("SELECT query_id, text FROM q WHERE query_id IN (SELECT query_id FROM r WHERE split = ?) "
-                "AND trim(text) <> '' ORDER BY query_id", params=[split]).to_arrow_table()
+    with duckdb.connect() as con:
+        con.register("q", queries.table())
+        # The judgements are read only to know which queries belong to the split; none are passed on.
+        con.register("r", qrels.table(columns=["query_id", "split"]))
+        t = con.sql("SELECT query_id, text FROM q WHERE query_id IN (SELECT query_id FROM r WHERE split = ?) "
+                    "AND trim(text) <> '' ORDER BY query_id", params=[p.split]).to_arrow_table()
     if t.num_rows == 0:
-        raise ValueError(f"generate_queries: no queries are judged in split '{split}'")
+        splits = sorted(set(qrels.table(columns=["split"]).column("split").to_pylist()))
+        raise DataError(f"no queries are judged in split '{p.split}' (the dataset's splits: {', '.join(splits)})")
     return _outputs({"query_id": t.column("query_id").to_pylist(), "text": t.column("text").to_pylist(),
                      "doc_id": []}, with_qrels=False)
 
@@ -185,25 +234,20 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
 
 
-def load_generator(cfg: dict, device: str):
-    """Tokenizer and model from ``cfg['_model_path']``; a model that cannot be had raises
-    ``ModelNotAvailable`` naming it, before any work is done."""
+def load_generator(model: DatasetRef, device: str):
+    """Tokenizer and model of a seq2seq query generator; one that cannot be loaded raises
+    ``ModelNotAvailable`` naming it."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from irflow.models import ModelNotAvailable, ResolvedModel, check_available
+    from irflow.models import ModelNotAvailable
 
-    name = cfg.get("model", cfg.get("_model_path"))
-    path = cfg.get("_model_path") or name
-    if not path:
-        raise ValueError("generate_queries: source 't5' needs a model (cfg from irflow.models.model_cfg)")
-    check_available(ResolvedModel(name, path, cfg.get("model_key", "")), role="query generator")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSeq2SeqLM.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(model.path)
+        generator = AutoModelForSeq2SeqLM.from_pretrained(model.path)
     except Exception as e:  # noqa: BLE001 -- say which model, whatever went wrong
-        raise ModelNotAvailable(f"query generator: model '{name}' could not be loaded from {path}: "
+        raise ModelNotAvailable(f"query generator: model '{model.name}' could not be loaded from {model.path}: "
                                 f"{type(e).__name__}: {e}") from e
-    return tokenizer, model.to(device).eval()
+    return tokenizer, generator.to(device).eval()
 
 
 def _generate_batch(model, tokenizer, texts: list[str], n: int, gen: dict, device: str) -> list[list[str]]:
@@ -213,7 +257,7 @@ def _generate_batch(model, tokenizer, texts: list[str], n: int, gen: dict, devic
     enc = tokenizer(texts, padding=True, truncation=True, max_length=gen["max_input_length"], return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
-                             do_sample=True, top_p=gen["top_p"], top_k=gen["top_k"], max_length=gen["max_length"],
+                             do_sample=True, top_p=gen["top_p"], top_k=gen["sample_top_k"], max_length=gen["max_length"],
                              num_return_sequences=n)
     decoded = tokenizer.batch_decode(out, skip_special_tokens=True)
     return [decoded[i * n:(i + 1) * n] for i in range(len(texts))]
@@ -224,9 +268,10 @@ class BatchGenerator:
     the device runs out of memory (long passages x n return sequences can exceed it), and keeping
     the halved size for the rest of the run."""
 
-    def __init__(self, model, tokenizer, gen: dict, device: str, batch_size: int):
+    def __init__(self, model, tokenizer, gen: dict, device: str, batch_size: int, autocast=None):
         self.model, self.tokenizer, self.gen, self.device = model, tokenizer, gen, device
         self.batch_size = max(1, int(batch_size))
+        self.autocast = autocast
 
     def __call__(self, texts: list[str], n: int, bar=None) -> list[list[str]]:
         results: list[list[str]] = []
@@ -234,7 +279,8 @@ class BatchGenerator:
         while start < len(texts):
             batch = texts[start:start + self.batch_size]
             try:
-                results.extend(_generate_batch(self.model, self.tokenizer, batch, n, self.gen, self.device))
+                with self.autocast() if self.autocast else contextlib.nullcontext():
+                    results.extend(_generate_batch(self.model, self.tokenizer, batch, n, self.gen, self.device))
             except (RuntimeError, MemoryError) as e:
                 if not is_oom(e) or self.batch_size == 1:
                     raise
@@ -309,31 +355,24 @@ def _write_shard(resume_dir: Path, index: int, rows: dict[str, list]) -> Path:
     return path
 
 
-def _t5(corpus: pa.Table, cfg: dict, resume_dir: Path) -> dict[str, pa.Table]:
+def _t5(corpus: pa.Table, p: T5Source, model: DatasetRef, rt: StageRuntime) -> dict[str, pa.Table]:
+    n = queries_per_passage(p.queries_per_passage, corpus.num_rows)
+    gen = {"max_input_length": p.max_input_length, "max_length": p.max_length, "top_p": p.top_p,
+           "sample_top_k": p.sample_top_k}
+    tokenizer, generator_model = load_generator(model, rt.device)
+    generator = BatchGenerator(generator_model, tokenizer, gen, rt.device, p.batch_size, rt.autocast)
+    if rt.resume_dir is not None:
+        return _t5_shards(corpus, p, Path(rt.resume_dir), generator, n)
+    # Called outside a Run (``generate_queries.fn(p, StageRuntime(), ...)``): nothing to resume from.
+    with tempfile.TemporaryDirectory(prefix="irflow-generate-") as shards:
+        return _t5_shards(corpus, p, Path(shards), generator, n)
+
+
+def _t5_shards(corpus: pa.Table, p: T5Source, resume_dir: Path, generator: BatchGenerator, n: int
+               ) -> dict[str, pa.Table]:
     import torch
 
-    device = cfg.get("_device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    n = queries_per_passage(cfg.get("queries_per_passage", 3), corpus.num_rows)
-    max_input_length = int(cfg.get("max_input_length", 350))
-    gen = {"max_input_length": max_input_length, "max_length": int(cfg.get("max_length", 64)),
-           "top_p": float(cfg.get("top_p", 0.95)), "top_k": int(cfg.get("top_k", 25))}
-    tokenizer, model = load_generator(cfg, device)
-    generator = BatchGenerator(model, tokenizer, gen, device, int(cfg.get("batch_size", 32)))
-    threads = torch.get_num_threads()
-    if cfg.get("_threads"):
-        # On a busy shared CPU, one intra-op thread avoids OpenMP spin-waiting (several times faster).
-        torch.set_num_threads(int(cfg["_threads"]))
-    try:
-        return _t5_shards(corpus, cfg, resume_dir, generator, n)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _t5_shards(corpus: pa.Table, cfg: dict, resume_dir: Path, generator: BatchGenerator, n: int) -> dict[str, pa.Table]:
-    import torch
-
-    seed = int(cfg.get("seed", 0))
-    shard_size = int(cfg.get("shard_size", 10_000))
+    seed, shard_size = p.seed, p.shard_size
     doc_ids = corpus.column("doc_id").to_pylist()
     titles, bodies = corpus.column("title").to_pylist(), corpus.column("text").to_pylist()
     num_shards = (len(doc_ids) + shard_size - 1) // shard_size
@@ -349,42 +388,35 @@ def _t5_shards(corpus: pa.Table, cfg: dict, resume_dir: Path, generator: BatchGe
             # Re-seeded per shard: a shard generated after a restart equals the one an
             # uninterrupted run would have produced (same device, same batch size).
             torch.manual_seed(seed * 1_000_003 + index)
-            texts = [passage_input(t, x) for t, x in zip(titles[lo:hi], bodies[lo:hi])]
-            rows = generate_shard(generator, doc_ids[lo:hi], texts, n, int(cfg.get("max_rounds", 3)), bar)
+            texts = [passage_text(t, x) for t, x in zip(titles[lo:hi], bodies[lo:hi])]
+            rows = generate_shard(generator, doc_ids[lo:hi], texts, n, p.max_rounds, bar)
             _write_shard(resume_dir, index, rows)
     table = pa.concat_tables([pq.read_table(_shard_path(resume_dir, i)) for i in range(num_shards)])
     if table.num_rows == 0:
-        raise ValueError("generate_queries: the generator produced no (non-empty) query")
+        raise DataError("the generator produced no (non-empty) query")
     return _outputs({c: table.column(c).to_pylist() for c in ("query_id", "doc_id", "text")}, with_qrels=True)
 
 
 # ---- the stage --------------------------------------------------------------------------------
-@stage("generate_queries", version="1", outputs=[Output("queries", "queries"), Output("qrels", "qrels")])
-def generate_queries(corpus, cfg: dict, resume_dir: Path, queries=None, qrels=None) -> dict[str, pa.Table]:
+@stage("generate_queries", version="2", outputs=[Output("queries", "queries"), Output("qrels", "qrels")],
+       work="generate", resumable=True)
+def generate_queries(p: GenerateParams, rt: StageRuntime, *, corpus: DatasetRef, queries: DatasetRef | None = None,
+                     qrels: DatasetRef | None = None, model: DatasetRef | None = None) -> dict[str, pa.Table]:
     """Pseudo-queries for the corpus (see the module doc for the sources and papers).
 
-    cfg, by source:
-      - all: ``source`` (t5|ict|crop|unlabelled), ``seed`` (0)
-      - t5: ``model``/``model_key``/``_model_path`` (irflow.models.model_cfg), ``queries_per_passage``
-        (int or "auto", 3), ``max_input_length`` (350 tokens), ``max_length`` (64), ``top_p`` (0.95),
-        ``top_k`` (25), ``batch_size`` (32), ``shard_size`` (10000 passages), ``max_rounds`` (3:
-        sampling rounds to replace dropped empty/duplicate queries), ``_device``, ``_threads`` (torch
-        CPU threads during the stage)
-      - ict: ``queries_per_passage`` (1), ``min_words`` (3)
-      - crop: ``queries_per_passage`` (1), ``crop_ratio`` ([0.1, 0.5] or a float), ``min_words`` (3)
-      - unlabelled: ``split`` (never "test"); needs inputs ``queries`` and ``qrels`` (the dataset's)
+    Inputs: ``corpus``; ``model`` (t5: the seq2seq generator); ``queries`` and ``qrels`` (unlabelled:
+    the dataset's own, to pick the split's query texts).
 
-    The t5 source is sharded: each finished shard of ``shard_size`` passages is kept in
-    ``resume_dir`` and skipped when an interrupted run is started again with the same config.
-    Output is deterministic for a seed on a given device and batch size (sampling draws depend on
-    both; an out-of-memory halving of the batch changes the draws of the shard it happens in).
+    The t5 source is sharded: each finished shard of ``shard_size`` passages is kept in the stage's
+    resume dir and skipped when an interrupted run is started again with the same key. Output is
+    deterministic for a seed on a given device and batch size (sampling draws depend on both; an
+    out-of-memory halving of the batch changes the draws of the shard it happens in).
     """
-    source = cfg.get("source")
-    if source not in SOURCES:
-        raise ValueError(f"generate_queries: unknown source {source!r} (known: {list(SOURCES)})")
-    if source == "unlabelled":
-        return _unlabelled(queries, qrels, cfg)
+    if isinstance(p, UnlabelledSource):
+        return _unlabelled(queries, qrels, p)
     table = corpus.table()
-    if source == "t5":
-        return _t5(table, cfg, Path(resume_dir))
-    return _model_free(table, cfg, source)
+    if isinstance(p, T5Source):
+        if model is None:
+            raise ValueError("generate_queries: source 't5' needs the model input (the query generator)")
+        return _t5(table, p, model, rt)
+    return _model_free(table, p)

@@ -9,6 +9,7 @@ and because the store publishes only validated outputs, nothing partial is ever 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -16,21 +17,26 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterator, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
+from pydantic import Field, PositiveInt
+
 from irflow import data_contracts
+from irflow.errors import DataError
+from irflow.params import Params
+from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
-from irflow.store import fingerprint_file
+from irflow.store import DatasetRef, fingerprint_file
 
 log = logging.getLogger("irflow.ingest")
 BATCH_ROWS = 20_000
 
 
-class IngestError(ValueError):
+class IngestError(DataError):
     """Bad BEIR input. The message says which file and line."""
 
 
@@ -109,6 +115,25 @@ def fetch(source: str, md5: str | None, downloads: Path) -> Path:
         if got != md5:
             raise IngestError(f"{source}: md5 mismatch (expected {md5}, got {got})")
     return path
+
+
+def is_url(source: str) -> bool:
+    return urllib.parse.urlparse(str(source)).scheme in ("http", "https")
+
+
+@functools.lru_cache(maxsize=32)
+def _splits(path: str, mtime_ns: int) -> tuple[str, ...]:
+    return tuple(sorted(BeirSource(Path(path)).qrels_files()))
+
+
+def dataset_splits(source: str) -> tuple[str, ...] | None:
+    """The qrels splits of a local BEIR folder or zip (None for a URL not fetched yet: unknown)."""
+    if is_url(source):
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise IngestError(f"no such file or folder: {source}")
+    return _splits(str(path.resolve()), path.stat().st_mtime_ns)
 
 
 def source_fingerprint(path: Path) -> str:
@@ -228,7 +253,6 @@ def _read_qrels(src: BeirSource, member: str, split: str) -> pa.Table:
                      "split": [split] * len(qids)})
 
 
-# ---- the stage ------------------------------------------------------------------------------
 def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, object]:
     """Read a BEIR folder/zip into corpus/queries (parquet files in workdir) and a qrels table."""
     src = BeirSource(path)
@@ -269,45 +293,48 @@ def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, ob
     return {"corpus": corpus_file, "queries": queries_file, "qrels": kept}
 
 
-@stage("ingest", version="1", outputs=[Output("corpus", "corpus"), Output("queries", "queries"),
+# ---- the stages -----------------------------------------------------------------------------
+class IngestParams(Params):
+    dangling_qrels: Literal["drop", "keep", "error"] = Field(
+        "drop", description="qrels rows that point to a missing query or document: drop them (with a warning), "
+                            "keep them, or refuse the dataset")
+
+
+@stage("ingest", version="2", outputs=[Output("corpus", "corpus"), Output("queries", "queries"),
                                         Output("qrels", "qrels")])
-def ingest_beir(cfg: dict, workdir: Path):
-    """cfg: {name, fingerprint, dangling_qrels: drop|keep|error, _path: resolved folder/zip (not keyed)}."""
-    return read_beir(Path(cfg["_path"]), workdir, cfg.get("dangling_qrels", "drop"))
+def ingest_beir(p: IngestParams, rt: StageRuntime, *, source: DatasetRef):
+    """A BEIR folder or zip (``source``, an external ref from ``source_ref``) as corpus/queries/qrels."""
+    return read_beir(Path(source.path), rt.workdir, p.dangling_qrels)
 
 
-def ingest_config(dataset_cfg: dict, downloads: Path) -> dict:
-    """Resolve the dataset section (fetching a URL once) into the ingest stage's cache-keyed config.
+def source_ref(source: str, md5: str | None, downloads: Path) -> DatasetRef:
+    """A dataset source (a BEIR folder, a .zip, or a URL fetched once and md5-checked) as an input ref.
 
-    The key holds the source's content fingerprint, not its path: moving the zip changes nothing,
-    editing a file inside it recomputes.
+    Its id is a content fingerprint, not its path: moving the zip changes nothing, editing a file
+    inside it recomputes.
     """
-    source = dataset_cfg.get("source")
-    if not source:
-        raise IngestError("dataset.source is required (a BEIR folder, a .zip, or a URL with dataset.md5)")
-    path = fetch(str(source), dataset_cfg.get("md5"), downloads)
-    return {
-        "name": dataset_cfg.get("name") or Path(str(source)).stem,
-        "_path": str(path.resolve()),
-        # An md5 is a fingerprint only where fetch() verified it (a file); a folder is hashed.
-        "fingerprint": (f"md5:{dataset_cfg['md5']}" if dataset_cfg.get("md5") and path.is_file()
-                        else source_fingerprint(path)),
-        "dangling_qrels": dataset_cfg.get("dangling_qrels", "drop"),
-    }
+    path = fetch(str(source), md5, downloads)
+    # An md5 is a fingerprint only where fetch() verified it (a file); a folder is hashed.
+    fp = f"md5:{md5}" if md5 and path.is_file() else source_fingerprint(path)
+    return DatasetRef(fp, Path(str(source)).name, "source", None, str(path.resolve()))
+
+
+class SelectQueriesParams(Params):
+    split: str = Field(description="the qrels split whose judged queries are selected (e.g. test)")
+    limit: PositiveInt | None = Field(None, description="keep only the first n queries by id (null: all)")
 
 
 @stage("select_queries", version="1", outputs=Output("queries", "queries"))
-def select_queries(queries, qrels, cfg: dict) -> pa.Table:
-    """The queries judged in ``cfg['split']`` (as BEIR's loader does), optionally the first ``limit``."""
+def select_queries(p: SelectQueriesParams, rt: StageRuntime, *, queries: DatasetRef, qrels: DatasetRef) -> pa.Table:
+    """The queries judged in ``p.split`` (as BEIR's loader does), optionally the first ``limit``."""
     import duckdb
 
-    con = duckdb.connect()
-    con.register("q", queries.table())
-    con.register("r", qrels.table(columns=["query_id", "split"]))
-    limit = f"LIMIT {int(cfg['limit'])}" if cfg.get("limit") else ""
-    t = con.execute(
-        f"SELECT query_id, text FROM q WHERE query_id IN (SELECT query_id FROM r WHERE split = ?) "
-        f"ORDER BY query_id {limit}", [cfg["split"]]).to_arrow_table()
+    with duckdb.connect() as con:
+        con.register("q", queries.table())
+        con.register("r", qrels.table(columns=["query_id", "split"]))
+        limit = f"LIMIT {int(p.limit)}" if p.limit else ""
+        t = con.sql(f"SELECT query_id, text FROM q WHERE query_id IN (SELECT query_id FROM r WHERE split = $split) "
+                    f"ORDER BY query_id {limit}", params={"split": p.split}).to_arrow_table()
     if t.num_rows == 0:
-        raise ValueError(f"no queries are judged in split '{cfg['split']}'")
+        raise DataError(f"no queries are judged in split '{p.split}'")
     return t

@@ -1,7 +1,7 @@
 """Negative passages per query, mined from retrievers' ranked lists (and optionally the corpus).
 
 Which negatives a dense retriever trains on decides much of what it learns:
-- ``topk``: every document of each miner's top ``top_k`` that is not a positive. GPL (Wang et al.,
+- ``topk``: every document of each miner's top ``depth`` that is not a positive. GPL (Wang et al.,
   2022) mines the top 50 of each of several retrievers (BM25 and dense models) and lets the teacher's
   margins, not the miner, decide how negative each one is.
 - ``range``: ranks ``[lo, hi]`` of each miner's list (e.g. [10, 100]), skipping the very top, where
@@ -9,8 +9,8 @@ Which negatives a dense retriever trains on decides much of what it learns:
   ANCE, Xiong et al., 2021, and Karpukhin et al., 2020, DPR, sample from the top of the list).
 - ``random``: ``num_random`` easy negatives per query, uniformly from the corpus (DPR's "random"
   negatives), or -- without a corpus input -- ``num_random`` per query and miner from that miner's
-  list below ``top_k``.
-- ``mix``: ``hard`` negatives per query and miner, sampled from the miner's top ``top_k``, plus
+  list below ``depth``.
+- ``mix``: ``hard`` negatives per query and miner, sampled from the miner's top ``depth``, plus
   ``easy`` ones drawn as in ``random`` (never a document already picked as hard for the query).
 
 Positives are never negatives: a document is a positive of a query if any qrels row of that query,
@@ -27,10 +27,17 @@ from __future__ import annotations
 import logging
 import random
 
+from typing import Literal
+
 import duckdb
 import pyarrow as pa
+from pydantic import Field, PositiveInt, model_validator
 
+from irflow.params import Params
+from irflow.qrels import positive_rows
+from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
+from irflow.store import DatasetRef
 
 log = logging.getLogger("irflow.mine_negatives")
 
@@ -38,6 +45,44 @@ STRATEGIES = ("topk", "range", "random", "mix")
 CORPUS_MINER = "random"
 NEGATIVES_SCHEMA = pa.schema([("query_id", pa.string()), ("doc_id", pa.string()), ("miner", pa.string()),
                               ("rank", pa.int32())])
+
+
+class MixCounts(Params):
+    hard: PositiveInt = Field(description="hard negatives per query and miner, from its top `depth`")
+    easy: PositiveInt = Field(description="easy negatives per query (from the corpus, or below `depth`)")
+
+
+class MineParams(Params):
+    strategy: Literal["topk", "range", "random", "mix"] = Field(
+        "topk", description="topk: every non-positive of each miner's top `depth`; range: ranks `rank_range`; "
+                            "random: `num_random` easy negatives; mix: `mix.hard` hard + `mix.easy` easy")
+    depth: PositiveInt = Field(50, description="how deep each miner's ranked list is mined (miners retrieve this "
+                                               "many hits per query)")
+    rank_range: tuple[PositiveInt, PositiveInt] | None = Field(
+        None, description="range: the ranks [lo, hi] (inclusive) negatives come from")
+    num_negatives: PositiveInt | None = Field(
+        None, description="topk/range: sample this many per query and miner (null: all)")
+    num_random: PositiveInt | None = Field(None, description="random: negatives per query")
+    mix: MixCounts | None = Field(None, description="mix: how many hard and easy negatives")
+    seed: int = Field(42, description="sampling seed")
+
+    @model_validator(mode="after")
+    def _strategy_fields(self):
+        needs = {"range": "rank_range", "random": "num_random", "mix": "mix"}
+        for strategy, name in needs.items():
+            if getattr(self, name) is not None and self.strategy != strategy:
+                raise ValueError(f"{name}: only used with strategy {strategy} (strategy is {self.strategy})")
+        if self.strategy in needs and getattr(self, needs[self.strategy]) is None:
+            raise ValueError(f"{needs[self.strategy]}: required with strategy {self.strategy}")
+        if self.num_negatives is not None and self.strategy not in ("topk", "range"):
+            raise ValueError(f"num_negatives: only used with strategy topk or range (strategy is {self.strategy})")
+        if self.rank_range is not None:
+            lo, hi = self.rank_range
+            if lo > hi:
+                raise ValueError(f"rank_range: [lo, hi] with lo <= hi, got {list(self.rank_range)}")
+            if hi > self.depth:
+                raise ValueError(f"rank_range: reaches rank {hi}, below the mined depth {self.depth}; raise depth")
+        return self
 
 
 def _runs_table(tables: list[pa.Table]) -> pa.Table:
@@ -57,21 +102,23 @@ def _runs_table(tables: list[pa.Table]) -> pa.Table:
 
 
 def positives_table(qrels: pa.Table) -> pa.Table:
-    con = duckdb.connect()
-    con.register("q", qrels.select(["query_id", "doc_id", "score"]))
-    return con.sql("SELECT DISTINCT query_id, doc_id FROM q WHERE score > 0").to_arrow_table()
+    """Distinct (query, doc) judged positive in any split: never negatives."""
+    t = positive_rows(qrels).select(["query_id", "doc_id"])
+    pairs = sorted(set(zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist())))
+    return pa.table({"query_id": pa.array([q for q, _ in pairs], pa.string()),
+                     "doc_id": pa.array([d for _, d in pairs], pa.string())})
 
 
-def mine_tables(runs: list[pa.Table], qrels: pa.Table, corpus_doc_ids: list[str] | None = None, *,
-                strategy: str = "topk", top_k: int = 50, rank_range=None, num_negatives: int | None = None,
-                num_random: int = 0, mix: dict | None = None, seed: int = 0) -> pa.Table:
+def mine_tables(runs: list[pa.Table], qrels: pa.Table, corpus_doc_ids: list[str] | None, p: MineParams) -> pa.Table:
     """Negatives from run tables (see the module doc); the plain function behind the stage."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"mine_negatives: unknown strategy {strategy!r} (known: {list(STRATEGIES)})")
     if not runs:
         raise ValueError("mine_negatives: no runs to mine")
-    top_k = int(top_k)
-    con = duckdb.connect()
+    with duckdb.connect() as con:
+        return _mine(con, runs, qrels, corpus_doc_ids, p)
+
+
+def _mine(con, runs, qrels, corpus_doc_ids, p: MineParams) -> pa.Table:
+    strategy, top_k, seed = p.strategy, p.depth, p.seed
     con.register("runs_raw", _runs_table(runs))
     con.register("pos", positives_table(qrels))
     # One row per (query, miner, doc) at its best rank; positives removed.
@@ -101,21 +148,15 @@ def mine_tables(runs: list[pa.Table], qrels: pa.Table, corpus_doc_ids: list[str]
         return corpus_draws([q for (q,) in query_ids], corpus_doc_ids, positives, hard, m, seed)
 
     if strategy == "topk":
-        out = [from_lists(f"rank <= {top_k}", num_negatives, "topk")]
+        out = [from_lists(f"rank <= {top_k}", p.num_negatives, "topk")]
     elif strategy == "range":
-        if not rank_range or len(rank_range) != 2 or int(rank_range[0]) > int(rank_range[1]):
-            raise ValueError(f"mine_negatives: strategy 'range' needs rank_range [lo, hi] with lo <= hi, got {rank_range!r}")
-        lo, hi = int(rank_range[0]), int(rank_range[1])
-        out = [from_lists(f"rank BETWEEN {lo} AND {hi}", num_negatives, "range")]
+        lo, hi = p.rank_range
+        out = [from_lists(f"rank BETWEEN {lo} AND {hi}", p.num_negatives, "range")]
     elif strategy == "random":
-        if int(num_random) < 1:
-            raise ValueError("mine_negatives: strategy 'random' needs num_random >= 1")
-        out = [easy(int(num_random), None)]
+        out = [easy(p.num_random, None)]
     else:
-        if not mix or "hard" not in mix or "easy" not in mix:
-            raise ValueError(f"mine_negatives: strategy 'mix' needs mix: {{hard: n, easy: m}}, got {mix!r}")
-        hard = from_lists(f"rank <= {top_k}", int(mix["hard"]), "hard")
-        out = [hard, easy(int(mix["easy"]), hard)]
+        hard = from_lists(f"rank <= {top_k}", p.mix.hard, "hard")
+        out = [hard, easy(p.mix.easy, hard)]
     con.register("result", pa.concat_tables([t.cast(NEGATIVES_SCHEMA) for t in out]))
     table = con.sql("SELECT * FROM result ORDER BY query_id, miner, rank, doc_id").to_arrow_table()
     if table.num_rows == 0:
@@ -147,18 +188,10 @@ def corpus_draws(query_ids: list[str], doc_ids: list[str], positives: pa.Table, 
     return pa.table(out, schema=NEGATIVES_SCHEMA)
 
 
-@stage("mine_negatives", version="1", outputs=Output("negatives", "negatives"))
-def mine_negatives(runs, qrels, cfg: dict, corpus=None) -> pa.Table:
-    """Negatives per query from ``runs`` (a list of run refs, one per miner), excluding the
-    positives in ``qrels``; ``corpus`` (optional) is where random/easy negatives are drawn from.
-
-    cfg: {strategy: topk|range|random|mix (topk), top_k: 50 (per miner), rank_range: [lo, hi]
-    (range), num_negatives: null (topk/range: sample this many per query and miner; null = all),
-    num_random: n (random), mix: {hard: n, easy: m} (mix), seed: 0}.
-    """
-    refs = list(runs) if isinstance(runs, (list, tuple)) else [runs]
+@stage("mine_negatives", version="2", outputs=Output("negatives", "negatives"))
+def mine_negatives(p: MineParams, rt: StageRuntime, *, runs: list[DatasetRef], qrels: DatasetRef,
+                   corpus: DatasetRef | None = None) -> pa.Table:
+    """Negatives per query from ``runs`` (one system per miner), never a positive in ``qrels``;
+    ``corpus`` (optional) is where random/easy negatives are drawn from."""
     doc_ids = corpus.table(columns=["doc_id"]).column("doc_id").to_pylist() if corpus is not None else None
-    return mine_tables([r.table() for r in refs], qrels.table(), doc_ids, strategy=cfg.get("strategy", "topk"),
-                       top_k=int(cfg.get("top_k", 50)), rank_range=cfg.get("rank_range"),
-                       num_negatives=cfg.get("num_negatives"), num_random=int(cfg.get("num_random", 0)),
-                       mix=cfg.get("mix"), seed=int(cfg.get("seed", 0)))
+    return mine_tables([r.table() for r in runs], qrels.table(), doc_ids, p)

@@ -6,17 +6,17 @@ Not a cached stage: it costs nothing and must happen in every run, cached or not
 
 from __future__ import annotations
 
-from irflow.stage import RunContext
+from irflow.stage import Run
 
 COLUMNS = ["ndcg@10", "recall@100", "map@100", "mrr@10"]
 
 
-def record_metrics(ctx: RunContext, evals: list[dict]) -> list[dict]:
-    catalog = ctx.catalog
+def record_metrics(run: Run, evals: list[dict]) -> list[dict]:
+    catalog = run.catalog
     for ev in evals:
         t = ev["metrics"].table()
-        catalog.record_metrics(ctx.run_id, ev["metrics"].id, t.to_pylist())
-    return catalog.run_metrics(ctx.run_id)
+        catalog.record_metrics(run.run_id, ev["metrics"].id, t.to_pylist())
+    return catalog.run_metrics(run.run_id)
 
 
 def format_table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
@@ -33,12 +33,12 @@ def format_table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
     return "\n".join(lines)
 
 
-def report(ctx: RunContext, evals: list[dict]) -> list[dict]:
-    rows = record_metrics(ctx, evals)
+def report(run: Run, evals: list[dict]) -> list[dict]:
+    rows = record_metrics(run, evals)
     try:
         from prefect.artifacts import create_table_artifact
 
-        create_table_artifact(key="metrics", table=rows, description=f"irflow run {ctx.run_id}")
+        create_table_artifact(key="metrics", table=rows, description=f"irflow run {run.run_id}")
     except Exception:  # noqa: BLE001 -- outside a Prefect run (tests, dry runs) there is no artifact store
         pass
     return rows

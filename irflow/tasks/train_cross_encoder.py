@@ -4,7 +4,8 @@ Training pairs: every positive of the ``split`` qrels (score > 0) with label 1, 
 positive ``negatives_per_positive`` negatives with label 0 -- sampled (seeded) from the query's mined
 negatives when the ``negatives`` input is given, else random corpus passages; a judged positive of
 the query is never a negative. Loss: binary cross-entropy on the logit (as sentence-transformers'
-CrossEncoder trains with one label). The loop, checkpoints and resume are train_student's.
+CrossEncoder trains with one label). The loop, precision, checkpoints and resume are
+``irflow.training``'s.
 
 The base checkpoint may be a plain encoder (e.g. MiniLM's BERT weights): a fresh 1-logit head is
 initialised (seeded). The result is saved with ``save_pretrained`` (model + tokenizer), so
@@ -20,11 +21,16 @@ import logging
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
+from pydantic import Field, PositiveInt
 
+from irflow.errors import DataError
+from irflow.qrels import group, judged_positives, positive_pairs
+from irflow.runtime import StageRuntime
+from irflow.sampling import sample
 from irflow.stage import Output, stage
-from irflow.tasks.pseudo_label import doc_texts, query_texts, sample_negatives
-from irflow.tasks.train_student import BatchPlan, base_model_path, seed_everything, train_loop
+from irflow.store import DatasetRef
+from irflow.text import doc_texts, query_texts
+from irflow.training import BatchPlan, LoopParams, seed_everything, train_loop
 
 log = logging.getLogger("irflow.train")
 
@@ -38,34 +44,34 @@ def _check_cross_encoder(path: Path) -> None:
         raise RuntimeError(f"{path}: a cross-encoder must have exactly one output logit")
 
 
-def training_pairs(qrels: pa.Table, corpus_ids: list[str], cfg: dict, negatives: pa.Table | None = None) -> dict:
+class TrainCrossEncoderParams(LoopParams):
+    split: str = Field("train", min_length=1, description="the qrels split whose positives it trains on")
+    negatives_per_positive: PositiveInt = Field(4, description="negatives (label 0) per positive")
+    batch_size: PositiveInt = Field(16, description="(query, passage) pairs per step")
+    max_length: PositiveInt = Field(256, description="tokens of (query, passage) the model reads")
+    warmup_steps: int = Field(100, ge=0, description="linear warm-up steps, then linear decay to 0")
+
+
+def training_pairs(qrels: pa.Table, corpus_ids: list[str], p: TrainCrossEncoderParams,
+                   negatives: pa.Table | None = None) -> dict:
     """{q, d, label}: positives of the split (score > 0) and their sampled negatives."""
-    split = cfg.get("split", "train")
-    k = int(cfg.get("negatives_per_positive", 4))
-    seed = int(cfg.get("seed", 42))
-    good = qrels.filter(pc.greater(qrels.column("score"), 0))
-    judged: dict[str, set] = {}
-    for q, d in zip(good.column("query_id").to_pylist(), good.column("doc_id").to_pylist()):
-        judged.setdefault(q, set()).add(d)
-    pos = good.filter(pc.equal(good.column("split"), split))
-    if pos.num_rows == 0:
-        raise ValueError(f"train_cross_encoder: no positive qrels in split '{split}'")
-    pairs = sorted(set(zip(pos.column("query_id").to_pylist(), pos.column("doc_id").to_pylist())))
-    pools: dict[str, set] = {}
-    if negatives is not None:
-        for q, d in zip(negatives.column("query_id").to_pylist(), negatives.column("doc_id").to_pylist()):
-            pools.setdefault(q, set()).add(d)
+    k, seed = p.negatives_per_positive, p.seed
+    judged = judged_positives(qrels)
+    pairs = positive_pairs(qrels, p.split)
+    if not pairs:
+        raise DataError(f"no positive qrels in split '{p.split}'")
+    pools = group(negatives) if negatives is not None else {}
     ex = {"q": [], "d": [], "label": []}
     short = 0
-    for q, p in pairs:
-        ex["q"].append(q), ex["d"].append(p), ex["label"].append(1.0)
+    for q, pos in pairs:
+        ex["q"].append(q), ex["d"].append(pos), ex["label"].append(1.0)
         if negatives is not None:
             pool = [d for d in pools.get(q, ()) if d not in judged[q] and d != q]
         else:
             # Draw a few more than needed from the whole corpus, then drop judged positives.
-            pool = [d for d in sample_negatives(corpus_ids, k + len(judged[q]) + 1, seed, "random", q, p)
+            pool = [d for d in sample(corpus_ids, k + len(judged[q]) + 1, seed, "random", q, pos)
                     if d not in judged[q] and d != q]
-        negs = sample_negatives(pool, k, seed, q, p)
+        negs = sample(pool, k, seed, q, pos)
         short += len(negs) < k
         for d in negs:
             ex["q"].append(q), ex["d"].append(d), ex["label"].append(0.0)
@@ -74,50 +80,45 @@ def training_pairs(qrels: pa.Table, corpus_ids: list[str], cfg: dict, negatives:
     return ex
 
 
-@stage("train_cross_encoder", version="1", outputs=Output("cross_encoder", kind="model", check=_check_cross_encoder))
-def train_cross_encoder(queries, corpus, qrels, cfg: dict, workdir: Path, resume_dir: Path, negatives=None,
-                        base_model=None) -> Path:
-    """Inputs: queries, corpus, qrels, negatives (optional), base_model (optional; else cfg model).
-
-    cfg: {model, model_key, _model_path, split (train), negatives_per_positive (4), batch_size (16),
-          max_length (256), lr (2e-5), warmup_steps (100), steps | epochs (1), seed (42),
-          checkpoint_every (500), bf16_autocast (false), max_grad_norm (1.0), _device (cpu)}
-    """
+@stage("train_cross_encoder", version="2", outputs=Output("cross_encoder", kind="model", check=_check_cross_encoder),
+       work="train", resumable=True)
+def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
+                        qrels: DatasetRef, base_model: DatasetRef, negatives: DatasetRef | None = None) -> Path:
+    """A cross-encoder fine-tuned from ``base_model`` (a fresh 1-logit head where it has none) on the
+    positives of ``qrels`` and negatives (from ``negatives``, else random passages)."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    seed = int(cfg.get("seed", 42))
-    device = cfg.get("_device", "cpu")
+    device = rt.device
     corpus_t = corpus.table()
-    ex = training_pairs(qrels.table(), corpus_t.column("doc_id").to_pylist(), cfg,
+    ex = training_pairs(qrels.table(), corpus_t.column("doc_id").to_pylist(), p,
                         negatives.table() if negatives is not None else None)
     qtext = query_texts(queries.table(), set(ex["q"]))
     dtext = doc_texts(corpus_t, set(ex["d"]))
     keep = [i for i in range(len(ex["q"])) if ex["q"][i] in qtext and ex["d"][i] in dtext]
     ex = {k: [v[i] for i in keep] for k, v in ex.items()}
     if not ex["q"]:
-        raise ValueError("train_cross_encoder: no training pairs")
+        raise DataError("no training pairs")
 
-    path = base_model_path(cfg, base_model)
-    seed_everything(seed)  # the fresh head's initialisation
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, ignore_mismatched_sizes=True)
+    seed_everything(p.seed)  # the fresh head's initialisation
+    tok = AutoTokenizer.from_pretrained(base_model.path)
+    model = AutoModelForSequenceClassification.from_pretrained(base_model.path, num_labels=1,
+                                                               ignore_mismatched_sizes=True)
     model.to(device)
-    max_length = int(cfg.get("max_length", 256))
     bce = torch.nn.BCEWithLogitsLoss()
     labels = torch.tensor(ex["label"], dtype=torch.float32)
 
     def compute_loss(idx: list[int]):
         enc = tok([qtext[ex["q"][i]] for i in idx], [dtext[ex["d"][i]] for i in idx], padding=True,
-                  truncation="longest_first", max_length=max_length, return_tensors="pt").to(device)
+                  truncation="longest_first", max_length=p.max_length, return_tensors="pt").to(device)
         logits = model(**enc).logits.view(-1).float()
         return bce(logits, labels[idx].to(device))
 
-    plan = BatchPlan(len(ex["q"]), int(cfg.get("batch_size", 16)), seed)
-    log.info("train_cross_encoder: %d pairs (%d positive), %d steps", len(ex["q"]), int(sum(ex["label"])),
-             plan.total_steps(cfg))
-    history = train_loop(model, compute_loss, plan, {"warmup_steps": 100, **cfg}, resume_dir, "train_cross_encoder")
-    out = Path(workdir) / "cross_encoder"
+    plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed)
+    log.info("train_cross_encoder: %d pairs (%d positive), %d steps (%s, %s)", len(ex["q"]), int(sum(ex["label"])),
+             plan.total_steps(p), device, rt.precision)
+    history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, "train_cross_encoder")
+    out = Path(rt.workdir) / "cross_encoder"
     model.eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -1,0 +1,126 @@
+"""The Python API: what the CLI, the Prefect deployments, the tests and the benchmarks call.
+
+    from irflow import api
+    result = api.run("configs/demo.yaml", overrides=["train.lr=3e-5"], store="store")
+    result.computed                      # {"train_student[gpl]", ...}
+    result.metric("gpl-student", "ndcg@10")
+    api.status("configs/demo.yaml", overrides=["teacher.weights.bm25=0.5"])   # what would recompute, why
+    api.load_config("configs/demo.yaml") # the validated config, every default filled in
+
+Everything a user can get wrong is checked before Prefect starts: the config (every key, type and
+range, and the recipe's cross-stage rules), the models it names, the devices it asks for, and the
+stages named by ``force`` (``--from``). Errors are ``irflow.errors.UserError`` subclasses with one
+readable message; a stage that fails raises ``StageFailed`` naming the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from irflow import runtime
+from irflow.errors import ConfigError, UserError
+from irflow.params import model_fields
+from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, new_run_id, plan
+from irflow.store import DEFAULT_STORE
+
+__all__ = ["run", "status", "load_config", "store_root", "RunResult", "StageResult", "StageStatus"]
+
+log = logging.getLogger("irflow")
+
+
+@dataclass
+class StageStatus:
+    name: str
+    status: str  # cached | stale
+    why: list[str]
+
+
+def store_root(store: str | os.PathLike | None = None) -> str:
+    """``store``, else ``$IRFLOW_STORE``, else ``./store``, as an absolute path."""
+    return str(Path(store or os.environ.get("IRFLOW_STORE") or DEFAULT_STORE).resolve())
+
+
+def load_config(config: Any, overrides: list[str] | tuple[str, ...] | None = None) -> RecipeConfig:
+    """The validated config (every default filled in). Raises ConfigError listing every problem."""
+    from irflow.config import load
+
+    return load(config, overrides)
+
+
+def preflight(c: RecipeConfig, store: str) -> list[str]:
+    """Fail fast, before any stage runs: every model the config names must be loadable here and every
+    device it asks for must exist. Returns warnings (a precision that is slow on this hardware)."""
+    from irflow.models import model_ref
+
+    for where, name in model_fields(c):
+        model_ref(name, store, where)  # raises ModelNotAvailable naming `where`
+    try:
+        runtime.check_devices(c.runtime)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    warnings = []
+    for work, r in runtime.resolved_plan(c.runtime).items():
+        if r["warning"] and r["warning"] not in warnings:
+            warnings.append(r["warning"])
+    return warnings
+
+
+def _check_force(recipe, c: RecipeConfig, store: str, force: set[str]) -> None:
+    if not force:
+        return
+    names = [p["name"] for p in plan(recipe, c, store)]
+    known = set(names) | {n.split("[")[0] for n in names}
+    unknown = sorted(force - known)
+    if unknown:
+        import difflib
+
+        hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, sorted(known), n=1))
+                 else u for u in unknown]
+        raise ConfigError(f"--from {', '.join(hints)}: no such stage in recipe '{c.flow}'; its stages: "
+                          f"{', '.join(names)}")
+
+
+def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store: str | os.PathLike | None = None,
+        force: list[str] | tuple[str, ...] | set[str] = (), *, run_id: str | None = None) -> RunResult:
+    """Run a recipe as a Prefect flow (local mode unless PREFECT_API_URL is set) and return its result.
+
+    config: a YAML path, a mapping, or a config model; overrides: ``key=value`` edits (as ``--set``);
+    force: stage names or labels to recompute with everything downstream (as ``--from``).
+    """
+    root = store_root(store)
+    c = load_config(config, overrides)  # first: a bad config creates nothing
+    runtime.configure(root)
+    for w in preflight(c, root):
+        log.warning(w)
+    recipe = get_recipe(c.flow)
+    force = set(force)
+    _check_force(recipe, c, root, force)
+    run_id = run_id or new_run_id(c.flow)
+    flow = recipe.flow.with_options(flow_run_name=run_id)
+    if isinstance(config, (str, os.PathLike)):  # the path and overrides: what Prefect's UI shows
+        return flow(config=str(config), overrides=list(overrides or []), store=root, force=sorted(force),
+                    run_id=run_id)
+    return flow(config=c.model_dump(mode="json"), store=root, force=sorted(force), run_id=run_id)
+
+
+def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
+           store: str | os.PathLike | None = None, force: list[str] | tuple[str, ...] | set[str] = ()
+           ) -> list[StageStatus]:
+    """What ``run`` would do now, per stage: cached, or stale and why. Computes nothing."""
+    root = store_root(store)
+    c = load_config(config, overrides)
+    runtime.configure(root)
+    preflight(c, root)
+    recipe = get_recipe(c.flow)
+    _check_force(recipe, c, root, set(force))
+    return [StageStatus(p["name"], p["status"], p["why"]) for p in plan(recipe, c, root, set(force))]
+
+
+def is_user_error(e: BaseException) -> bool:
+    from irflow.errors import StageFailed
+
+    return isinstance(e, UserError) or (isinstance(e, StageFailed) and e.user_error)

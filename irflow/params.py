@@ -1,0 +1,93 @@
+"""Typed parameters: what every stage computes from, and what recipe configs are made of.
+
+``Params`` is the base of every stage's params model and of every config section:
+
+- unknown keys are an error (``extra="forbid"``): a typo never silently becomes a default;
+- instances are frozen: a stage cannot change what its cache key was made of;
+- every field has a description (checked when the class is defined): the description is the
+  documentation, shown by ``irflow config --explain``.
+
+A stage's cache key holds ``params.model_dump(mode="json")``; its defaults are written once, in
+its params model. A config section that feeds a stage inherits that stage's params (or a part of
+them) and adds what only the recipe knows (which model, which variants); ``section.to(StageParams,
+**per_call)`` projects it onto one call's params.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Iterator, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+P = TypeVar("P", bound="Params")
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        undocumented = [name for name, f in cls.model_fields.items() if not f.description]
+        if undocumented:
+            raise TypeError(f"{cls.__qualname__}: every field needs a description; missing for {undocumented}")
+
+    def to(self, cls: type[P], **fields: Any) -> P:
+        """The params of one stage call: this section's values for the fields ``cls`` declares,
+        plus ``fields`` (what differs per call: a variant, a system name, a split)."""
+        own = {k: getattr(self, k) for k in cls.model_fields if k in type(self).model_fields and k not in fields}
+        return cls(**own, **fields)
+
+    def key_dump(self) -> dict:
+        """What a cache key holds: the JSON dump of every field."""
+        return self.model_dump(mode="json")
+
+
+class NoParams(Params):
+    """For stages whose output depends on their inputs only."""
+
+
+class _ModelMarker:
+    """Marks a str field that names a model: a hub id, a local directory, or a stored model id."""
+
+    def __repr__(self) -> str:
+        return "ModelName"
+
+
+MODEL = _ModelMarker()
+
+#: A model named in a config. Recipes turn it into an input ref (``run.model(...)``): the model's
+#: content identity, not its name or path, enters the cache keys of the stages that read it.
+ModelName = Annotated[str, Field(min_length=1), MODEL]
+
+
+def model_fields(obj: BaseModel, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted path, value) of every ``ModelName`` field set in a config, at any depth."""
+    for name, info in type(obj).model_fields.items():
+        value = getattr(obj, name)
+        path = f"{prefix}{name}"
+        if value is None:
+            continue
+        if any(m is MODEL for m in info.metadata) and isinstance(value, str):
+            yield path, value
+        elif isinstance(value, BaseModel):
+            yield from model_fields(value, path + ".")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from model_fields(item, f"{path}.{i}.")
+
+
+def explain(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) of every field of a config model, sections expanded."""
+    out = []
+    for name, info in cls.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.append((path, "", info.description or ""))
+            out += explain(ann, path + ".")
+        else:
+            default = "" if info.is_required() else repr(info.get_default(call_default_factory=True))
+            out.append((path, default, info.description or ""))
+    return out

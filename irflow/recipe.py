@@ -1,0 +1,191 @@
+"""Recipes: one typed config model and one body that reads like the method's figure.
+
+    @recipe("gpl", GPLConfig)
+    def gpl(c: GPLConfig, run: Run) -> list[Evaluation]:
+        data = ingest(run, c.dataset)
+        ...
+
+The body wires stages together (each call is a cached stage run, a Prefect task inside a flow) and
+returns the evaluation refs; the engine records the run in the catalog, the metrics, and the result.
+``Recipe.flow`` is the recipe as a Prefect flow (what ``irflow run``, ``irflow serve`` and the
+deployments in prefect.yaml run), so Prefect's UI shows the recipe's own task runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import Field
+
+from irflow.params import Params
+from irflow.runtime import RuntimeConfig
+from irflow.stage import Run
+
+# recipe name (a config's `flow:`) -> module that defines it
+MODULES = {
+    "baselines": "irflow.flows.baselines",
+    "gpl": "irflow.flows.gpl",
+}
+_REGISTRY: dict[str, "Recipe"] = {}
+
+
+class RecipeConfig(Params):
+    """Base of every recipe's config: ``flow`` picks the recipe, ``runtime`` is never keyed."""
+
+    flow: str = Field(description="which recipe this config is for")
+    runtime: RuntimeConfig = Field(RuntimeConfig(), description="where and how stages run (never part of a key)")
+
+
+@dataclass
+class StageResult:
+    name: str  # stage label, e.g. bm25_search[flat]
+    status: str  # computed | cached
+    outputs: dict[str, str]  # output name -> dataset id
+    seconds: float
+    runtime: dict | None = None  # device/precision/threads of a computed stage
+
+    @property
+    def dataset_id(self) -> str | None:
+        """The id of its only output (None for multi-output stages)."""
+        return next(iter(self.outputs.values())) if len(self.outputs) == 1 else None
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    recipe: str
+    store: str
+    status: str
+    seconds: float
+    stages: list[StageResult] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)  # one dict per (system, dataset, split)
+    prefect_flow_run_id: str | None = None
+
+    @property
+    def computed(self) -> set[str]:
+        return {s.name for s in self.stages if s.status == "computed"}
+
+    @property
+    def cached(self) -> set[str]:
+        return {s.name for s in self.stages if s.status == "cached"}
+
+    def stage(self, name: str) -> StageResult:
+        return next(s for s in self.stages if s.name == name)
+
+    def metric(self, system: str, metric: str = "ndcg@10") -> float:
+        return next(m[metric] for m in self.metrics if m["system"] == system)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for s in d["stages"]:
+            s["dataset_id"] = s["outputs"] if len(s["outputs"]) != 1 else next(iter(s["outputs"].values()))
+        return d
+
+
+@dataclass
+class Recipe:
+    name: str
+    config_cls: type[RecipeConfig]
+    body: Callable[[Any, Run], list]
+    _flow: Any = None
+
+    @property
+    def flow(self):
+        """The recipe as a Prefect flow (built on first use: importing Prefect is not free)."""
+        if self._flow is None:
+            from prefect import flow
+
+            name = self.name
+
+            def entry(config: Any, overrides: list[str] | None = None, store: str = "store",
+                      force: list[str] | None = None, run_id: str | None = None) -> RunResult:
+                """Run the recipe on a config (a YAML path or a mapping) in a store."""
+                from irflow.config import load
+                from irflow.runtime import configure
+
+                configure(store)
+                c = load(config, overrides)
+                if c.flow != name:
+                    from irflow.errors import ConfigError
+
+                    raise ConfigError(f"config is for flow '{c.flow}', not '{name}'")
+                # the package's recipe, even when Prefect loaded this flow from the file as a script
+                return execute(get_recipe(name), c, store, force=set(force or ()), run_id=run_id,
+                               config_path=config if isinstance(config, str) else None)
+
+            entry.__name__ = f"{self.name}_flow"
+            self._flow = flow(name=self.name, log_prints=True, validate_parameters=False, persist_result=False)(entry)
+        return self._flow
+
+
+def recipe(name: str, config_cls: type[RecipeConfig]) -> Callable[[Callable], Recipe]:
+    def wrap(body: Callable) -> Recipe:
+        r = Recipe(name, config_cls, body)
+        # Prefect loads a deployment's entrypoint file as a fresh module (not irflow.flows.<name>): only
+        # the package module registers, so there is one set of config classes for isinstance checks.
+        if body.__module__ == MODULES.get(name):
+            _REGISTRY[name] = r
+        return r
+
+    return wrap
+
+
+def recipe_names() -> list[str]:
+    return sorted(MODULES)
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in _REGISTRY:
+        importlib.import_module(MODULES[name])
+    return _REGISTRY[name]
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = frozenset(),
+            run_id: str | None = None, config_path: str | None = None) -> RunResult:
+    """Run a recipe body on a validated config: the run row, the stages, the metrics, the result."""
+    from irflow.tasks.report import report
+
+    store_root = str(Path(store).resolve())
+    run = Run(store_root, run_id or new_run_id(recipe.name), runtime=c.runtime, force=force)
+    flow_run_id = _prefect_flow_run_id()
+    run.catalog.start_run(run.run_id, recipe.name, str(Path(config_path).resolve()) if config_path else None,
+                          c.model_dump(mode="json"))
+    t0 = time.perf_counter()
+    status, rows = "failed", []
+    try:
+        evaluations = recipe.body(c, run)
+        rows = report(run, evaluations)
+        status = "completed"
+    finally:
+        run.catalog.finish_run(run.run_id, status, flow_run_id)
+    stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"))
+              for s in run.catalog.stage_runs(run.run_id)]
+    return RunResult(run.run_id, recipe.name, store_root, status, round(time.perf_counter() - t0, 3), stages, rows,
+                     flow_run_id)
+
+
+def plan(recipe: Recipe, c: RecipeConfig, store: str, force: set[str] = frozenset()) -> list[dict]:
+    """Run the body as a dry run: per stage, cached or stale and why. Computes nothing."""
+    run = Run(store, "status", runtime=c.runtime, force=force, dry_run=True)
+    recipe.body(c, run)
+    return run.plan
+
+
+def _prefect_flow_run_id() -> str | None:
+    try:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+    except Exception:  # noqa: BLE001 -- outside Prefect
+        return None

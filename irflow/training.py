@@ -1,0 +1,185 @@
+"""The training loop shared by every trained model (bi-encoder students, cross-encoders).
+
+A plain PyTorch loop (no ``model.fit``), so that everything that decides the result is visible and
+checkpointable:
+
+- batches: a seeded permutation per epoch (``drop_last`` as GPL's DataLoader); with keys, no two
+  examples in a batch share a key (in-batch negatives must be negatives);
+- AdamW (weight decay on everything but biases and LayerNorm) with linear warm-up then linear
+  decay (``transformers.get_linear_schedule_with_warmup``), gradient clipping at ``max_grad_norm``;
+- autocast at the runtime's precision (``StageRuntime.autocast``: bf16 only where the hardware has
+  it, unless forced);
+- a checkpoint every ``checkpoint_every`` steps in the stage's resume dir (weights, optimizer,
+  scheduler, step, RNG state, loss history). A crashed run restarts from its last checkpoint and
+  ends with the same weights as an uninterrupted run (batches are a function of (seed, step)).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from pydantic import Field, PositiveInt
+from tqdm.auto import tqdm
+
+from irflow.params import Params
+
+log = logging.getLogger("irflow.train")
+CHECKPOINT = "checkpoint.pt"
+
+
+class LoopParams(Params):
+    """Optimisation settings every trained stage shares (each stage adds its batch size and warm-up)."""
+
+    lr: float = Field(2e-5, gt=0, description="peak learning rate (AdamW)")
+    steps: PositiveInt | None = Field(None, description="optimizer steps; null: `epochs` passes over the data")
+    epochs: PositiveInt = Field(1, description="passes over the data (used only when `steps` is null)")
+    seed: int = Field(42, description="seed of the initialisation, the batch order and the sampling")
+    checkpoint_every: int = Field(500, ge=0, description="save a resumable checkpoint every n steps (0: never)")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping norm (0: no clipping)")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (not on biases and LayerNorm)")
+
+
+def _on_step(step: int) -> None:
+    """Called after every completed optimizer step (and after its checkpoint). A test hook."""
+
+
+# ---- batches --------------------------------------------------------------------------------------
+def epoch_batches(n: int, batch_size: int, seed: int, epoch: int,
+                  keys: Sequence[frozenset] | None = None) -> list[list[int]]:
+    """The batches of one epoch: a permutation seeded by (seed, epoch), cut into full batches
+    (a last partial batch is dropped, unless the data is smaller than one batch).
+
+    With ``keys`` (one set per example), an example whose keys collide with the batch being filled
+    is deferred to a later batch (sentence-transformers' NoDuplicatesDataLoader idea).
+    """
+    perm = np.random.default_rng([int(seed), int(epoch)]).permutation(n).tolist()
+    if n <= batch_size:
+        return [perm]
+    if keys is None:
+        return [perm[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+    batches, pending, it = [], [], iter(perm)
+    while True:
+        batch, used, still = [], set(), []
+        for i in pending:
+            if len(batch) < batch_size and not (keys[i] & used):
+                batch.append(i)
+                used |= keys[i]
+            else:
+                still.append(i)
+        pending = still
+        while len(batch) < batch_size:
+            i = next(it, None)
+            if i is None:
+                break
+            if keys[i] & used:
+                pending.append(i)
+            else:
+                batch.append(i)
+                used |= keys[i]
+        if len(batch) < batch_size:
+            return batches or [batch]
+        batches.append(batch)
+
+
+class BatchPlan:
+    """Which examples make up step ``s`` (0-based), for any s: a pure function of (seed, s)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, keys=None):
+        self.n, self.batch_size, self.seed, self.keys = n, batch_size, seed, keys
+        self._epoch, self._start, self._batches = 0, 0, epoch_batches(n, batch_size, seed, 0, keys)
+
+    def steps_per_epoch(self, epoch: int) -> int:
+        return len(epoch_batches(self.n, self.batch_size, self.seed, epoch, self.keys))
+
+    def total_steps(self, p: LoopParams) -> int:
+        if p.steps:
+            return int(p.steps)
+        return sum(self.steps_per_epoch(e) for e in range(int(p.epochs)))
+
+    def at(self, step: int) -> list[int]:
+        if step < self._start:
+            self._epoch, self._start, self._batches = 0, 0, epoch_batches(self.n, self.batch_size, self.seed, 0,
+                                                                           self.keys)
+        while step >= self._start + len(self._batches):
+            self._start += len(self._batches)
+            self._epoch += 1
+            self._batches = epoch_batches(self.n, self.batch_size, self.seed, self._epoch, self.keys)
+        return self._batches[step - self._start]
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+def seed_everything(seed: int) -> None:
+    import random
+
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(model, lr: float, weight_decay: float = 0.01):
+    import torch
+
+    no_decay = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "norm.weight")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if not any(k in n for k in no_decay)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: BatchPlan, p: LoopParams,
+               warmup_steps: int, rt, desc: str) -> list[dict]:
+    """Run ``plan.total_steps(p)`` optimizer steps of ``compute_loss(batch indices)`` on ``rt.device``
+    under ``rt.autocast()``; checkpoint into and resume from ``rt.resume_dir``.
+
+    Returns the loss history [{step, loss, lr}] (including steps done before a crash).
+    """
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    total = plan.total_steps(p)
+    device = rt.device
+    opt = make_optimizer(model, p.lr, p.weight_decay)
+    sched = get_linear_schedule_with_warmup(opt, int(warmup_steps), total)
+    ckpt_path = Path(rt.resume_dir) / CHECKPOINT if rt.resume_dir else None
+    start, history = 0, []
+    if ckpt_path is not None and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        start, history = int(state["step"]), list(state["history"])
+        log.info("%s: resuming from step %d (checkpoint in %s)", desc, start, rt.resume_dir)
+
+    model.to(device)
+    bar = tqdm(range(start, total), desc=desc, initial=start, total=total, unit=" step", mininterval=2)
+    for step in bar:
+        model.train()
+        with rt.autocast():
+            loss = compute_loss(plan.at(step))
+        loss.backward()
+        if p.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0]})
+        bar.set_postfix(loss=f"{value:.4f}")
+        done = step + 1
+        if ckpt_path is not None and p.checkpoint_every and done % p.checkpoint_every == 0 and done < total:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": done,
+                        "history": history}, tmp)
+            os.replace(tmp, ckpt_path)
+        _on_step(done)
+    return history

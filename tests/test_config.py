@@ -1,0 +1,217 @@
+"""Configs are validated as a whole before anything runs: typos at every depth, wrong types, out-of-range
+and unknown enum values, the recipes' cross-stage rules, unknown ``--from`` stages. Each bad input gives
+one readable message naming the dotted path (and, for typos, the key meant), and nothing is computed.
+The CLI turns them into one line per problem and exit 2; a user error raised inside a stage names the
+stage, exits 2, and prints no traceback (``--debug`` shows it)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from irflow import api
+from irflow.errors import ConfigError, UserError
+from irflow.params import Params
+from irflow.testing import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs" / "demo.yaml")
+BASELINES = str(REPO / "configs" / "demo_baselines.yaml")
+
+# (config, --set overrides, fragments every one of which the message must contain)
+BAD = [
+    (DEMO, ["train.lrr=3e-5"], ["train.lrr: unknown key", "did you mean 'lr'"]),
+    (BASELINES, ["dense.modle=x"], ["dense.modle: unknown key", "did you mean 'model'"]),
+    (DEMO, ["traim.steps=5"], ["traim: unknown section", "did you mean 'train'"]),
+    (DEMO, ["teacher.wieghts.bm25=0.5"], ["teacher.wieghts: unknown key", "did you mean 'weights'"]),
+    (DEMO, ["bm25.k1x=1"], ["bm25.k1x: unknown key", "did you mean 'k1'"]),
+    (DEMO, ["dataset.splt=dev"], ["dataset.splt: unknown key", "did you mean 'split'"]),
+    (DEMO, ["mine.miners.0.nmae=x"], ["mine.miners.0.nmae: unknown key", "did you mean 'name'"]),
+    (DEMO, ["bm25.k1=abc"], ["bm25.k1: 'abc'", "valid number"]),
+    (DEMO, ["bm25.hits=0"], ["bm25.hits: 0", "greater than 0"]),
+    (DEMO, ["bm25.variants=[multifeld]"], ["bm25.variants.0: 'multifeld'", "'flat' or 'multifield'"]),
+    (DEMO, ["bm25=5"], ["bm25: expected a section", "got 5"]),
+    (DEMO, ["train.steps=-5"], ["train.steps: -5", "greater than 0"]),
+    (DEMO, ["hybrid.sparse_weight=1.5"], ["hybrid.sparse_weight: 1.5", "less than or equal to 1"]),
+    (DEMO, ["runtime.precision=bf8"], ["runtime.precision: 'bf8'", "'auto', 'fp32', 'bf16' or 'fp16'"]),
+    (DEMO, ["runtime.device=gpu"], ["runtime.device: 'gpu' is not a device"]),
+    (DEMO, ["generate.source=t5x"], ["generate:", "'t5x' is not one of", "'unlabelled'"]),
+    (DEMO, ["teacher.type=crossencoder"], ["teacher:", "'crossencoder' is not one of", "'cross_encoder'"]),
+    (DEMO, ["evaluate.metrics=[ndcg@x]"], ["evaluate.metrics:", "'ndcg@x'", "ndcg@10"]),
+    (DEMO, ["flow=gplx"], ["unknown recipe 'gplx'", "did you mean 'gpl'"]),
+    # renamed / moved keys say where they went
+    (DEMO, ["train.bf16_autocast=true"], ["train.bf16_autocast: unknown key", "runtime.precision"]),
+    (DEMO, ["mine.top_k=10"], ["mine.top_k: unknown key", "depth"]),
+    (DEMO, ["bm25.top_k=10"], ["bm25.top_k: unknown key", "hits"]),
+    # cross-stage rules of the GPL recipe
+    (DEMO, ["generate.split=test"], ["generate.split", "test queries must not be used for training"]),
+    (DEMO, ["generate.split=dev"], ["generate.split: 'dev' is not a split", "test, train"]),
+    (DEMO, ["label.positive=qrels"], ["label.positive: qrels needs the source passage"]),
+    (DEMO, ["doc2query.enabled=true"], ["doc2query.enabled:", "not t5"]),
+    (DEMO, ["teacher.weights.bm2=0.5"], ["teacher.weights: one weight per miner", "bm2"]),
+    (DEMO, ["mine.strategy=range"], ["mine.rank_range: required with strategy range"]),
+    (DEMO, ["label.rank_range=[1,30]"], ["label.rank_range:", "rank 1 is the positive"]),
+    (DEMO, ["dense.similarity=dot"], ["dense.similarity: the evaluated students use train.similarity"]),
+    (DEMO, ["train.loss=mnrl"], ["train.loss:", "margin_mse"]),
+    (DEMO, ["dataset.split=validation"], ["dataset.split", "'validation'"]),
+    # malformed --set
+    (DEMO, ["train.lr"], ["--set 'train.lr': expected key=value"]),
+    (DEMO, ["train.lr.x=1"], ["'train.lr' is a value"]),
+    (DEMO, ["mine.miners.7.model=x"], ["mine.miners is a list of 2 items (0..1); no item '7'"]),
+]
+
+
+@pytest.mark.parametrize("config,overrides,fragments", BAD, ids=[" ".join(o) for _, o, _ in BAD])
+def test_bad_config_is_reported_by_path(config, overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        api.load_config(config, overrides)
+    msg = str(err.value)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in:\n{msg}"
+    assert "Traceback" not in msg and "pydantic" not in msg.lower()
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        api.load_config(DEMO, ["train.lrr=1", "bm25.k1=abc", "traim.steps=5"])
+    msg = str(err.value)
+    assert "3 problems" in msg
+    assert "train.lrr" in msg and "bm25.k1" in msg and "traim" in msg
+
+
+def test_missing_models_fail_before_any_work(tmp_path):
+    with pytest.raises(UserError, match=r"train.model: model directory '/no/such/model' does not exist"):
+        api.status(DEMO, ["train.model=/no/such/model"], store=tmp_path / "store")
+    with pytest.raises(UserError, match=r"mine.miners.1.model: model directory"):
+        api.status(DEMO, ["mine.miners.1.model=/nope"], store=tmp_path / "store")
+    # a hub id offline names the model and how to give a local directory instead
+    with pytest.raises(UserError, match=r"train.model: model 'BeIR/no-such-model' is not available here"):
+        api.status(DEMO, ["train.model=BeIR/no-such-model"], store=tmp_path / "store")
+    assert not (tmp_path / "store" / "objects").exists() or not any((tmp_path / "store" / "objects").iterdir())
+
+
+def test_cuda_asked_where_there_is_none(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UserError, match="runtime.device: 'cuda', but torch sees no CUDA device"):
+        api.status(DEMO, ["runtime.device=cuda"], store=tmp_path / "store")
+
+
+def test_unknown_from_lists_the_stages(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        api.status(DEMO, force=["bm25_serach"], store=tmp_path / "store")
+    msg = str(err.value)
+    assert "--from bm25_serach (did you mean bm25_search?)" in msg
+    assert "pseudo_label" in msg and "train_student[gpl]" in msg
+
+
+def test_defaults_are_filled_in_and_overrides_typed():
+    c = api.load_config(DEMO, ["train.lr=3e-5", "bm25.k1=1.2"])
+    assert c.train.lr == 3e-5 and c.bm25.k1 == 1.2
+    # a value the file does not give comes from the stage's own params model, written once
+    from irflow.tasks.bm25 import BM25Weights
+
+    assert c.bm25.b == BM25Weights().b
+    # the config is frozen: a recipe cannot be changed behind the cache key's back
+    with pytest.raises(Exception):
+        c.train.lr = 1.0
+
+
+def test_every_field_of_every_params_model_is_described():
+    import importlib
+    import pkgutil
+
+    import irflow.flows
+    import irflow.tasks
+
+    for pkg in (irflow.tasks, irflow.flows):
+        for m in pkgutil.iter_modules(pkg.__path__):
+            importlib.import_module(f"{pkg.__name__}.{m.name}")
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    models = list(subclasses(Params))
+    assert len(models) > 20
+    for cls in models:
+        assert cls.model_config.get("extra") == "forbid", cls
+        assert cls.model_config.get("frozen"), cls
+        for name, f in cls.model_fields.items():
+            assert f.description, f"{cls.__name__}.{name} has no description"
+    # ... and a class that forgets one is refused when it is defined
+    from pydantic import Field
+
+    with pytest.raises(TypeError, match="needs a description"):
+        class Bad(Params):  # noqa: F841
+            x: int = Field(1)
+
+
+def test_cli_config_prints_the_resolved_config():
+    code, out, err = run_cli("config", DEMO, "--set", "train.lr=3e-5")
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
+    assert cfg["train"]["lr"] == 3e-5
+    assert cfg["bm25"]["k1"] is not None and "b" in cfg["bm25"]  # defaults filled in
+    assert list(cfg)[-1] == "runtime"
+    code, out, _ = run_cli("config", DEMO, "--explain")
+    assert code == 0
+    assert any(line.startswith("train.lr ") and "learning rate" in line.lower() for line in out.splitlines())
+
+
+def test_cli_bad_config_one_line_per_problem_exit_2(tmp_path):
+    store = tmp_path / "never-created"
+    code, out, err = run_cli("run", DEMO, "--set", "train.lrr=3e-5", "--store", store)
+    assert code == 2
+    assert "irflow: error:" in err and "train.lrr: unknown key (did you mean 'lr'?)" in err
+    assert "Traceback" not in err
+    assert not store.exists()
+
+
+def _bad_corpus(tmp_path: Path) -> Path:
+    """A real SciFact slice whose corpus has one malformed line: it passes config validation (the
+    splits exist) and fails in the ingest stage."""
+    from irflow.testing import SHARED_DATASETS, beir_slice
+
+    src = beir_slice(SHARED_DATASETS / "scifact.zip", tmp_path / "bad", n_test_queries=3, n_extra_docs=5)
+    with open(src / "corpus.jsonl", "a") as f:
+        f.write('{"_id": "x", "text": oops}\n')
+    return src
+
+
+def test_user_error_in_a_stage_is_one_line_exit_2(tmp_path):
+    """Through the real command (a subprocess, as a user runs it): no Prefect tracebacks, no
+    binding-leak noise at exit; --debug shows the traceback."""
+    src = _bad_corpus(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"flow": "baselines", "dataset": {"name": "bad", "source": str(src)},
+                                   "bm25": {"variants": ["flat"]}, "dense": {"enabled": False}}))
+    env = dict(os.environ, IRFLOW_STORE=str(tmp_path / "store"), PREFECT_HOME=str(tmp_path / "prefect"))
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "irflow.cli", "run", str(cfg)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "leaked" not in p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if "error" in ln.lower()]
+    assert errors == [ln for ln in errors if ln.startswith("irflow: error:")], errors
+    assert len([ln for ln in p.stderr.splitlines() if ln.startswith("irflow: error:")]) == 1
+    assert "irflow: error: stage ingest: " in p.stderr and "corpus.jsonl:" in p.stderr and "malformed JSON" in p.stderr
+
+    p = subprocess.run(cmd[:3] + ["--debug"] + cmd[3:], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 2
+    assert "Traceback" in p.stderr
+
+
+def test_result_to_dict_is_json(tmp_path):
+    # RunResult is what the CLI's --json prints and bench/ reads; check it on a config error-free status
+    plan = api.status(BASELINES, store=tmp_path / "store")
+    assert plan and all(p.status == "stale" for p in plan)
+    assert json.dumps([vars(p) for p in plan])
