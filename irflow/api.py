@@ -15,8 +15,10 @@ readable message; a stage that fails raises ``StageFailed`` naming the stage.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,19 @@ def _check_force(recipe, c: RecipeConfig, store: str, force: set[str]) -> None:
                           f"{', '.join(names)}")
 
 
+@contextlib.contextmanager
+def _no_store_left_on_error(root: str):
+    """A run refused before it starts (a missing model, a device, an unknown --from) leaves no new
+    store behind: the checks need Prefect's home and the catalog, which live in the store."""
+    existed = Path(root).exists()
+    try:
+        yield
+    except UserError:
+        if not existed:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
 def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store: str | os.PathLike | None = None,
         force: list[str] | tuple[str, ...] | set[str] = (), *, run_id: str | None = None) -> RunResult:
     """Run a recipe as a Prefect flow (local mode unless PREFECT_API_URL is set) and return its result.
@@ -93,14 +108,16 @@ def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store
     """
     root = store_root(store)
     c = load_config(config, overrides)  # first: a bad config creates nothing
-    runtime.configure(root)
-    for w in preflight(c, root):
-        log.warning(w)
     recipe = get_recipe(c.flow)
     force = set(force)
-    _check_force(recipe, c, root, force)
+    with _no_store_left_on_error(root):
+        runtime.configure(root)
+        for w in preflight(c, root):
+            log.warning(w)
+        _check_force(recipe, c, root, force)
     run_id = run_id or new_run_id(c.flow)
     flow = recipe.flow.with_options(flow_run_name=run_id)
+    runtime.prefect_home()
     if isinstance(config, (str, os.PathLike)):  # the path and overrides: what Prefect's UI shows
         return flow(config=str(config), overrides=list(overrides or []), store=root, force=sorted(force),
                     run_id=run_id)
@@ -113,10 +130,11 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     """What ``run`` would do now, per stage: cached, or stale and why. Computes nothing."""
     root = store_root(store)
     c = load_config(config, overrides)
-    runtime.configure(root)
-    preflight(c, root)
     recipe = get_recipe(c.flow)
-    _check_force(recipe, c, root, set(force))
+    with _no_store_left_on_error(root):
+        runtime.configure(root)
+        preflight(c, root)
+        _check_force(recipe, c, root, set(force))
     return [StageStatus(p["name"], p["status"], p["why"]) for p in plan(recipe, c, root, set(force))]
 
 

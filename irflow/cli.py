@@ -165,6 +165,7 @@ def cmd_serve(args) -> int:
     c = api.load_config(args.config, args.set)
     api.preflight(c, store_root)
     name = args.name or Path(args.config).stem
+    runtime.prefect_home()
     get_recipe(c.flow).flow.serve(name=name, cron=args.cron, parameters={
         "config": str(Path(args.config).resolve()), "overrides": args.set or [], "store": store_root})
     return 0

@@ -286,9 +286,8 @@ def configure(store_root: str | Path) -> None:
     needs more than Prefect's default 20 s to answer; we give it 180 s
     (``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` overrides).
     """
-    home = Path(store_root).resolve() / "prefect"
-    home.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("PREFECT_HOME", str(home))
+    # Created only when a flow is about to run (prefect_home): a run refused by its checks leaves no store.
+    os.environ.setdefault("PREFECT_HOME", str(Path(store_root).resolve() / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_UI_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
@@ -296,3 +295,8 @@ def configure(store_root: str | Path) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OPENAI_API_KEY", "not-used-by-irflow")  # see irflow.java
 
+
+def prefect_home() -> None:
+    """Create Prefect's home (``configure`` set it): Prefect does not, and its temporary server
+    then never answers."""
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)

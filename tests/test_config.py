@@ -91,7 +91,7 @@ def test_missing_models_fail_before_any_work(tmp_path):
     # a hub id offline names the model and how to give a local directory instead
     with pytest.raises(UserError, match=r"train.model: model 'BeIR/no-such-model' is not available here"):
         api.status(DEMO, ["train.model=BeIR/no-such-model"], store=tmp_path / "store")
-    assert not (tmp_path / "store" / "objects").exists() or not any((tmp_path / "store" / "objects").iterdir())
+    assert not (tmp_path / "store").exists()  # a refused run leaves no store behind
 
 
 def test_cuda_asked_where_there_is_none(tmp_path):
@@ -109,6 +109,7 @@ def test_unknown_from_lists_the_stages(tmp_path):
     msg = str(err.value)
     assert "--from bm25_serach (did you mean bm25_search?)" in msg
     assert "pseudo_label" in msg and "train_student[gpl]" in msg
+    assert not (tmp_path / "store").exists()
 
 
 def test_defaults_are_filled_in_and_overrides_typed():
@@ -173,6 +174,11 @@ def test_cli_bad_config_one_line_per_problem_exit_2(tmp_path):
     assert "irflow: error:" in err and "train.lrr: unknown key (did you mean 'lr'?)" in err
     assert "Traceback" not in err
     assert not store.exists()
+    # refused after validation (a missing model, an unknown --from): still nothing created
+    for args in (["--set", "train.model=/no/such/model"], ["--from", "bm25_serach"]):
+        code, _, err = run_cli("run", DEMO, *args, "--store", store)
+        assert code == 2 and "Traceback" not in err, err
+        assert not store.exists(), args
 
 
 def _bad_corpus(tmp_path: Path) -> Path:

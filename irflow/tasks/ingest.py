@@ -109,7 +109,7 @@ def fetch(source: str, md5: str | None, downloads: Path) -> Path:
         return target
     path = Path(source).expanduser()
     if not path.exists():
-        raise IngestError(f"{source}: no such file or folder")
+        raise IngestError(f"{source}: no such file or folder{_relative_hint(source)}")
     if md5 and path.is_file():
         got = fingerprint_file(path, "md5")
         if got != md5:
@@ -132,7 +132,7 @@ def dataset_splits(source: str) -> tuple[str, ...] | None:
         return None
     path = Path(source).expanduser()
     if not path.exists():
-        raise IngestError(f"no such file or folder: {source}")
+        raise IngestError(f"no such file or folder: {source}{_relative_hint(source)}")
     return _splits(str(path.resolve()), path.stat().st_mtime_ns)
 
 
@@ -338,3 +338,8 @@ def select_queries(p: SelectQueriesParams, rt: StageRuntime, *, queries: Dataset
     if t.num_rows == 0:
         raise DataError(f"no queries are judged in split '{p.split}'")
     return t
+
+
+def _relative_hint(source: str) -> str:
+    # Relative sources are read from the working directory (the configs in configs/ assume the repo root).
+    return "" if Path(source).is_absolute() else f" (relative to the working directory {Path.cwd()})"
