@@ -5,25 +5,29 @@
 
 One run measures, in this order (the order makes the first SciFact run a genuinely cold one):
 
-1. cold run   `irflow run configs/baselines_scifact.yaml --json` in a fresh store (BM25 flat +
-              multifield + zero-shot all-MiniLM-L6-v2): wall time, stages computed.
-2. warm run   the same command again (twice): stages computed (must be 0), warm/cold wall time.
-              The warm time includes the start of Prefect's temporary local API server.
-3. BM25       `irflow run configs/baselines_<ds>.yaml --set dense.enabled=false --json` per dataset
-              (SciFact's is cached by then); nDCG@10 against Pyserini's BEIR regressions (2CR):
-              |diff| <= 0.001 passes.
+1. cold run   configs/baselines_scifact.yaml in a fresh store (BM25 flat + multifield + zero-shot
+              all-MiniLM-L6-v2), as a whole Python process that calls ``irflow.api.run``: wall time,
+              stages computed.
+2. warm run   the same process again (twice): stages computed (must be 0), warm/cold wall time.
+              The warm time includes Python start-up, imports and the start of Prefect's temporary
+              local API server.
+3. BM25       ``api.run("configs/baselines_<ds>.yaml", overrides=["dense.enabled=false"])`` per dataset,
+              in this process (SciFact's is cached by then); nDCG@10 against Pyserini's BEIR
+              regressions (2CR): |diff| <= 0.001 passes.
 4. dense      irflow's zero-shot MiniLM nDCG@10 (from step 1) against an independent reference
               built from plain libraries only (zip + json/csv, SentenceTransformer, torch,
               pytrec_eval; no irflow code): |diff| <= 0.002 passes.
 5. throughput side by side in this process, same inputs, interleaved repetitions:
               BM25: irflow.tasks.bm25.search vs Pyserini's LuceneSearcher.batch_search on the flat
               index that step 3 stored (SciFact test queries, and all 1109 SciFact queries);
-              encoding: irflow.tasks.dense.encode_texts vs SentenceTransformer.encode on the same
+              encoding: irflow.encoding.encode_texts vs SentenceTransformer.encode on the same
               1000 SciFact passages with the same loaded model; target ratio irflow/direct >= 0.95.
 
-irflow runs as a subprocess (`.venv/bin/irflow`), whose last stdout line is the run's JSON.
-Heavy libraries are imported only after the subprocesses have finished, so that one heavy
-process runs at a time.
+Steps 1-2 run ``python -c "from irflow import api; ..."`` subprocesses (the whole process is what
+they time); each writes ``RunResult.to_dict()`` to a JSON file that this script reads (stdout is
+never parsed). Every other run calls ``irflow.api.run`` in this process, and catalog queries go
+through ``Catalog.connect_with_views()``. Heavy libraries are imported only after the subprocesses
+have finished, so that one heavy process runs at a time.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IRFLOW = ROOT / ".venv" / "bin" / "irflow"
 DATASETS_DIR = (ROOT / ".." / "shared" / "datasets").resolve()
 
 # Pyserini's BEIR regressions (2CR), nDCG@10 on the test split.
@@ -68,29 +71,73 @@ def log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# irflow as a subprocess
+# irflow runs: through irflow.api, in a child process (whole-process timing) or in this one
 # ---------------------------------------------------------------------------------------------
-def irflow_run(config: str, store: str, sets: list[str] = ()) -> dict:
-    cmd = [str(IRFLOW), "run", config, "--store", store, "--json"]
-    for s in sets:
-        cmd += ["--set", s]
-    log("$ " + " ".join(cmd))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+# The child: argv = config, overrides (JSON list), store, force (JSON list), output file. It writes
+# RunResult.to_dict() plus its own import and api.run times; the parent never reads its stdout.
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from irflow import api
+t1 = time.perf_counter()
+config, overrides, store, force, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
+result = api.run(config, overrides=overrides, store=store, force=force)
+d = result.to_dict()
+d["child_import_seconds"] = round(t1 - t0, 3)
+d["child_api_run_seconds"] = round(time.perf_counter() - t1, 3)
+with open(out, "w") as f:
+    json.dump(d, f, default=str)
+"""
+
+
+def _finish(out: dict, wall: float, how: str) -> dict:
     out["wall_seconds"] = round(wall, 3)
     out["computed"] = sum(s["status"] == "computed" for s in out["stages"])
-    log(f"  {wall:.1f}s wall ({out['seconds']:.1f}s in flow), {len(out['stages'])} stages, {out['computed']} computed")
+    log(f"  {wall:.1f}s wall ({how}; {out['seconds']:.1f}s in flow), {len(out['stages'])} stages, "
+        f"{out['computed']} computed")
     return out
 
 
-def irflow_sql(query: str, store: str) -> list[dict]:
-    proc = subprocess.run([str(IRFLOW), "sql", query, "--store", store, "--json"], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def irflow_run_process(config: str, store: str, sets: list[str] = (), force: list[str] = ()) -> dict:
+    """``api.run`` in a fresh Python process; wall time is the whole process (start-up, imports,
+    Prefect's temporary server, the flow). Returns RunResult.to_dict() + wall_seconds + computed."""
+    with tempfile.TemporaryDirectory(prefix="irflow-bench-result-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-c", CHILD, config, json.dumps(list(sets)), store, json.dumps(list(force)),
+               str(result_file)]
+        log(f"$ python -c <api.run> {config} overrides={list(sets)} store={store}")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not result_file.exists():
+            raise RuntimeError(f"api.run of {config} in a child process failed ({proc.returncode}):\n"
+                               f"{proc.stderr[-5000:]}")
+        out = json.loads(result_file.read_text())
+    return _finish(out, wall, "whole process")
+
+
+def irflow_run(config: str, store: str, sets: list[str] = (), force: list[str] = ()) -> dict:
+    """``api.run`` in this process. Returns RunResult.to_dict() + wall_seconds + computed."""
+    from irflow import api
+
+    log(f"api.run({config!r}, overrides={list(sets)}, store={store!r})")
+    t0 = time.perf_counter()
+    out = api.run(config, overrides=list(sets), store=store, force=list(force)).to_dict()
+    return _finish(out, time.perf_counter() - t0, "in process")
+
+
+def catalog_sql(query: str, store: str, params: list | None = None) -> list[dict]:
+    """DuckDB SQL over the store's catalog (and every stored dataset as a view), in this process. The
+    connection is closed before returning, so no lock is held while irflow runs."""
+    from irflow.catalog import Catalog
+
+    con = Catalog(Path(store) / "catalog.duckdb").connect_with_views()
+    try:
+        rel = con.execute(query, params or [])
+        cols = [d[0] for d in rel.description]
+        return [dict(zip(cols, r)) for r in rel.fetchall()]
+    finally:
+        con.close()
 
 
 def ndcg10(run: dict, system: str) -> float:
@@ -102,8 +149,8 @@ def ndcg10(run: dict, system: str) -> float:
 
 def evaluated_queries(run_id: str, store: str) -> dict[str, int]:
     """system -> the number of queries irflow averaged nDCG@10 over (the catalog's metrics table)."""
-    rows = irflow_sql(f"select system, num_queries from metrics where run_id = '{run_id}' and metric = 'ndcg@10'",
-                      store)
+    rows = catalog_sql("select system, num_queries from metrics where run_id = ? and metric = 'ndcg@10'", store,
+                       [run_id])
     return {r["system"]: int(r["num_queries"]) for r in rows}
 
 
@@ -130,6 +177,7 @@ def find_lucene_index(path: Path) -> Path:
 def run_summary(run: dict) -> dict:
     return {"run_id": run["run_id"], "wall_seconds": run["wall_seconds"], "flow_seconds": run["seconds"],
             "stages": len(run["stages"]), "computed": run["computed"],
+            **{k: run[k] for k in ("child_import_seconds", "child_api_run_seconds") if k in run},
             "stage_status": {s["name"]: [s["status"], s["seconds"]] for s in run["stages"]}}
 
 
@@ -249,7 +297,7 @@ def bm25_throughput(index_dir: str, qids: list[str], texts: list[str], reps: int
 def encode_throughput(model, texts: list[str], reps: int) -> dict:
     import numpy as np
 
-    from irflow.tasks.dense import encode_texts
+    from irflow.encoding import encode_texts
 
     def via_irflow():
         return encode_texts(model, texts, batch_size=64, normalize=True)
@@ -323,6 +371,8 @@ def main() -> int:
     out_path = Path(args.out)
     if not out_path.is_absolute():
         out_path = ROOT / out_path
+    # configs name their dataset sources relative to the repository root (irflow resolves them against the cwd)
+    os.chdir(ROOT)
     result: dict = {"environment": environment(), "store": store, "criteria": {
         "bm25_abs_diff_max": BM25_TOL, "dense_abs_diff_max": DENSE_TOL, "throughput_ratio_min": RATIO_TARGET,
         "warm_computed": 0}}
@@ -331,19 +381,21 @@ def main() -> int:
         runs = {}
         # -- 1+2: cold and warm SciFact (full flow, incl. dense) -----------------------------
         if "scifact" in datasets:
-            cold = irflow_run("configs/baselines_scifact.yaml", store)
-            warm = [irflow_run("configs/baselines_scifact.yaml", store) for _ in range(2)]
+            cold = irflow_run_process("configs/baselines_scifact.yaml", store)
+            warm = [irflow_run_process("configs/baselines_scifact.yaml", store) for _ in range(2)]
             runs["scifact_full"] = cold
             result["cached_rerun"] = {
-                "command": "irflow run configs/baselines_scifact.yaml --store S --json",
+                "command": "python -c 'from irflow import api; api.run(\"configs/baselines_scifact.yaml\", "
+                           "store=S).to_dict()' (written to a JSON file)",
                 "cold": run_summary(cold), "cold_was_cold": cold["computed"] == len(cold["stages"]),
                 "warm": [run_summary(w) for w in warm],
                 "warm_computed": warm[0]["computed"],
                 "warm_over_cold_wall": round(warm[0]["wall_seconds"] / cold["wall_seconds"], 4),
                 "best_warm_over_cold_wall": round(min(w["wall_seconds"] for w in warm) / cold["wall_seconds"], 4),
                 "pass": all(w["computed"] == 0 for w in warm),
-                "note": "wall = the whole `irflow run` subprocess (Python start, imports, Prefect's local "
-                        "server start, flow); warm runs read every stage from the cache",
+                "note": "wall = the whole child process calling irflow.api.run (Python start, imports, "
+                        "Prefect's local server start, flow); child_import_seconds / child_api_run_seconds "
+                        "split it; warm runs read every stage from the cache",
             }
         # -- 3: BM25 reproduction -------------------------------------------------------------
         result["bm25"] = {}
@@ -369,7 +421,7 @@ def main() -> int:
 
         if "scifact" in datasets:
             index_id = stage_dataset(runs["scifact_bm25"], "bm25_index[flat]")
-            rows = irflow_sql(f"select path from datasets where dataset_id = '{index_id}'", store)
+            rows = catalog_sql("select path from datasets where dataset_id = ?", store, [index_id])
             index_dir = str(find_lucene_index(Path(rows[0]["path"])))
             log(f"scifact flat index: {index_dir}")
 

@@ -1,13 +1,21 @@
 """GPL benchmark: the offline recipe on whole BEIR datasets, plus partial re-execution cases.
 
-    .venv/bin/python bench/gpl.py [--datasets scifact,nfcorpus] [--store DIR] [--out bench/results/gpl.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/gpl.py [--datasets scifact,nfcorpus] [--store DIR]
+                                                   [--out bench/results/gpl.json] [--skip-partial]
 
-1. For each dataset, `irflow run configs/gpl_<ds>_offline.yaml --json` (a fresh store unless --store):
+Every run goes through the Python API, in this process:
+``irflow.api.run(config, overrides=[...], store=..., force=[...]) -> RunResult``.
+
+1. For each dataset, ``configs/gpl_<ds>_offline.yaml`` in a fresh store unless --store:
    nDCG@10 / R@100 of BM25, zero-shot MiniLM, hybrid, QGen-style MNRL student and the GPL student side
-   by side, per-stage wall time, and derived throughput (training examples/s, labelled pairs/s).
+   by side, per-stage wall time (``Catalog.stage_runs``, with each stage's first output's row count
+   from the catalog), and derived throughput (training examples/s, labelled pairs/s).
 2. Partial re-execution on the bundled sample (configs/demo.yaml with short training): the stage lists
-   after changing train.*, the teacher, the generator, and with --from.
-Prints a table and writes JSON. Wall times are on whatever else the machine is doing: see `load`.
+   (``RunResult.computed`` / ``.cached``) after changing train.*, the teacher, the generator, and with
+   ``force=["pseudo_label"]`` (the CLI's ``--from pseudo_label``).
+Prints a table and writes JSON. ``wall_seconds`` is the ``api.run`` call (no Python start-up or
+imports: bench/baselines.py measures whole processes). Wall times are on whatever else the machine is
+doing: see ``load_before`` / ``load_after``.
 """
 
 from __future__ import annotations
@@ -16,43 +24,47 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-IRFLOW = str(ROOT / ".venv" / "bin" / "irflow")
 ZERO_SHOT_REFERENCE = {"scifact": 0.6451, "nfcorpus": 0.3159}  # task statement / notes (MiniLM zero-shot)
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-def irflow_run(config: str, store: str, *sets: str, extra: tuple = ()) -> dict:
-    cmd = [IRFLOW, "run", config, "--store", store, "--json", *extra]
-    for s in sets:
-        cmd += ["--set", s]
+
+def irflow_run(config: str, store: str, *sets: str, force: tuple[str, ...] = ()) -> dict:
+    """``api.run`` in this process; the RunResult as a dict (``to_dict``) plus ``wall_seconds``."""
+    from irflow import api
+
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-5000:])
-        raise SystemExit(f"irflow run failed: {' '.join(cmd)}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = api.run(config, overrides=list(sets), store=store, force=list(force))
+    out = result.to_dict()
     out["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    out["computed"] = sorted(result.computed)
     return out
 
 
 def stage_rows(store: str, run_id: str) -> list[dict]:
-    """Per-stage status, seconds, and the row count / params of its (first) output."""
+    """Per-stage status, seconds, and the row count / params of its (first) output, from the catalog."""
     from irflow.catalog import Catalog
 
     catalog = Catalog(Path(store) / "catalog.duckdb")
     rows = []
     for s in catalog.stage_runs(run_id):
-        first = catalog.dataset(next(iter(s["outputs"].values())))
-        rows.append({"stage": s["name"], "status": s["status"], "seconds": s["seconds"],
-                     "num_rows": first and first["num_rows"],
-                     "params": first and json.loads(first["params"] or "{}")})
+        first = catalog.dataset(next(iter(s["outputs"].values()))) if s["outputs"] else None
+        params = json.loads(first["params"] or "{}") if first else {}
+        row = {"stage": s["name"], "status": s["status"], "seconds": s["seconds"],
+               "num_rows": first and first["num_rows"], "params": params}
+        if first and first["kind"] == "model":  # a trained student: its steps as trained (steps may be null)
+            info = Path(first["path"]) / "irflow_training.json"
+            if info.exists():
+                row["trained_steps"] = json.loads(info.read_text()).get("steps")
+        if s.get("runtime"):
+            row["runtime"] = {k: s["runtime"].get(k) for k in ("device", "precision", "threads")}
+        rows.append(row)
     return rows
 
 
@@ -64,8 +76,9 @@ def bench_dataset(ds: str, store: str) -> dict:
     derived = {}
     for stage, key in (("train_student[gpl]", "gpl"), ("train_student[qgen]", "qgen")):
         s = by_name.get(stage)
-        if s and s["status"] == "computed" and s["params"].get("steps"):
-            steps, batch = s["params"]["steps"], s["params"]["batch_size"]
+        steps = s and (s.get("trained_steps") or s["params"].get("steps"))
+        if s and s["status"] == "computed" and steps:
+            batch = s["params"]["batch_size"]
             derived[f"{key}_training_examples_per_s"] = round(steps * batch / s["seconds"], 2)
             derived[f"{key}_seconds_per_step"] = round(s["seconds"] / steps, 2)
     pl = by_name.get("pseudo_label")
@@ -74,7 +87,8 @@ def bench_dataset(ds: str, store: str) -> dict:
     metrics = {m["system"]: m for m in result["metrics"]}
     gpl, zs = metrics.get("gpl-student", {}), metrics.get("dense-all-MiniLM-L6-v2", {})
     return {
-        "run_id": result["run_id"], "wall_seconds": result["wall_seconds"], "metrics": result["metrics"],
+        "run_id": result["run_id"], "wall_seconds": result["wall_seconds"], "flow_seconds": result["seconds"],
+        "metrics": result["metrics"],
         "stages": [{k: v for k, v in st.items() if k != "params"} for st in stages], "derived": derived,
         "gpl_beats_zero_shot": bool(gpl and zs and gpl["ndcg@10"] > zs["ndcg@10"]),
         "zero_shot_reference_ndcg@10": ZERO_SHOT_REFERENCE.get(ds),
@@ -89,7 +103,7 @@ def partial_reexecution(store: str) -> dict:
     def record(name, res):
         cases[name] = {"computed": [s["name"] for s in res["stages"] if s["status"] == "computed"],
                        "cached": [s["name"] for s in res["stages"] if s["status"] == "cached"],
-                       "wall_seconds": res["wall_seconds"]}
+                       "wall_seconds": res["wall_seconds"], "run_id": res["run_id"]}
         print(f"  {name}: computed {cases[name]['computed']}", flush=True)
 
     print("== partial re-execution (configs/demo.yaml, short training)", flush=True)
@@ -98,18 +112,24 @@ def partial_reexecution(store: str) -> dict:
     record("train.lr changed", irflow_run("configs/demo.yaml", store, *base, "train.lr=3.0e-5"))
     record("teacher changed (weights)", irflow_run("configs/demo.yaml", store, *base,
                                                    "teacher.weights={bm25: 0.5, minilm: 0.5}"))
-    record("generator changed (source: ict)", irflow_run("configs/demo.yaml", store, *base, "generate.source=ict"))
-    record("--from pseudo_label", irflow_run("configs/demo.yaml", store, *base, extra=("--from", "pseudo_label")))
+    # the whole section: `generate.source=ict` alone keeps demo.yaml's `generate.split`, which ICT does not have
+    record("generator changed (source: ict)", irflow_run("configs/demo.yaml", store, *base,
+                                                         "generate={source: ict}"))
+    record("--from pseudo_label", irflow_run("configs/demo.yaml", store, *base, force=("pseudo_label",)))
     return cases
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", default="scifact,nfcorpus")
+    ap.add_argument("--datasets", default="scifact,nfcorpus", help="comma-separated; empty: none")
     ap.add_argument("--store", help="store dir (default: a fresh temp dir per dataset)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpl.json"))
     ap.add_argument("--skip-partial", action="store_true")
     args = ap.parse_args()
+    args.out = str(Path(args.out).resolve())
+    args.store = args.store and str(Path(args.store).resolve())
+    # configs name their dataset sources relative to the repository root (irflow resolves them against the cwd)
+    os.chdir(ROOT)
 
     import torch
 
@@ -123,6 +143,7 @@ def main() -> None:
     if not args.skip_partial:
         report["partial_reexecution"] = partial_reexecution(args.store or tempfile.mkdtemp(prefix="irflow-gpl-demo-"))
     report["load_after"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
 
     print("\nnDCG@10 (R@100) on the test split")
@@ -131,6 +152,8 @@ def main() -> None:
         for m in r["metrics"]:
             print(f"   {m['system']:<24} {m['ndcg@10']:.4f}  ({m['recall@100']:.4f})")
         print(f"   GPL student beats zero-shot: {r['gpl_beats_zero_shot']}; derived: {r['derived']}")
+    for name, c in report.get("partial_reexecution", {}).items():
+        print(f"-- {name}: {len(c['computed'])} computed, {len(c['cached'])} cached ({c['wall_seconds']}s)")
     print(f"\nwrote {args.out}")
 
 

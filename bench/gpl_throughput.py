@@ -13,27 +13,34 @@ passages and queries read straight from the BEIR zip with json/csv.
    d_ff 2048, 6+6 layers, 8 heads; MiniLM's WordPiece vocabulary, as irflow.testing.make_tiny_t5
    builds its tiny one) saved to a temp dir: generation cost does not depend on the weights.
    irflow: ``generate_queries.BatchGenerator`` (what the t5 source calls per shard; it runs
-   ``_generate_batch`` per batch) on a model from ``load_generator``. plain: AutoTokenizer +
+   ``_generate_batch`` per batch) on a model from ``load_generator`` (given a model ref, as the stage
+   gets it), passages as ``irflow.text.passage_text``. plain: AutoTokenizer +
    AutoModelForSeq2SeqLM.generate in batches. Both: 1 query per passage, do_sample, top_p 0.95,
-   top_k 25, max_length 32, inputs truncated at 350 tokens, batch 16, the same torch seed before
-   each side (so both sample the same queries; ``same_outputs`` checks it). Model loading is not
-   timed.
+   top_k 25 (the stage's ``sample_top_k``), max_length 32, inputs truncated at 350 tokens, batch 16,
+   the same torch seed before each side (so both sample the same queries; ``same_outputs`` checks
+   it). Model loading is not timed. Generation runs in fp32 (the stage's precision ``auto`` for
+   inference).
 2. Cross-encoder scoring (pairs/s). MiniLM with a fresh 1-logit head
    (AutoModelForSequenceClassification, num_labels=1) saved to a temp dir. irflow:
-   ``pseudo_label.cross_encoder_scores(path, pairs, batch_size=32, max_length=350)`` -- it loads
+   ``irflow.scoring.cross_encoder_scores(path, pairs, batch_size=32, max_length=350)`` (what the
+   ``pseudo_label`` stage's cross-encoder teacher calls; fp32, no autocast) -- it loads
    the model itself, so the plain side's timed region loads it too (``plain_scoring_only`` leaves
    the load out). plain: tokenize (query, passage) pairs in input order with truncation at 350,
    padding, inference_mode, ``model(**batch).logits``. irflow sorts pairs by length before
    batching; ``padded_tokens`` gives the tokens each order actually feeds the model.
    ``max_abs_diff`` compares the two score vectors.
 3. Student training (examples/s = steps * batch / seconds). Margin-MSE (dot product, as the stage's
-   default), all-MiniLM-L6-v2 as student, batch 16, max_seq_length 200, bf16 autocast, lr 2e-5,
-   AdamW (weight decay 0.01), linear warm-up schedule, grad clipping at 1.0, on SciFact train
-   (query, positive, random negative) triples with random margins; 1 warm-up step then
-   ``--train-steps`` timed steps, same batches on every side. irflow: ``train_student.train_loop``
-   with the compute_loss the ``train_student`` stage builds (``_embed`` per column +
-   ``irflow.losses.MarginMSELoss.from_embeddings``), timed through its ``_on_step`` hook. plain:
-   a manual loop, ``model.tokenize`` + ``model(features)['sentence_embedding']`` per column +
+   default), all-MiniLM-L6-v2 as student, batch 16, max_seq_length 200, lr 2e-5, AdamW (weight decay
+   0.01), linear warm-up schedule, grad clipping at 1.0, on SciFact train (query, positive, random
+   negative) triples with random margins; 1 warm-up step then ``--train-steps`` timed steps, same
+   batches on every side. Precision: ``--precision`` (default ``auto``: what the runtime picks for
+   training here -- bf16 autocast only on hardware with native bf16, else fp32; the runs before
+   typed recipes used bf16 autocast), the same on every side. irflow: ``irflow.training.train_loop``
+   (given ``LoopParams`` and a ``StageRuntime`` with that precision) with the compute_loss the
+   ``train_student`` stage builds (``_embed`` per column +
+   ``irflow.losses.MarginMSELoss.from_embeddings``), timed through ``irflow.training._on_step``. plain:
+   a manual loop, ``model.preprocess`` (``tokenize`` before sentence-transformers 6) +
+   ``model(features)['sentence_embedding']`` per column +
    ``sentence_transformers`` MarginMSELoss's ``compute_loss_from_embeddings``. Extra arm
    ``st_loss`` (unless --no-st-loss): the same loop calling sentence-transformers' MarginMSELoss
    forward itself (``loss([fq, fp, fn], labels)``), which in sentence-transformers >= 6 embeds the
@@ -171,17 +178,19 @@ def bench_generation(data: dict, n_passages: int, reps: int, tmp: Path) -> dict:
     import torch
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from irflow.tasks.generate_queries import BatchGenerator, load_generator, passage_input
+    from irflow.store import DatasetRef
+    from irflow.tasks.generate_queries import BatchGenerator, load_generator
+    from irflow.text import passage_text
 
     log("query generation: building a random t5-small-sized model")
     path = make_t5_small_random(tmp / "t5-small-random")
     rng = random.Random(SEED)
     ids = rng.sample(sorted(data["corpus"]), n_passages)
-    texts = [passage_input(*data["corpus"][i]) for i in ids]
-    gen = {"max_input_length": 350, "max_length": 32, "top_p": 0.95, "top_k": 25}
+    texts = [passage_text(*data["corpus"][i]) for i in ids]
+    gen = {"max_input_length": 350, "max_length": 32, "top_p": 0.95, "sample_top_k": 25}  # the stage's keys
     bs, n = 16, 1
 
-    tok_i, model_i = load_generator({"_model_path": str(path)}, "cpu")
+    tok_i, model_i = load_generator(DatasetRef(f"dir:{path.name}", path.name, "model", None, str(path)), "cpu")
     generator = BatchGenerator(model_i, tok_i, gen, "cpu", bs)
     tok_p = AutoTokenizer.from_pretrained(str(path))
     model_p = AutoModelForSeq2SeqLM.from_pretrained(str(path)).eval()
@@ -201,7 +210,7 @@ def bench_generation(data: dict, n_passages: int, reps: int, tmp: Path) -> dict:
             enc = tok_p(texts[s:s + bs], padding=True, truncation=True, max_length=gen["max_input_length"],
                         return_tensors="pt")
             with torch.inference_mode():
-                ids_ = model_p.generate(**enc, do_sample=True, top_p=gen["top_p"], top_k=gen["top_k"],
+                ids_ = model_p.generate(**enc, do_sample=True, top_p=gen["top_p"], top_k=gen["sample_top_k"],
                                         max_length=gen["max_length"], num_return_sequences=n)
             out.extend(tok_p.batch_decode(ids_, skip_special_tokens=True))
         return time.perf_counter() - t0, time.process_time() - c0, out
@@ -230,7 +239,7 @@ def bench_cross_encoder(data: dict, n_pairs: int, reps: int, tmp: Path) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from irflow.models import minilm_path
-    from irflow.tasks.pseudo_label import cross_encoder_scores
+    from irflow.scoring import cross_encoder_scores
 
     log("cross-encoder: MiniLM with a fresh 1-logit head")
     path = tmp / "minilm-ce"
@@ -296,7 +305,9 @@ def bench_cross_encoder(data: dict, n_pairs: int, reps: int, tmp: Path) -> dict:
 
 
 # ---- 3. student training ----------------------------------------------------------------------
-def bench_training(data: dict, steps: int, reps: int, st_loss: bool) -> dict:
+def bench_training(data: dict, steps: int, reps: int, st_loss: bool, precision: str = "auto") -> dict:
+    import contextlib
+
     import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
@@ -307,9 +318,11 @@ def bench_training(data: dict, steps: int, reps: int, st_loss: bool) -> dict:
     except ImportError:  # sentence-transformers < 6
         from sentence_transformers.losses import MarginMSELoss as STMarginMSE
 
-    import irflow.tasks.train_student as ts
+    import irflow.training as tr
     from irflow.losses import MarginMSELoss
     from irflow.models import minilm_path
+    from irflow.runtime import StageRuntime, precision_warning, resolve_precision
+    from irflow.tasks.train_student import _embed
 
     bs, max_seq, lr, warmup, seed = 16, 200, 2e-5, 1000, 42
     total = steps + 1
@@ -327,14 +340,22 @@ def bench_training(data: dict, steps: int, reps: int, st_loss: bool) -> dict:
     ex["margin"] = np.random.default_rng(SEED).normal(0.0, 3.0, len(ex["q"])).astype(np.float32)
     qtext = {q: data["queries"][q] for q in ex["q"]}
     dtext = {d: passage(*data["corpus"][d]) for d in set(ex["p"]) | set(ex["n"])}
-    plan = ts.BatchPlan(len(ex["q"]), bs, seed)
+    plan = tr.BatchPlan(len(ex["q"]), bs, seed)
     batches = [plan.at(s) for s in range(total)]
-    cfg = {"steps": total, "lr": lr, "warmup_steps": warmup, "bf16_autocast": True, "_device": "cpu",
-           "max_grad_norm": 1.0, "weight_decay": 0.01, "checkpoint_every": 0}
     device = "cpu"
+    precision = resolve_precision(precision, "train", device)
+    if precision_warning(precision, "train", device):
+        log(precision_warning(precision, "train", device))
+    loop = tr.LoopParams(lr=lr, steps=total, seed=seed, checkpoint_every=0, max_grad_norm=1.0, weight_decay=0.01)
+    rt = StageRuntime(device=device, precision=precision, threads=torch.get_num_threads())  # no resume dir
+
+    def autocast():  # the plain side's own autocast, the same precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
     def fresh_model():
-        ts.seed_everything(seed)
+        tr.seed_everything(seed)
         m = SentenceTransformer(minilm_path(), device=device)
         m.max_seq_length = max_seq
         return m
@@ -344,36 +365,38 @@ def bench_training(data: dict, steps: int, reps: int, st_loss: bool) -> dict:
         loss_fn = MarginMSELoss(similarity="dot")
 
         def compute_loss(idx):  # as the train_student stage builds it (loss margin_mse)
-            q = ts._embed(model, [qtext[ex["q"][i]] for i in idx], device)
-            p = ts._embed(model, [dtext[ex["p"][i]] for i in idx], device)
-            n = ts._embed(model, [dtext[ex["n"][i]] for i in idx], device)
+            q = _embed(model, [qtext[ex["q"][i]] for i in idx], device)
+            p = _embed(model, [dtext[ex["p"][i]] for i in idx], device)
+            n = _embed(model, [dtext[ex["n"][i]] for i in idx], device)
             return loss_fn.from_embeddings(q, p, n, torch.from_numpy(ex["margin"][idx]).to(device))
 
         stamps = {}
-        orig = ts._on_step
-        ts._on_step = lambda done: stamps.__setitem__(done, (time.perf_counter(), time.process_time()))
-        ts.seed_everything(seed)
+        orig = tr._on_step
+        tr._on_step = lambda done: stamps.__setitem__(done, (time.perf_counter(), time.process_time()))
+        tr.seed_everything(seed)
         try:
-            hist = ts.train_loop(model, compute_loss, plan, cfg, None, "irflow train_loop")
+            hist = tr.train_loop(model, compute_loss, plan, loop, warmup, rt, "irflow train_loop")
         finally:
-            ts._on_step = orig
+            tr._on_step = orig
         return (stamps[total][0] - stamps[1][0], stamps[total][1] - stamps[1][1], [h["loss"] for h in hist])
 
     def plain_loop(merged: bool):
         def run():
             model = fresh_model()
             st = STMarginMSE(model)
+            # sentence-transformers >= 6 renamed tokenize to preprocess (tokenize warns)
+            tokenize = getattr(model, "preprocess", None) or model.tokenize
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
             sched = get_linear_schedule_with_warmup(opt, warmup, total)
-            ts.seed_everything(seed)
+            tr.seed_everything(seed)
             losses, t1, c1 = [], None, None
             for step, idx in enumerate(batches):
                 model.train()
                 labels = torch.from_numpy(ex["margin"][idx])
-                with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-                    fq = model.tokenize([qtext[ex["q"][i]] for i in idx])
-                    fp = model.tokenize([dtext[ex["p"][i]] for i in idx])
-                    fn = model.tokenize([dtext[ex["n"][i]] for i in idx])
+                with autocast():
+                    fq = tokenize([qtext[ex["q"][i]] for i in idx])
+                    fp = tokenize([dtext[ex["p"][i]] for i in idx])
+                    fn = tokenize([dtext[ex["n"][i]] for i in idx])
                     if merged:
                         loss = st([fq, fp, fn], labels)
                     else:
@@ -398,7 +421,7 @@ def bench_training(data: dict, steps: int, reps: int, st_loss: bool) -> dict:
     losses = {k: [round(x, 5) for x in v.pop("info")] for k, v in res.items()}
     return summarize("student training (Margin-MSE)", "examples/s", steps * bs, res, {
         "settings": {"student": "all-MiniLM-L6-v2", "batch_size": bs, "max_seq_length": max_seq,
-                     "bf16_autocast": True, "lr": lr, "warmup_steps": warmup, "similarity": "dot",
+                     "precision": precision, "lr": lr, "warmup_steps": warmup, "similarity": "dot",
                      "timed_steps": steps, "warmup_steps_untimed": 1, "optimizer": "AdamW wd 0.01",
                      "grad_clip": 1.0, "train_examples": len(ex["q"]),
                      "data": "SciFact train (query, positive, random negative), random margins N(0, 3)"},
@@ -420,6 +443,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-steps", type=int, default=6)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-st-loss", action="store_true")
+    ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                    help="training autocast precision, both sides (auto: the runtime's choice on this hardware)")
     args = ap.parse_args(argv)
 
     import sentence_transformers
@@ -439,7 +464,7 @@ def main(argv=None) -> int:
             rows.append(bench_cross_encoder(data, args.ce_pairs, args.reps, Path(tmp)))
         gc.collect()
         if "train" in stages:
-            rows.append(bench_training(data, args.train_steps, args.reps, not args.no_st_loss))
+            rows.append(bench_training(data, args.train_steps, args.reps, not args.no_st_loss, args.precision))
 
     result = {
         "benchmark": "gpl_throughput",

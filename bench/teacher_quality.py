@@ -9,12 +9,16 @@ passage, and how well it ranks each query's candidates (the union of the miners'
 inputs are found through the catalog's lineage from the run's pseudo-labels, not by path.
 
 Teacher variants (same candidates):
-- `pipeline`: what the run used -- z-scores over each miner's top-k list, a candidate missing from
-  a list gets that list's per-query minimum (irflow.tasks.pseudo_label.fused_scores);
-- `exact`: every candidate scored by both retrievers (cosine from the miner's corpus embeddings;
-  BM25 from a deeper search, 0 where the term match is below its depth), z-scores over the candidates;
+- `pipeline`: the pipeline's fusion teacher -- ``irflow.fusion.fuse_runs`` over the two miners' runs
+  with the run's ``FusionSettings`` (method, rrf_k, depth; by default z-scores over each miner's
+  list, a candidate missing from a list gets that list's per-query minimum), scoring exactly the
+  candidate pairs, as ``pseudo_label`` does; the BM25 weight is varied with --alphas;
+- `exact`: every candidate scored by both retrievers (cosine from the miner's corpus embeddings with
+  the query encoded as ``dense_search`` encodes it; BM25 from a deeper search, 0 where the term match
+  is below its depth), z-scores over the candidates;
 - each retriever alone.
-Prints a table and writes JSON.
+The dense miner's model is found through lineage (the ``model`` input of its ``dense_search``), its
+encoding settings in that stage's params. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -36,8 +40,34 @@ def table(store: Path, dataset_id: str):
 
 
 def parents(con, child: str) -> list[tuple[str, str, str]]:
+    """(role, parent id, parent's stage) of the stage execution that made ``child`` (its cache key), as
+    ``Catalog.lineage`` walks them."""
     return con.execute("SELECT e.role, e.parent_id, d.stage FROM edges e JOIN datasets d ON d.dataset_id = e.parent_id "
-                       "WHERE e.child_id = ? ORDER BY e.role, e.parent_id", [child]).fetchall()
+                       "WHERE e.child_id = ? AND e.cache_key = (SELECT cache_key FROM datasets WHERE dataset_id = ?) "
+                       "ORDER BY e.role, e.parent_id", [child, child]).fetchall()
+
+
+def params_of(con, dataset_id: str) -> dict:
+    return json.loads(con.execute("SELECT params FROM datasets WHERE dataset_id = ?", [dataset_id]).fetchone()[0]
+                      or "{}")
+
+
+def model_path(con, store: Path, model_id: str) -> str:
+    """Where to load a model input from: a stored model (objects/<id>), or a config-named one (an
+    `external` row: the path it was found at, else the name resolved again)."""
+    from irflow.models import resolve
+
+    stored = store / "objects" / model_id
+    if stored.is_dir():
+        return str(stored)
+    stage, path, params = con.execute("SELECT stage, path, params FROM datasets WHERE dataset_id = ?",
+                                      [model_id]).fetchone()
+    if path and Path(path).exists():
+        return path
+    name = json.loads(params or "{}").get("name")
+    if stage != "external" or not name:
+        raise SystemExit(f"model {model_id}: not in {store / 'objects'} and no path to load it from")
+    return resolve(name, str(store)).path
 
 
 def zscore(v: np.ndarray) -> np.ndarray:
@@ -75,12 +105,13 @@ def main() -> None:
     from irflow.java import setup_pyserini_env
 
     setup_pyserini_env()
-    from sentence_transformers import SentenceTransformer
+    import pyarrow as pa
 
-    from irflow.models import resolve
+    from irflow.encoding import encode_texts
+    from irflow.fusion import FusionSettings, fuse_runs
+    from irflow.models import load_sentence_transformer
     from irflow.tasks.bm25 import SEARCH_FIELDS, search
     from irflow.tasks.dense import embeddings_to_numpy
-    from irflow.tasks.pseudo_label import fused_scores
 
     store = Path(args.store).resolve()
     path = str(store / "catalog.duckdb")
@@ -90,6 +121,7 @@ def main() -> None:
     [labels_id] = [json.loads(o)["pseudo_labels"] for (o,) in con.execute(
         "SELECT outputs FROM stage_runs WHERE run_id = ? AND stage = 'pseudo_label'", [run_id]).fetchall()]
     cfg = json.loads(con.execute("SELECT config FROM runs WHERE run_id = ?", [run_id]).fetchone()[0])
+    label_params = params_of(con, labels_id)
     inputs = parents(con, labels_id)
     queries_id = next(p for r, p, _ in inputs if r == "queries")
     corpus_id = next(p for r, p, _ in inputs if r == "corpus")
@@ -97,13 +129,19 @@ def main() -> None:
     bm25_run = next(p for s, p in runs.items() if s.startswith("bm25_search"))
     dense_run = next(p for s, p in runs.items() if s.startswith("dense_search"))
     index_id = next(p for r, p, _ in parents(con, bm25_run) if r == "bm25_index")
-    emb_id = next(p for r, p, _ in parents(con, dense_run) if r == "embeddings")
-    emb_params = json.loads(con.execute("SELECT params FROM datasets WHERE dataset_id = ?", [emb_id]).fetchone()[0])
+    dense_inputs = parents(con, dense_run)
+    emb_id = next(p for r, p, _ in dense_inputs if r == "embeddings")
+    # the model is an input of dense_search (and of encode_corpus), not a param
+    dense_model = model_path(con, store, next(p for r, p, _ in dense_inputs if r == "model"))
+    dense_params = params_of(con, dense_run)  # similarity, batch_size, max_seq_length as the search encoded queries
     # ingest's outputs share one cache key: its qrels sit beside the corpus the run used
     [qrels_id] = con.execute("SELECT dataset_id FROM datasets WHERE name = 'qrels' AND cache_key = "
                              "(SELECT cache_key FROM datasets WHERE dataset_id = ?)", [corpus_id]).fetchone()
-    bm25_params = json.loads(con.execute("SELECT params FROM datasets WHERE dataset_id = ?", [bm25_run]).fetchone()[0])
+    bm25_params = params_of(con, bm25_run)
     con.close()
+    teacher = label_params.get("teacher") or {}
+    fusion = (FusionSettings(**{k: teacher[k] for k in FusionSettings.model_fields if k in teacher})
+              if teacher.get("type") == "fusion" else FusionSettings())
 
     queries = table(store, queries_id)
     qids, texts = queries.column("query_id").to_pylist(), queries.column("text").to_pylist()
@@ -118,13 +156,19 @@ def main() -> None:
 
     bm, de = table(store, bm25_run), table(store, dense_run)
     cand: dict[str, set] = defaultdict(set)
-    for t in (bm, de):
-        for q, d in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist()):
-            cand[q].add(d)
+    for t in (bm, de):  # the teacher's candidates: the union of the miners' lists (to the teacher's depth)
+        for q, d, r in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist(),
+                           t.column("rank").to_pylist()):
+            if d != q and (not fusion.depth or r <= fusion.depth):
+                cand[q].add(d)
+    pairs = pa.table({"query_id": [q for q, ds in cand.items() for _ in ds],
+                      "doc_id": [d for ds in cand.values() for d in ds]},
+                     schema=pa.schema([("query_id", pa.string()), ("doc_id", pa.string())]))
 
     t0 = time.perf_counter()
-    model = SentenceTransformer(resolve(emb_params["model"]).path)
-    qemb = model.encode(texts, batch_size=64, normalize_embeddings=emb_params.get("similarity", "cos") == "cos")
+    model = load_sentence_transformer(dense_model, "cpu", dense_params.get("max_seq_length"))
+    qemb = encode_texts(model, texts, int(dense_params.get("batch_size", 64)),
+                        dense_params.get("similarity", "cos") == "cos", desc="encode queries")
     emb_t = table(store, emb_id)
     doc_emb = embeddings_to_numpy(emb_t)
     drow = {d: i for i, d in enumerate(emb_t.column("doc_id").to_pylist())}
@@ -144,7 +188,8 @@ def main() -> None:
         rows["bm25 alone"] = quality(cand, rel, lambda q, d: bm25.get((q, d), 0.0))
     bm_sys, de_sys = bm.column("system")[0].as_py(), de.column("system")[0].as_py()
     for a in (float(x) for x in args.alphas.split(",")):
-        f = fused_scores([bm, de], method="zscore", weights={bm_sys: a, de_sys: 1 - a})
+        f = fuse_runs([bm, de], method=fusion.method, weights={bm_sys: a, de_sys: 1 - a}, rrf_k=fusion.rrf_k,
+                      depth=fusion.depth, pairs=pairs)
         piped = dict(zip(zip(f.column("query_id").to_pylist(), f.column("doc_id").to_pylist()), f.column("score").to_pylist()))
         rows[f"pipeline fusion alpha={a}"] = quality(cand, rel, lambda q, d: piped[(q, d)])
         if args.no_exact:
@@ -156,10 +201,24 @@ def main() -> None:
             exact.update(zip(((q, d) for d in ds), s))
         rows[f"exact fusion alpha={a}"] = quality(cand, rel, lambda q, d: exact[(q, d)])
 
+    # Check: with the run's own weights, does the `pipeline` variant pick the positives the run trained on?
+    reproduced = None
+    if label_params.get("positive") == "teacher_top1" and teacher.get("type") == "fusion" and teacher.get("weights"):
+        f = fuse_runs([bm, de], method=fusion.method, weights=teacher["weights"], rrf_k=fusion.rrf_k,
+                      depth=fusion.depth, pairs=pairs, hits=1)
+        ours = dict(zip(f.column("query_id").to_pylist(), f.column("doc_id").to_pylist()))
+        lab = table(store, labels_id)
+        theirs = dict(zip(lab.column("query_id").to_pylist(), lab.column("pos_doc_id").to_pylist()))
+        reproduced = {"queries": len(theirs), "same_top1": sum(ours.get(q) == d for q, d in theirs.items())}
+        print(f"pipeline variant at the run's weights {teacher['weights']}: same top-1 as the run's pseudo labels "
+              f"for {reproduced['same_top1']} of {reproduced['queries']} queries")
+
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "store": str(store), "run_id": run_id,
               "pseudo_labels": labels_id, "dataset": cfg.get("dataset", {}).get("name"), "query_split": split,
               "candidates_per_query": round(float(np.mean([len(v) for v in cand.values()])), 1),
-              "teacher_in_run": cfg.get("teacher"), "scoring_seconds": round(seconds, 1), "variants": rows}
+              "teacher_in_run": cfg.get("teacher"), "pipeline_fusion": fusion.model_dump(), "run_teacher_reproduced": reproduced,
+              "dense_model": dense_model, "dense_params": dense_params,
+              "scoring_seconds": round(seconds, 1), "variants": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"run {run_id} ({report['dataset']}, {split} queries, {report['candidates_per_query']} candidates/query)")
