@@ -92,10 +92,38 @@ def when_unlocked(open_fn, path: str, timeout: float | None = None):
 
 
 class Catalog:
+    """The lineage catalog of one store (``<store>/catalog.duckdb``).
+
+    Paths of stored objects are kept relative to the store root (``objects/<id>``), so a store can be
+    moved or copied: a moved store still hits its cache, and a copy reads its own objects, never the
+    original's. Paths outside the store (a local model directory) stay absolute."""
+
     def __init__(self, path: str | Path):
         self.path = str(path)
+        self.root = Path(self.path).resolve().parent
         with self.connect() as con:
             con.execute(SCHEMA)
+            # Stores written before paths were relative: every stored object lives at objects/<id>.
+            con.execute("UPDATE datasets SET path = 'objects/' || dataset_id "
+                        "WHERE path LIKE '/%/objects/' || dataset_id")
+
+    def _rel(self, path: str | None) -> str | None:
+        """How a path is recorded: relative to the store root when inside it."""
+        if path is None or "://" in path or not Path(path).exists():
+            return path  # a URL or a hub id: not a place on this disk
+        full = Path(path).resolve()
+        try:
+            return full.relative_to(self.root).as_posix()
+        except ValueError:
+            return str(full)
+
+    def _abs(self, path: str | None) -> str | None:
+        """A recorded path as a usable one: relative paths are below this store's root."""
+        if path is None or Path(path).is_absolute() or "://" in path:
+            return path
+        if path.startswith("objects/") or (self.root / path).exists():
+            return str(self.root / path)
+        return path  # a hub id
 
     @contextmanager
     def connect(self, read_only: bool = False):
@@ -133,7 +161,7 @@ class Catalog:
                 "JOIN datasets d USING (dataset_id) WHERE c.cache_key = ?",
                 [cache_key],
             ).fetchall()
-        return {r[0]: DatasetRef(*r[1:]) for r in rows}
+        return {r[0]: DatasetRef(*r[1:5], self._abs(r[5])) for r in rows}
 
     def record_outputs(
         self,
@@ -156,7 +184,8 @@ class Catalog:
                     "INSERT INTO datasets (dataset_id, name, kind, contract, path, num_rows, num_bytes, stage, "
                     "cache_key, code_version, params, run_id, created_at, runtime) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    [ref.id, ref.name, ref.kind, ref.contract, ref.path, num_rows, num_bytes, stage, cache_key,
+                    [ref.id, ref.name, ref.kind, ref.contract, self._rel(ref.path), num_rows, num_bytes, stage,
+                     cache_key,
                      code_version, json.dumps(params, sort_keys=True, default=str), run_id, ts,
                      json.dumps(runtime, sort_keys=True, default=str) if runtime else None],
                 )
@@ -176,7 +205,7 @@ class Catalog:
                 "INSERT INTO datasets (dataset_id, name, kind, contract, path, stage, params, run_id, created_at) "
                 "VALUES (?, ?, ?, NULL, ?, 'external', ?, ?, ?) "
                 "ON CONFLICT (dataset_id) DO UPDATE SET path = excluded.path",
-                [ref.id, ref.name, ref.kind, ref.path, json.dumps(params, sort_keys=True), run_id, now()],
+                [ref.id, ref.name, ref.kind, self._rel(ref.path), json.dumps(params, sort_keys=True), run_id, now()],
             )
 
     def record_stage_run(self, run_id: str, stage: str, cache_key: str, status: str, outputs: dict[str, str],
@@ -262,7 +291,11 @@ class Catalog:
             cur = con.execute("SELECT * FROM datasets WHERE dataset_id = ?", [dataset_id])
             row = cur.fetchone()
             cols = [d[0] for d in cur.description]
-        return dict(zip(cols, row)) if row else None
+        if not row:
+            return None
+        info = dict(zip(cols, row))
+        info["path"] = self._abs(info["path"])
+        return info
 
     def resolve(self, prefix: str) -> str:
         """A full dataset id from a unique prefix (ids are long; users type the start)."""
@@ -291,6 +324,7 @@ class Catalog:
                     seen[did] = {"dataset_id": did, "depth": depth, "missing": True, "parents": []}
                     continue
                 info = dict(zip([d[0] for d in cur.description], row))
+                info["path"] = self._abs(info["path"])
                 parents = con.execute(
                     "SELECT role, parent_id FROM edges WHERE child_id = ? AND cache_key = ? ORDER BY role, parent_id",
                     [did, info["cache_key"]],
@@ -314,7 +348,9 @@ class Catalog:
         ).fetchall()
         by_contract: dict[str, list[tuple[str, str]]] = {}
         for did, contract, path in rows:
-            pq_path = str(Path(path) / "data.parquet")
+            if path is None:
+                continue
+            pq_path = str(Path(self._abs(path)) / "data.parquet")
             if not Path(pq_path).exists():
                 continue
             con.execute(f'CREATE VIEW "{did}" AS SELECT * FROM read_parquet(\'{pq_path}\')')

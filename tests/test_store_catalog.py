@@ -478,3 +478,44 @@ def test_config_changes_name_the_leaf_that_changed():
     assert config_changes(new, new) == []
     # a section replaced by a scalar is reported whole
     assert config_changes({"scale": {"a": 1}}, {"scale": "auto"}) == [("scale", {"a": 1}, "auto")]
+
+
+def test_a_moved_store_hits_its_cache_and_a_copy_reads_its_own_objects(tmp_path, chain):
+    """Paths in the catalog are relative to the store root: `mv` keeps every cache hit, and a `cp -a`
+    copy reads the copy's objects, never the original's."""
+    beir, upper, head = chain
+    root = tmp_path / "store"
+    with Catalog(root / "catalog.duckdb").connect() as con:
+        paths = [r[0] for r in con.execute("SELECT path FROM datasets WHERE stage <> 'external'").fetchall()]
+    assert paths and all(p.startswith("objects/") for p in paths), paths
+
+    moved = tmp_path / "moved"
+    shutil.move(str(root), str(moved))
+    calls: list = []
+    run = Run(str(moved), "run-2")
+    beir2 = ingest_folder(run, tmp_path / "scifact")
+    again = make_toy(calls).run(run, ToyParams(suffix="!"), docs=beir2["corpus"])
+    assert calls == [] and {s["status"] for s in run.catalog.stage_runs("run-2")} == {"cached"}
+    assert again.id == upper.id and Path(again.path).parent == moved / "objects"
+    assert Path(again.parquet).exists()
+
+    copy = tmp_path / "copy"
+    shutil.copytree(moved, copy, symlinks=True)
+    shutil.rmtree(moved)  # the original is gone: the copy must not need it
+    cat = Catalog(copy / "catalog.duckdb")
+    info = cat.dataset(head.id)
+    assert Path(info["path"]).parent == copy / "objects"
+    con = cat.connect_with_views()
+    assert con.sql(f'SELECT count(*) FROM "{head.id}"').fetchall()[0][0] == 4
+
+
+def test_old_absolute_paths_are_made_relative(tmp_path, chain):
+    _, _, head = chain
+    root = tmp_path / "store"
+    with Catalog(root / "catalog.duckdb").connect() as con:
+        con.execute("UPDATE datasets SET path = ? || '/objects/' || dataset_id WHERE stage <> 'external'",
+                    [str(root)])
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(root), str(moved))
+    cat = Catalog(moved / "catalog.duckdb")  # opening migrates
+    assert Path(cat.dataset(head.id)["path"]) == moved / "objects" / head.id
