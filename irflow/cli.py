@@ -140,16 +140,21 @@ def cmd_lineage(args) -> int:
 def cmd_sql(args) -> int:
     con = _catalog(args).connect_with_views()
     try:
-        rel = con.sql(args.query)
+        statements = con.extract_statements(args.query)
     except Exception as e:  # noqa: BLE001 -- DuckDB's message is the useful part
         raise UserError(f"SQL error: {e}") from None
-    if rel is None:
-        return 0
-    if args.json:
-        cols = rel.columns
-        print(json.dumps([dict(zip(cols, r)) for r in rel.fetchall()], default=str))
-    else:
-        rel.show(max_width=200, max_rows=args.max_rows)
+    for st in statements:  # every statement's result, not only the last one's
+        try:
+            rel = con.sql(st.query)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"SQL error in {st.query.strip()!r}: {e}") from None
+        if rel is None:
+            continue
+        if args.json:
+            cols = rel.columns
+            print(json.dumps([dict(zip(cols, r)) for r in rel.fetchall()], default=str))
+        else:
+            rel.show(max_width=200, max_rows=args.max_rows)
     return 0
 
 

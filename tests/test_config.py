@@ -221,3 +221,9 @@ def test_result_to_dict_is_json(tmp_path):
     plan = api.status(BASELINES, store=tmp_path / "store")
     assert plan and all(p.status == "stale" for p in plan)
     assert json.dumps([vars(p) for p in plan])
+
+
+def test_an_all_digit_md5_keeps_its_leading_zeros():
+    md5 = "0" * 20 + "123456789012"
+    c = api.load_config(DEMO, [f"dataset.md5={md5}"])
+    assert c.dataset.md5 == md5

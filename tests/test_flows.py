@@ -136,6 +136,9 @@ def test_lineage_and_sql(setup):
     code, out, _ = cli("sql", f"SELECT count(*) AS n FROM metrics WHERE run_id = '{result.run_id}'",
                        "--store", store, "--json")
     assert code == 0 and json.loads(out)[0]["n"] == 3 * 4
+    # several statements: each one's result, in order
+    code, out, _ = cli("sql", "SELECT 1 AS a; SELECT 2 AS b", "--store", store, "--json")
+    assert code == 0 and [json.loads(line) for line in out.splitlines()] == [[{"a": 1}], [{"b": 2}]]
 
 
 def test_missing_hub_model_fails_fast(setup, tmp_path):

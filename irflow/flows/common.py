@@ -38,7 +38,8 @@ class DatasetConfig(IngestParams):
     @field_validator("md5", mode="before")
     @classmethod
     def _md5(cls, v):
-        return str(v) if isinstance(v, int) else v
+        # YAML (and --set) reads an all-digit md5 as an integer, dropping leading zeros: an md5 has 32 digits
+        return f"{v:032d}" if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else v
 
     @model_validator(mode="after")
     def _source_and_split(self):
