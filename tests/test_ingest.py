@@ -310,6 +310,17 @@ def test_dangling_qrels_error(sl, ctx):
     assert_nothing_published(ctx)
 
 
+def test_a_split_whose_every_judgement_dangles_is_refused(sl, ctx):
+    """Every test judgement points to a missing document: ingest refuses, naming the split, instead of
+    publishing qrels that leave nothing to evaluate (the default policy, drop, would empty the split)."""
+    path = sl / "qrels" / "test.tsv"
+    rows = [ln.split("\t") for ln in nonempty_lines(path)[1:]]
+    path.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"{r[0]}\tgone-{i}\t1\n" for i, r in enumerate(rows)))
+    msg = ingest_fails(ctx, sl)
+    assert "every qrels row of split test" in msg and "missing" in msg
+    assert_nothing_published(ctx)
+
+
 def test_dangling_policy_is_validated():
     with pytest.raises(ValidationError, match="dangling_qrels"):
         IngestParams(dangling_qrels="ignore")

@@ -290,6 +290,15 @@ def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, ob
             kept = qrels
         else:
             log.warning(msg + "; dropped (dataset.dangling_qrels: drop)")
+    # A split whose every judgement dangles cannot be evaluated or trained on: refuse it here, naming
+    # the split, rather than publish an empty qrels dataset that fails a later stage.
+    splits_before = set(qrels.column("split").to_pylist())
+    splits_after = set(kept.column("split").to_pylist())
+    if splits_before - splits_after:
+        empty = ", ".join(sorted(splits_before - splits_after))
+        raise IngestError(f"{path}: every qrels row of split {empty} points to a query or document missing from "
+                          f"the dataset ({counts['missing_query']} queries, {counts['missing_doc']} documents "
+                          f"missing); nothing to evaluate or train on")
     return {"corpus": corpus_file, "queries": queries_file, "qrels": kept}
 
 
