@@ -136,9 +136,3 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
         preflight(c, root)
         _check_force(recipe, c, root, set(force))
     return [StageStatus(p["name"], p["status"], p["why"]) for p in plan(recipe, c, root, set(force))]
-
-
-def is_user_error(e: BaseException) -> bool:
-    from irflow.errors import StageFailed
-
-    return isinstance(e, UserError) or (isinstance(e, StageFailed) and e.user_error)

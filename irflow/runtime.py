@@ -112,26 +112,25 @@ def available_cpus() -> int:
 
 
 # ---- hardware -------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str | None:
+    """The first value of a field of /proc/cpuinfo (Linux), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_has_native_bf16() -> bool:

@@ -124,7 +124,11 @@ def key_payload(stage: str, version: str, params: dict, inputs: dict[str, list[D
 
 
 def cache_key(stage: str, version: str, params: dict, inputs: dict[str, list[DatasetRef]]) -> str:
-    return hashlib.sha256(canonical(key_payload(stage, version, params, inputs)).encode()).hexdigest()
+    return hash_payload(key_payload(stage, version, params, inputs))
+
+
+def hash_payload(payload: dict) -> str:
+    return hashlib.sha256(canonical(payload).encode()).hexdigest()
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -214,7 +218,7 @@ class Stage:
         stage_label = self.label(label)
         input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
         detail = key_payload(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
-        key = self.key(params, inputs)
+        key = hash_payload(detail)  # = self.key(params, inputs), without dumping the params twice
         started, t0 = now(), time.perf_counter()
 
         forced = bool({self.name, stage_label} & run.force) or catalog.tainted(run.run_id, input_ids)
