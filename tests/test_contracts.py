@@ -241,3 +241,24 @@ def test_dangling_qrels_counts_and_order(real):
     for table in (qr, chunked):
         kept, _ = dc.dangling_qrels(table, queries, corpus)
         assert list(zip(*(kept[c].to_pylist() for c in ("query_id", "doc_id", "score", "split")))) == expected
+
+
+def test_queries_without_judged_doc(real):
+    """Per split, the judged queries none of whose judged documents (any score) is in the corpus."""
+    qr, corpus = real["qrels"], real["corpus"]
+    docs = set(corpus["doc_id"].to_pylist())
+    expected: dict[str, dict[str, bool]] = {}
+    for q, d, s in zip(qr["query_id"].to_pylist(), qr["doc_id"].to_pylist(), qr["split"].to_pylist()):
+        expected.setdefault(s, {})
+        expected[s][q] = expected[s].get(q, False) or d in docs
+    got = dc.queries_without_judged_doc(qr, corpus)
+    assert got == {s: {q for q, has in qs.items() if not has} for s, qs in expected.items()}
+    assert any(got.values())  # only 200 of SciFact's docs are in this corpus
+    split = sorted(got)[0]
+    some = set(sorted(expected[split])[:5])
+    assert dc.queries_without_judged_doc(qr, corpus, split, among=some) == {split: got[split] & some}
+    # a toy case by hand: q1 has one judged doc present, q2 none (a 0-score judgement counts as judged)
+    toy = pa.table({"query_id": ["q1", "q1", "q2", "q3"], "doc_id": ["a", "x", "y", "b"],
+                    "score": pa.array([1, 1, 1, 0], pa.int32()), "split": ["test"] * 4})
+    assert dc.queries_without_judged_doc(toy, pa.table({"doc_id": ["a", "b"]})) == {"test": {"q2"}}
+    assert dc.queries_without_judged_doc(toy, pa.table({"doc_id": ["a", "b"]}), "train") == {}

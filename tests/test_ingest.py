@@ -292,15 +292,52 @@ def add_dangling(d: Path) -> tuple[int, set[str]]:
     return sum(len(r) for r in qrels_rows(d).values()), {"no-such-doc"}
 
 
-def test_dangling_qrels_drop_is_default_and_warns(sl, ctx, caplog):
+def test_dangling_qrels_keep_is_default_and_warns(sl, ctx, caplog):
+    """As BEIR, pytrec_eval and Pyserini: judgements of missing documents stay (they score 0)."""
     n, _ = add_dangling(sl)
     caplog.set_level(logging.WARNING, logger="irflow.ingest")
     qr = ingest(ctx, sl)["qrels"].table()
+    assert qr.num_rows == n
+    assert "no-such-doc" in qr["doc_id"].to_pylist() and "no-such-query" in qr["query_id"].to_pylist()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("2 qrels row(s)" in w and "kept" in w and "scoring 0" in w for w in warnings), warnings
+
+
+def test_dangling_qrels_drop(sl, ctx, caplog):
+    n, _ = add_dangling(sl)
+    caplog.set_level(logging.WARNING, logger="irflow.ingest")
+    qr = ingest(ctx, sl, dangling_qrels="drop")["qrels"].table()
     assert qr.num_rows == n - 2
     assert "no-such-doc" not in qr["doc_id"].to_pylist()
     assert "no-such-query" not in qr["query_id"].to_pylist()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("2 qrels row(s)" in w and "dropped" in w for w in warnings), warnings
+
+
+def test_dangling_warning_counts_the_queries_left_without_a_judged_document(sl, ctx, caplog):
+    """Two test queries whose every judged document is removed from the corpus: keep says so (they
+    will score 0), drop says they leave the evaluation."""
+    rows = qrels_rows(sl)["test"]
+    judged_by: dict[str, set[str]] = {}
+    for q, d, _ in rows:
+        judged_by.setdefault(d, set()).add(q)
+    docs_of: dict[str, set[str]] = {}
+    for q, d, _ in rows:
+        docs_of.setdefault(q, set()).add(d)
+    # queries whose documents no other query judges (in any split): removing them touches no one else
+    others = {r[1] for split, rs in qrels_rows(sl).items() for r in rs if split != "test"}
+    lonely = sorted(q for q, ds in docs_of.items() if all(judged_by[d] == {q} and d not in others for d in ds))[:2]
+    gone = set().union(*(docs_of[q] for q in lonely))
+    lines = nonempty_lines(sl / "corpus.jsonl")
+    (sl / "corpus.jsonl").write_text("".join(ln + "\n" for ln in lines if json.loads(ln)["_id"] not in gone))
+    caplog.set_level(logging.WARNING, logger="irflow.ingest")
+    assert ingest(ctx, sl)["qrels"].table().num_rows == sum(len(r) for r in qrels_rows(sl).values())
+    assert ingest(ctx, sl, dangling_qrels="drop")["qrels"].table().num_rows == \
+        sum(len(r) for r in qrels_rows(sl).values()) - len(gone)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"{len(gone)} qrels row(s)" in w and "kept" in w and w.endswith("scoring 0 as in BEIR/Pyserini: "
+                                                                                "2 in test") for w in warnings)
+    assert any("dropped" in w and w.endswith("not evaluated: 2 in test") for w in warnings), warnings
 
 
 def test_dangling_qrels_error(sl, ctx):
@@ -310,13 +347,15 @@ def test_dangling_qrels_error(sl, ctx):
     assert_nothing_published(ctx)
 
 
-def test_a_split_whose_every_judgement_dangles_is_refused(sl, ctx):
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_a_split_whose_every_judgement_dangles_is_refused(sl, ctx, policy):
     """Every test judgement points to a missing document: ingest refuses, naming the split, instead of
-    publishing qrels that leave nothing to evaluate (the default policy, drop, would empty the split)."""
+    publishing qrels that leave nothing to evaluate (drop would empty the split; keep would score every
+    query 0)."""
     path = sl / "qrels" / "test.tsv"
     rows = [ln.split("\t") for ln in nonempty_lines(path)[1:]]
     path.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"{r[0]}\tgone-{i}\t1\n" for i, r in enumerate(rows)))
-    msg = ingest_fails(ctx, sl)
+    msg = ingest_fails(ctx, sl, dangling_qrels=policy)
     assert "every qrels row of split test" in msg and "missing" in msg
     assert_nothing_published(ctx)
 
@@ -326,22 +365,80 @@ def test_dangling_policy_is_validated():
         IngestParams(dangling_qrels="ignore")
     with pytest.raises(ValidationError, match="dangling"):  # extra=forbid: a typo is not a default
         IngestParams(dangling="keep")
-    assert IngestParams().dangling_qrels == "drop"
-
-
-def test_dangling_qrels_keep(sl, ctx):
-    n, _ = add_dangling(sl)
-    qr = ingest(ctx, sl, dangling_qrels="keep")["qrels"].table()
-    assert qr.num_rows == n
-    assert "no-such-doc" in qr["doc_id"].to_pylist() and "no-such-query" in qr["query_id"].to_pylist()
+    assert IngestParams().dangling_qrels == "keep"  # as BEIR / Pyserini / MTEB score
 
 
 def test_dangling_policy_is_part_of_the_key(sl, ctx):
     add_dangling(sl)
-    drop = ingest(ctx, sl)
-    keep = ingest(ctx, sl, dangling_qrels="keep")
+    drop = ingest(ctx, sl, dangling_qrels="drop")
+    keep = ingest(ctx, sl)
     assert last_status(ctx) == "computed"
     assert drop["corpus"].id == keep["corpus"].id and drop["qrels"].id != keep["qrels"].id
+
+
+# ---- one dataset per source ------------------------------------------------------------------
+def test_a_source_holding_two_datasets_is_refused_naming_both(sl, ctx, tmp_path):
+    """A zip (or folder) with scifact/... and nfcorpus/... would mix one's corpus with the other's
+    qrels: refused, one line naming both folders -- by the config check and by the stage."""
+    from irflow.testing import run_cli
+
+    nf = beir_slice(NFCORPUS, tmp_path / "nf", n_test_queries=3, n_extra_docs=5, seed=2)
+    both = tmp_path / "both.zip"
+    with zipfile.ZipFile(both, "w") as z:
+        for top, folder in (("scifact", sl), ("nfcorpus", nf)):
+            for f in sorted(folder.rglob("*")):
+                if f.is_file():
+                    z.write(f, f"{top}/{f.relative_to(folder).as_posix()}")
+    folder = tmp_path / "both"
+    shutil.copytree(sl, folder / "scifact")
+    shutil.copytree(nf, folder / "nfcorpus")
+    for source in (both, folder):
+        with pytest.raises(IngestError) as e:
+            dataset_splits(str(source))
+        msg = str(e.value)
+        assert "\n" not in msg and "2 BEIR datasets (nfcorpus/, scifact/)" in msg and str(source) in msg
+        assert ingest_fails(ctx, source) == msg
+    assert_nothing_published(ctx)
+    # a dataset at the top level next to one in a folder is two datasets too
+    top = Path(shutil.copytree(sl, tmp_path / "top"))
+    shutil.copytree(nf, top / "nfcorpus")
+    with pytest.raises(IngestError, match=r"2 BEIR datasets \(\(top level\), nfcorpus/\)"):
+        dataset_splits(str(top))
+    # the CLI: one line, exit 2, before anything is created
+    store = tmp_path / "store-cli"
+    code, out, err = run_cli("run", Path(__file__).parents[1] / "configs" / "baselines_scifact.yaml",
+                             "--set", f"dataset.source={both}", "--store", store)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and "Traceback" not in err, err
+    assert len([ln for ln in lines if ln.startswith("irflow: error:")]) == 1, err
+    assert "nfcorpus/, scifact/" in err and not store.exists()
+
+
+def test_a_dataset_in_a_folder_of_its_zip_reads_only_that_folder(sl, ctx, tmp_path):
+    """One dataset under a top folder, plus stray non-BEIR files elsewhere: read from its folder."""
+    z = zip_folder(sl, tmp_path / "s.zip", top="scifact", junk=True)
+    with zipfile.ZipFile(z, "a") as zf:
+        zf.writestr("README.txt", "not data")
+        zf.writestr("scifact/qrels/notes/test.tsv", "not a split")  # not qrels/<split>.tsv of the dataset
+    assert dataset_splits(str(z)) == ("test", "train")
+    check_matches_source(ingest(ctx, z), sl)
+
+
+def test_a_dataset_without_the_evaluated_split_is_refused(sl, ctx, tmp_path):
+    """Known before any stage for a local source (the config check: dataset.split), else by
+    select_queries once the source is read (a URL): one line, a user error, naming the splits there."""
+    from irflow.flows.common import DatasetConfig
+    from irflow.tasks.ingest import SelectQueriesParams, select_queries
+
+    (sl / "qrels" / "test.tsv").unlink()
+    with pytest.raises(ValidationError, match=r"split: 'test' is not a split of .* \(its qrels: train\)"):
+        DatasetConfig(source=str(sl), split="test")
+    refs = ingest(ctx, sl)
+    with pytest.raises(StageFailed) as e:
+        select_queries.run(ctx, SelectQueriesParams(split="test"), queries=refs["queries"], qrels=refs["qrels"])
+    assert e.value.user_error
+    assert e.value.one_line() == ("stage select_queries: no queries are judged in split 'test' "
+                                  "(the dataset's qrels splits: train)")
 
 
 def test_dataset_splits_and_is_url(sl, tmp_path, http_root):

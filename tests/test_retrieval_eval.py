@@ -204,6 +204,7 @@ def test_evaluate_stage_averages_over_the_asked_queries(tmp_path):
     metrics = {r["metric"]: r for r in out["metrics"].table().to_pylist()}
     assert metrics["mrr@1"]["value"] == 0.5 and metrics["mrr@1"]["num_queries"] == 2
     assert metrics["ndcg@10"]["value"] == 0.5 and metrics["mrr@1"]["dataset"] == "toy"
+    assert metrics["mrr@1"]["no_judged_doc"] is None  # unknown without the corpus input
     per_query = out["per_query"].table()
     assert sorted(set(per_query.column("query_id").to_pylist())) == ["q1", "q2"]
     # without the queries input: every judged query of the split counts
@@ -266,3 +267,115 @@ def test_unanswered_judged_queries_score_zero():
     assert per_query["ndcg@10"] == {"q1": 1.0, "q2": 0.0}
     assert per_query["mrr@10"] == {"q1": 1.0, "q2": 0.0}
     assert set(evaluate_run(qrels, results, ["ndcg@10"])["ndcg@10"]) == {"q1", "q2", "q3"}
+
+
+# ---- judged documents missing from the corpus ---------------------------------------------------
+def test_judged_documents_missing_from_the_corpus_count_as_in_pytrec_eval():
+    """A judgement of a document the corpus lacks still counts in the ideal DCG and in recall's
+    denominator; a query with no judged document in the corpus scores 0 (BEIR, Pyserini)."""
+    kept = {"q1": {"d1": 1, "gone": 2}, "q2": {"gone-too": 1}}
+    results = {"q1": {"d1": 2.0, "d2": 1.0}, "q2": {"d1": 1.0}}
+    per_query = evaluate_run(kept, results, ["ndcg@10", "recall@100", "mrr@10"])
+    # q1: DCG = 1/log2(2); IDCG = 2/log2(2) + 1/log2(3) (the missing doc, grade 2, first)
+    assert per_query["ndcg@10"]["q1"] == pytest.approx(1 / (2 + 1 / math.log2(3)), abs=1e-4)  # 0.3801
+    assert per_query["recall@100"]["q1"] == 0.5 and per_query["mrr@10"]["q1"] == 1.0
+    assert per_query["ndcg@10"]["q2"] == per_query["recall@100"]["q2"] == per_query["mrr@10"]["q2"] == 0.0
+    # what dangling_qrels: drop evaluates instead: q1 perfect, q2 gone -- the mean reads 1.0, not 0.19
+    dropped = evaluate_run({"q1": {"d1": 1}}, results, ["ndcg@10"])
+    assert dropped["ndcg@10"] == {"q1": 1.0}
+
+
+@pytest.fixture(scope="module")
+def slice_with_missing_docs(tmp_path_factory, shared_datasets):
+    """A real SciFact slice (10 test queries) from whose corpus every judged document of two test
+    queries is removed, and one more query judges a document that is not there besides its own."""
+    from irflow.testing import beir_slice
+
+    sl = beir_slice(shared_datasets / "scifact.zip", tmp_path_factory.mktemp("missing") / "scifact",
+                    n_test_queries=10, n_extra_docs=20, seed=3)
+    rows = [ln.split("\t")[:2] for ln in (sl / "qrels" / "test.tsv").read_text().splitlines()[1:] if ln.strip()]
+    docs_of: dict[str, set[str]] = {}
+    for q, d in rows:
+        docs_of.setdefault(q, set()).add(d)
+    judges = lambda d: {q for q, ds in docs_of.items() if d in ds}  # noqa: E731
+    lonely = sorted(q for q, ds in docs_of.items() if all(judges(d) == {q} for d in ds))
+    emptied, partial = lonely[:2], lonely[2]
+    gone = set().union(*(docs_of[q] for q in emptied))
+    lines = [ln for ln in (sl / "corpus.jsonl").read_text().splitlines() if ln.strip()]
+    (sl / "corpus.jsonl").write_text("".join(ln + "\n" for ln in lines if json.loads(ln)["_id"] not in gone))
+    with open(sl / "qrels" / "test.tsv", "a") as f:
+        f.write(f"{partial}\tnot-in-the-corpus\t1\n")
+    return {"path": sl, "docs_of": docs_of, "emptied": set(emptied), "partial": partial}
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_queries_without_a_judged_document_in_the_corpus(slice_with_missing_docs, tmp_path, monkeypatch, policy):
+    """Through the stages on real data: keep (the default) evaluates the two queries whose judged
+    documents are all missing (0 each) and the metrics and the printed report count them; drop leaves
+    them out. A "perfect" run ranks each query's judged documents that exist first."""
+    from irflow.flows.common import Dataset, evaluate_runs
+    from irflow.tasks.evaluate import EvaluationParams
+    from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
+    from irflow.tasks.report import format_table, record_metrics
+
+    s = slice_with_missing_docs
+    run = Run(str(tmp_path / "store"), "run-1")
+    source = run.external(source_ref(str(s["path"]), None, run.store.root / "downloads"), {"source": "x"})
+    params = IngestParams() if policy == "keep" else IngestParams(dangling_qrels=policy)
+    assert IngestParams().dangling_qrels == "keep"
+    beir = ingest_beir.run(run, params, source=source)
+    test = select_queries.run(run, SelectQueriesParams(split="test"), queries=beir["queries"], qrels=beir["qrels"])
+    corpus_ids = set(beir["corpus"].table().column("doc_id").to_pylist())
+    asked = test.table().column("query_id").to_pylist()
+    rows = {"query_id": [], "doc_id": [], "rank": [], "score": [], "system": []}
+    filler = sorted(corpus_ids - set().union(*s["docs_of"].values()))
+    for q in asked:
+        ranked = sorted(d for d in s["docs_of"][q] if d in corpus_ids) + filler[:3]
+        for i, d in enumerate(ranked, start=1):
+            for col, v in zip(rows, (q, d, i, float(10 - i), "perfect")):
+                rows[col].append(v)
+    ranked = run.store.publish_table("run", "run", pa.table({**rows, "rank": pa.array(rows["rank"], pa.int32()),
+                                                             "score": pa.array(rows["score"], pa.float32())}))[0]
+    data = Dataset("scifact-slice", "test", beir["corpus"], beir["queries"], beir["qrels"], test)
+    [ev] = _evaluate_runs_plain(monkeypatch, run, EvaluationParams(metrics=("ndcg@10",)), data, {"perfect": ranked})
+    per_query = dict(zip(ev["per_query"].table().column("query_id").to_pylist(),
+                         ev["per_query"].table().column("value").to_pylist()))
+    [m] = ev["metrics"].table().to_pylist()
+    n_docs = len(s["docs_of"][s["partial"]])  # its own (all in the corpus, ranked first), then the missing one
+    partial = sum(1 / math.log2(i + 1) for i in range(1, n_docs + 1)) / \
+        sum(1 / math.log2(i + 1) for i in range(1, n_docs + 2))
+    if policy == "keep":
+        assert set(asked) >= s["emptied"] and len(asked) == 10
+        assert {q: per_query[q] for q in s["emptied"]} == {q: 0.0 for q in s["emptied"]}
+        assert per_query[s["partial"]] == pytest.approx(partial, abs=1e-4)
+        assert m["num_queries"] == 10 and m["no_judged_doc"] == 2
+        assert m["value"] == pytest.approx((7 + partial) / 10, abs=1e-4)
+    else:
+        assert not set(asked) & s["emptied"] and len(asked) == 8
+        assert per_query[s["partial"]] == 1.0
+        assert m["num_queries"] == 8 and m["no_judged_doc"] == 0 and m["value"] == 1.0
+    # the run's report (report() without the Prefect artifact): the counts reach RunResult's metric
+    # rows and the table `irflow run` prints
+    [row] = record_metrics(run, [ev])
+    assert row["system"] == "perfect" and row["ndcg@10"] == m["value"]
+    assert row["num_queries"] == m["num_queries"] and row["no_judged_doc"] == m["no_judged_doc"]
+    text = format_table([row])
+    assert "no_judged_doc" in text.splitlines()[0] and "queries" in text.splitlines()[0]
+    note = "scifact-slice test: 2 of 10 judged queries have no judged document in the corpus"
+    assert (note in text) == (policy == "keep"), text
+
+
+def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
+    """irflow.flows.common.evaluate_runs's wiring, with the stages run outside Prefect (stage.run)."""
+    from irflow.flows import common
+
+    calls = []
+
+    def plain(run_, p, label=None, **inputs):
+        calls.append(set(inputs))
+        return evaluate.run(run_, p, label=label, **inputs)
+
+    monkeypatch.setattr(common, "evaluate", plain)
+    out = common.evaluate_runs(run, c, data, runs)
+    assert calls == [{"run", "qrels", "queries", "corpus"}]  # the recipes give evaluate the corpus
+    return out

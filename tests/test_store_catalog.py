@@ -346,7 +346,7 @@ def test_lineage(ctx, chain):
     assert [x["stage"] for x in lin] == ["toy_head", "toy_upper", "ingest", "external"]
     # lineage ends at the source, named by its content fingerprint (not its path)
     assert source_id.startswith("sha256:") and lin[3]["kind"] == "source" and lin[3]["parents"] == []
-    assert [x["code_version"] for x in lin[:3]] == ["7", "1", "2"]
+    assert [x["code_version"] for x in lin[:3]] == ["7", "1", "3"]
     assert {x["run_id"] for x in lin[:3]} == {"run-1"}
     assert [x["num_rows"] for x in lin[:3]] == [4, upper.table().num_rows, beir["corpus"].table().num_rows]
     assert json.loads(lin[0]["params"]) == {"n": 4}

@@ -174,9 +174,12 @@ METRICS = Contract(
             ("metric", pa.string()),
             ("value", pa.float64()),
             ("num_queries", pa.int64()),
+            ("no_judged_doc", pa.int64()),
         ]
     ),
     (check_not_null("system", "metric", "value"),),
+    "One row per (system, metric): the mean over num_queries evaluated queries, of which no_judged_doc "
+    "have no judged document in the corpus (they score 0; null: the corpus was not given).",
 )
 
 NEGATIVES = Contract(
@@ -241,3 +244,29 @@ def dangling_qrels(qrels: pa.Table, queries: pa.Table, corpus: pa.Table) -> tupl
     counts = [pc.sum(pc.cast(m, pa.int64())).as_py() or 0 for m in (no_query, no_doc, either)]
     kept = qrels.select(["query_id", "doc_id", "score", "split"]).filter(pc.invert(either))
     return kept, {"missing_query": int(counts[0]), "missing_doc": int(counts[1]), "dangling": int(counts[2])}
+
+
+def queries_without_judged_doc(qrels: pa.Table, corpus: pa.Table, split: str | None = None,
+                               among: set[str] | None = None) -> dict[str, set[str]]:
+    """split -> the judged queries none of whose judged documents (of that split, any score) is in the
+    corpus (of ``split`` only, if given; of the queries in ``among`` only, if given).
+
+    Such a query can only score 0 (BEIR, pytrec_eval and Pyserini keep it in the average: the default
+    ``dataset.dangling_qrels: keep``); dropping the dangling rows makes it vanish from the split instead.
+    """
+    import pyarrow.compute as pc
+
+    if split is not None:
+        qrels = qrels.filter(pc.equal(qrels.column("split"), split))
+    if among is not None:
+        qcol = qrels.column("query_id")
+        qrels = qrels.filter(pc.is_in(qcol, value_set=pa.array(sorted(among), qcol.type)))
+    dcol = qrels.column("doc_id")
+    present = pc.is_in(dcol, value_set=corpus.column("doc_id").combine_chunks().cast(dcol.type))
+    per_query = (pa.table({"split": qrels.column("split"), "query_id": qrels.column("query_id"), "present": present})
+                 .group_by(["split", "query_id"]).aggregate([("present", "any")]))
+    out: dict[str, set[str]] = {s: set() for s in per_query.column("split").to_pylist()}
+    for s, q, has_doc in zip(*(per_query.column(c).to_pylist() for c in ("split", "query_id", "present_any"))):
+        if not has_doc:
+            out[s].add(q)
+    return out

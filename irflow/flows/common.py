@@ -138,7 +138,8 @@ def system_name(model: str) -> str:
 
 
 def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, DatasetRef]) -> list[dict]:
-    """One evaluate stage per system (a changed system re-evaluates alone), on the test queries."""
+    """One evaluate stage per system (a changed system re-evaluates alone), on the test queries; the
+    corpus lets it count the judged queries with no judged document in it."""
     p = c.to(EvaluateParams, dataset=data.name, split=data.split)
-    return [evaluate(run, p, label=system, run=ref, qrels=data.qrels, queries=data.test_queries)
+    return [evaluate(run, p, label=system, run=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
             for system, ref in runs.items()]

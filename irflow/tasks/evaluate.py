@@ -11,6 +11,12 @@ regressions use). BEIR's own evaluator averages over the answered queries only, 
 (15 of 323 test queries get no BM25 hit) reads 0.016 higher. Hits whose doc id equals the query id
 are ignored (BEIR's ``ignore_identical_ids``).
 
+Judgements of documents missing from the corpus (kept by default, ``dataset.dangling_qrels: keep``)
+are scored as pytrec_eval, BEIR and Pyserini score them: they count in the ideal DCG and in recall's
+denominator, and a judged query none of whose judged documents is in the corpus stays in the average
+with 0. The metrics table says how many evaluated queries are such (``no_judged_doc``), when the
+``corpus`` input is given.
+
 Per-query values are kept as a dataset, so "which queries got worse" is one SQL query away.
 """
 
@@ -24,6 +30,7 @@ import pytrec_eval
 
 from pydantic import Field, field_validator
 
+from irflow import data_contracts
 from irflow.params import Params
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
@@ -116,17 +123,29 @@ def evaluate_run(qrels: dict, results: dict, metrics: list[str], asked: set[str]
     return per_query
 
 
-@stage("evaluate", version="3", outputs=[Output("per_query", "per_query_metrics"), Output("metrics", "metrics")])
+def no_judged_doc(qrels: pa.Table, corpus: pa.Table, split: str, evaluated: set[str]) -> int:
+    """How many of the ``evaluated`` queries have no judged document (of ``split``) in the corpus."""
+    return len(data_contracts.queries_without_judged_doc(qrels, corpus, split, among=evaluated).get(split, ()))
+
+
+# version 4: the corpus input and the metrics' no_judged_doc column
+@stage("evaluate", version="4", outputs=[Output("per_query", "per_query_metrics"), Output("metrics", "metrics")])
 def evaluate(p: EvaluateParams, rt: StageRuntime, *, run: DatasetRef, qrels: DatasetRef,
-             queries: DatasetRef | None = None):
+             queries: DatasetRef | None = None, corpus: DatasetRef | None = None):
     """Metrics of ``run`` against the ``p.split`` qrels, over the queries the system was asked
-    (``queries``; without them: every judged query of the split)."""
+    (``queries``; without them: every judged query of the split). With the ``corpus``, each metrics
+    row says how many of those queries have no judged document in it (``no_judged_doc``)."""
     r = run.table()
     asked = set(queries.table(columns=["query_id"]).column("query_id").to_pylist()) if queries is not None else None
     systems = sorted(set(r.column("system").to_pylist()))
-    qrels_d = qrels_to_dict(qrels.table(), p.split)
+    qrels_t = qrels.table()
+    qrels_d = qrels_to_dict(qrels_t, p.split)
+    evaluated = {q for q in qrels_d if asked is None or q in asked}
+    missing = (no_judged_doc(qrels_t, corpus.table(columns=["doc_id"]), p.split, evaluated)
+               if corpus is not None else None)
     pq_rows = {"system": [], "query_id": [], "metric": [], "value": []}
-    m_rows = {"system": [], "dataset": [], "split": [], "metric": [], "value": [], "num_queries": []}
+    m_rows = {"system": [], "dataset": [], "split": [], "metric": [], "value": [], "num_queries": [],
+              "no_judged_doc": []}
     for system in systems:
         results = run_to_dict(r.filter(pc.equal(r.column("system"), system)), p.ignore_identical_ids)
         per_query = evaluate_run(qrels_d, results, list(p.metrics), asked)
@@ -137,6 +156,7 @@ def evaluate(p: EvaluateParams, rt: StageRuntime, *, run: DatasetRef, qrels: Dat
                 pq_rows["metric"].append(metric)
                 pq_rows["value"].append(v)
             for col, v in zip(m_rows, (system, p.dataset, p.split, metric,
-                                       sum(values.values()) / max(len(values), 1), len(values))):
+                                       sum(values.values()) / max(len(values), 1), len(values), missing)):
                 m_rows[col].append(v)
-    return {"per_query": pa.table(pq_rows), "metrics": pa.table(m_rows)}
+    return {"per_query": pa.table(pq_rows),
+            "metrics": pa.table(m_rows, schema=data_contracts.get("metrics").schema)}

@@ -57,19 +57,36 @@ class BeirSource:
         # macOS archivers add __MACOSX/ and ._* resource forks: never BEIR data.
         self.names = [n for n in self.names
                       if "__MACOSX" not in n.split("/") and not n.rsplit("/", 1)[-1].startswith("._")]
+        self.root = self._dataset_root()
 
-    def find(self, suffix: str) -> str | None:
-        """The member whose path ends with ``suffix`` (shortest match: top-level beats nested copies)."""
-        hits = sorted((n for n in self.names if n == suffix or n.endswith("/" + suffix)), key=len)
-        return hits[0] if hits else None
+    def _dataset_root(self) -> str:
+        """The one folder ("" or "name/") holding the dataset's corpus.jsonl, queries.jsonl and qrels/.
+
+        Files of two datasets (scifact/... and nfcorpus/..., or CQADupStack's sub-forums) would be
+        mixed -- one's corpus, the other's qrels -- so such a source is refused, naming the folders."""
+        roots = set()
+        for n in self.names:
+            folder, _, base = n.rpartition("/")
+            if base in ("corpus.jsonl", "queries.jsonl"):
+                roots.add(folder + "/" if folder else "")
+            elif base.endswith(".tsv") and (folder == "qrels" or folder.endswith("/qrels")):
+                roots.add(folder[: -len("qrels")])
+        if len(roots) > 1:
+            shown = ", ".join(r or "(top level)" for r in sorted(roots))
+            raise IngestError(f"{self.path}: holds {len(roots)} BEIR datasets ({shown}); a source must be one "
+                              f"dataset (corpus.jsonl, queries.jsonl and qrels/ in one folder)")
+        return roots.pop() if roots else ""
+
+    def find(self, name: str) -> str | None:
+        """The member ``name`` (corpus.jsonl, queries.jsonl) of the dataset's folder, if there."""
+        member = self.root + name
+        return member if member in self.names else None
 
     def qrels_files(self) -> dict[str, str]:
-        out = {}
-        for n in self.names:
-            parts = n.split("/")
-            if len(parts) >= 2 and parts[-2] == "qrels" and parts[-1].endswith(".tsv"):
-                out.setdefault(parts[-1][: -len(".tsv")], n)
-        return out
+        """split -> the member ``qrels/<split>.tsv`` of the dataset's folder."""
+        prefix = self.root + "qrels/"
+        return {n[len(prefix): -len(".tsv")]: n for n in sorted(self.names)
+                if n.startswith(prefix) and n.endswith(".tsv") and "/" not in n[len(prefix):]}
 
     def open(self, member: str) -> IO[bytes]:
         return self.zip.open(member) if self.zip else open(self.path / member, "rb")
@@ -253,7 +270,7 @@ def _read_qrels(src: BeirSource, member: str, split: str) -> pa.Table:
                      "split": [split] * len(qids)})
 
 
-def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, object]:
+def read_beir(path: Path, workdir: Path, dangling: str = "keep") -> dict[str, object]:
     """Read a BEIR folder/zip into corpus/queries (parquet files in workdir) and a qrels table."""
     src = BeirSource(path)
     corpus_m, queries_m = src.find("corpus.jsonl"), src.find("queries.jsonl")
@@ -278,22 +295,30 @@ def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, ob
     qrels = pa.concat_tables([_read_qrels(src, m, split) for split, m in sorted(qrels_members.items())])
     if qrels.num_rows == 0:
         raise IngestError(f"{path}: the qrels files ({', '.join(sorted(qrels_members.values()))}) have no rows")
-    kept, counts = data_contracts.dangling_qrels(
-        qrels, pq.read_table(queries_file, columns=["query_id"]), pq.read_table(corpus_file, columns=["doc_id"]))
+    corpus_ids = pq.read_table(corpus_file, columns=["doc_id"])
+    usable, counts = data_contracts.dangling_qrels(
+        qrels, pq.read_table(queries_file, columns=["query_id"]), corpus_ids)
+    kept = qrels
     if counts["dangling"]:
         msg = (f"{path}: {counts['dangling']} qrels row(s) point to a missing query ({counts['missing_query']}) "
                f"or document ({counts['missing_doc']})")
         if dangling == "error":
             raise IngestError(msg + " (dataset.dangling_qrels: error)")
+        no_doc = {s: len(q) for s, q in sorted(data_contracts.queries_without_judged_doc(qrels, corpus_ids).items())
+                  if q}
+        per_split = ", ".join(f"{n} in {s}" for s, n in no_doc.items()) or "none"
         if dangling == "keep":
-            log.warning(msg + "; kept (dataset.dangling_qrels: keep)")
-            kept = qrels
+            log.warning(f"{msg}; kept (dataset.dangling_qrels: keep): judged queries with no judged document in "
+                        f"the corpus, evaluated and scoring 0 as in BEIR/Pyserini: {per_split}")
         else:
-            log.warning(msg + "; dropped (dataset.dangling_qrels: drop)")
-    # A split whose every judgement dangles cannot be evaluated or trained on: refuse it here, naming
-    # the split, rather than publish an empty qrels dataset that fails a later stage.
+            kept = usable
+            log.warning(f"{msg}; dropped (dataset.dangling_qrels: drop): judged queries left with no judgement, "
+                        f"so not evaluated: {per_split}")
+    # A split whose every judgement dangles cannot be evaluated or trained on (keep would score every
+    # query 0, drop would empty it): refuse it here, naming the split, rather than publish qrels that
+    # fail or mislead a later stage.
     splits_before = set(qrels.column("split").to_pylist())
-    splits_after = set(kept.column("split").to_pylist())
+    splits_after = set(usable.column("split").to_pylist())
     if splits_before - splits_after:
         empty = ", ".join(sorted(splits_before - splits_after))
         raise IngestError(f"{path}: every qrels row of split {empty} points to a query or document missing from "
@@ -304,12 +329,19 @@ def read_beir(path: Path, workdir: Path, dangling: str = "drop") -> dict[str, ob
 
 # ---- the stages -----------------------------------------------------------------------------
 class IngestParams(Params):
-    dangling_qrels: Literal["drop", "keep", "error"] = Field(
-        "drop", description="qrels rows that point to a missing query or document: drop them (with a warning), "
-                            "keep them, or refuse the dataset")
+    dangling_qrels: Literal["keep", "drop", "error"] = Field(
+        "keep", description="qrels rows that point to a document missing from the corpus (or to a missing query): "
+                            "keep (as BEIR, pytrec_eval, Pyserini and MTEB score them: a judged query with no judged "
+                            "document in the corpus stays evaluated and scores 0, and a missing judged document "
+                            "still counts in the ideal DCG; the metrics say how many such queries there are), "
+                            "drop them (such queries vanish from the evaluation, so scores read higher than "
+                            "published ones), or error (refuse the dataset). A row naming a query missing from "
+                            "queries.jsonl is inert either way: that query is never asked, so never evaluated "
+                            "or trained on. Each is logged with its counts")
 
 
-@stage("ingest", version="2", outputs=[Output("corpus", "corpus"), Output("queries", "queries"),
+# version 3: the default is keep; a zip or folder holding two datasets is refused
+@stage("ingest", version="3", outputs=[Output("corpus", "corpus"), Output("queries", "queries"),
                                         Output("qrels", "qrels")])
 def ingest_beir(p: IngestParams, rt: StageRuntime, *, source: DatasetRef):
     """A BEIR folder or zip (``source``, an external ref from ``source_ref``) as corpus/queries/qrels."""
@@ -344,8 +376,10 @@ def select_queries(p: SelectQueriesParams, rt: StageRuntime, *, queries: Dataset
         limit = f"LIMIT {int(p.limit)}" if p.limit else ""
         t = con.sql(f"SELECT query_id, text FROM q WHERE query_id IN (SELECT query_id FROM r WHERE split = $split) "
                     f"ORDER BY query_id {limit}", params={"split": p.split}).to_arrow_table()
-    if t.num_rows == 0:
-        raise DataError(f"no queries are judged in split '{p.split}'")
+    if t.num_rows == 0:  # a URL source's splits are known only after its download: say which it has
+        splits = sorted(set(qrels.table(columns=["split"]).column("split").to_pylist()))
+        raise DataError(f"no queries are judged in split '{p.split}' (the dataset's qrels splits: "
+                        f"{', '.join(splits) or 'none'})")
     return t
 
 

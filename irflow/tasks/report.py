@@ -2,6 +2,11 @@
 
 Not a cached stage: it costs nothing and must happen in every run, cached or not, so that
 `SELECT * FROM metrics WHERE run_id = ...` always answers for the run.
+
+Each row (one per system, dataset and split) also says over how many judged queries its metrics are
+averaged (``num_queries``) and how many of those have no judged document in the corpus
+(``no_judged_doc``): with ``dataset.dangling_qrels: keep``, the default, they stay in the average and
+score 0, as in the numbers BEIR, Pyserini and MTEB publish.
 """
 
 from __future__ import annotations
@@ -9,27 +14,56 @@ from __future__ import annotations
 from irflow.stage import Run
 
 COLUMNS = ["ndcg@10", "recall@100", "map@100", "mrr@10"]
+#: Counts carried from the evaluation's metrics table into each row (not metrics: shown as integers).
+COUNTS = ["num_queries", "no_judged_doc"]
+HEADERS = {"num_queries": "queries", "no_judged_doc": "no_judged_doc"}
 
 
 def record_metrics(run: Run, evals: list[dict]) -> list[dict]:
     catalog = run.catalog
+    counts: dict[tuple, dict] = {}
     for ev in evals:
-        t = ev["metrics"].table()
-        catalog.record_metrics(run.run_id, ev["metrics"].id, t.to_pylist())
-    return catalog.run_metrics(run.run_id)
+        rows = ev["metrics"].table().to_pylist()
+        catalog.record_metrics(run.run_id, ev["metrics"].id, rows)
+        for r in rows:
+            c = counts.setdefault((r["system"], r["dataset"], r["split"]), {})
+            for k in COUNTS:
+                if r.get(k) is not None:
+                    c[k] = max(c.get(k, 0), r[k])
+    return [{**row, **counts.get((row["system"], row["dataset"], row["split"]), {})}
+            for row in catalog.run_metrics(run.run_id)]
+
+
+def _cell(value, width: int) -> str:
+    if value is None:
+        return f"{'':>{width}}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:>{width}d}"
+    return f"{value:>{width}.4f}"
 
 
 def format_table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
     if not rows:
         return "(no metrics)"
+    fixed = {"system", "dataset", "split", *COUNTS}
     cols = [c for c in columns if any(c in r for r in rows)] + sorted(
-        {k for r in rows for k in r} - set(columns) - {"system", "dataset", "split"})
+        {k for r in rows for k in r} - set(columns) - fixed) + [c for c in COUNTS if any(c in r for r in rows)]
+    widths = [max(10, len(HEADERS.get(c, c))) for c in cols]
     width = max(len("system"), *(len(r["system"]) for r in rows))
-    head = f"{'system':<{width}}  {'dataset':<10} {'split':<6} " + " ".join(f"{c:>10}" for c in cols)
+    dw = max(10, *(len(r["dataset"]) for r in rows))
+    head = f"{'system':<{width}}  {'dataset':<{dw}} {'split':<6} " + " ".join(
+        f"{HEADERS.get(c, c):>{w}}" for c, w in zip(cols, widths))
     lines = [head, "-" * len(head)]
     for r in rows:
-        vals = " ".join(f"{r[c]:>10.4f}" if c in r else f"{'':>10}" for c in cols)
-        lines.append(f"{r['system']:<{width}}  {r['dataset']:<10} {r['split']:<6} {vals}")
+        vals = " ".join(_cell(r.get(c), w) for c, w in zip(cols, widths))
+        lines.append(f"{r['system']:<{width}}  {r['dataset']:<{dw}} {r['split']:<6} {vals}")
+    notes = {(r["dataset"], r["split"]): (r["no_judged_doc"], r.get("num_queries")) for r in rows
+             if r.get("no_judged_doc")}
+    for (dataset, split), (n, total) in notes.items():
+        of = f" of {total}" if total is not None else ""
+        lines.append(f"{dataset} {split}: {n}{of} judged queries have no judged document in the corpus; they are "
+                     f"averaged in with 0, as in published BEIR numbers (dataset.dangling_qrels: drop leaves them "
+                     f"out)")
     return "\n".join(lines)
 
 
