@@ -118,6 +118,7 @@ def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store
     run_id = run_id or new_run_id(c.flow)
     flow = recipe.flow.with_options(flow_run_name=run_id)
     runtime.prefect_home()
+    runtime.start_prefect_server()
     if isinstance(config, (str, os.PathLike)):  # the path and overrides: what Prefect's UI shows
         return flow(config=str(config), overrides=list(overrides or []), store=root, force=sorted(force),
                     run_id=run_id)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -51,6 +52,13 @@ CREATE TABLE IF NOT EXISTS metrics(
 -- was computed with. Provenance only: never part of a cache key.
 ALTER TABLE datasets ADD COLUMN IF NOT EXISTS runtime JSON;
 ALTER TABLE stage_runs ADD COLUMN IF NOT EXISTS runtime JSON;
+-- Added with verified objects: the full sha256 of an object's files (its id holds the first 16
+-- hex), checked before the object is reused or read.
+ALTER TABLE datasets ADD COLUMN IF NOT EXISTS digest VARCHAR;
+-- Added with crash hygiene: which process runs it, so a later run can tell a run that was killed
+-- (status 'interrupted') from one still going.
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS pid INTEGER;
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS host VARCHAR;
 """
 
 # DuckDB allows one writing process per file; inside a process we serialise access ourselves so
@@ -135,12 +143,30 @@ class Catalog:
                 con.close()
 
     # ---- runs -----------------------------------------------------------------------------
-    def start_run(self, run_id: str, flow: str, config_path: str | None, config: dict) -> None:
+    def start_run(self, run_id: str, flow: str, config_path: str | None, config: dict) -> list[str]:
+        """Record a new run as 'running'; first, mark runs whose process died as 'interrupted'
+        (a kill -9 or a power cut leaves no chance to say so). Returns the ids of those."""
+        interrupted = self.mark_interrupted()
         with self.connect() as con:
             con.execute(
-                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, NULL, 'running', NULL)",
-                [run_id, flow, config_path, json.dumps(config, sort_keys=True), now()],
+                "INSERT INTO runs (run_id, flow, config_path, config, started_at, finished_at, status, "
+                "prefect_flow_run_id, pid, host) VALUES (?, ?, ?, ?, ?, NULL, 'running', NULL, ?, ?)",
+                [run_id, flow, config_path, json.dumps(config, sort_keys=True), now(), os.getpid(),
+                 socket.gethostname()],
             )
+        return interrupted
+
+    def mark_interrupted(self) -> list[str]:
+        """Runs still 'running' whose process (on this host) is gone become 'interrupted'."""
+        from irflow.processes import pid_alive
+
+        host = socket.gethostname()
+        with self.connect() as con:
+            rows = con.execute("SELECT run_id, pid, host FROM runs WHERE status = 'running'").fetchall()
+            dead = [r for r, pid, h in rows if pid is None or (h == host and not pid_alive(pid))]
+            for run_id in dead:
+                con.execute("UPDATE runs SET status = 'interrupted' WHERE run_id = ?", [run_id])
+        return dead
 
     def finish_run(self, run_id: str, status: str, prefect_flow_run_id: str | None = None) -> None:
         with self.connect() as con:
@@ -157,11 +183,11 @@ class Catalog:
 
         with self.connect() as con:
             rows = con.execute(
-                "SELECT c.output, d.dataset_id, d.name, d.kind, d.contract, d.path FROM cache c "
+                "SELECT c.output, d.dataset_id, d.name, d.kind, d.contract, d.path, d.digest FROM cache c "
                 "JOIN datasets d USING (dataset_id) WHERE c.cache_key = ?",
                 [cache_key],
             ).fetchall()
-        return {r[0]: DatasetRef(*r[1:5], self._abs(r[5])) for r in rows}
+        return {r[0]: DatasetRef(*r[1:5], self._abs(r[5]), r[6]) for r in rows}
 
     def record_outputs(
         self,
@@ -182,16 +208,21 @@ class Catalog:
             for output, (ref, num_rows, num_bytes) in outputs.items():
                 con.execute(
                     "INSERT INTO datasets (dataset_id, name, kind, contract, path, num_rows, num_bytes, stage, "
-                    "cache_key, code_version, params, run_id, created_at, runtime) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    "cache_key, code_version, params, run_id, created_at, runtime, digest) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT DO UPDATE SET digest = coalesce(datasets.digest, excluded.digest)",
                     [ref.id, ref.name, ref.kind, ref.contract, self._rel(ref.path), num_rows, num_bytes, stage,
                      cache_key,
                      code_version, json.dumps(params, sort_keys=True, default=str), run_id, ts,
-                     json.dumps(runtime, sort_keys=True, default=str) if runtime else None],
+                     json.dumps(runtime, sort_keys=True, default=str) if runtime else None,
+                     getattr(ref, "digest", None)],
                 )
                 for role, ids in parents.items():
                     for pid in ids:
-                        con.execute("INSERT INTO edges VALUES (?, ?, ?, ?)", [ref.id, pid, role, cache_key])
+                        # once per (child, parent, role, key): recomputing the same output adds no edge
+                        con.execute("INSERT INTO edges SELECT ?, ?, ?, ? WHERE NOT EXISTS (SELECT 1 FROM edges "
+                                    "WHERE child_id = ? AND parent_id = ? AND role = ? AND cache_key = ?)",
+                                    [ref.id, pid, role, cache_key] * 2)
                 con.execute(
                     "INSERT OR REPLACE INTO cache VALUES (?, ?, ?, ?, ?)", [cache_key, output, ref.id, stage, ts]
                 )
@@ -334,6 +365,20 @@ class Catalog:
                 seen[did] = info
                 frontier.extend((p, depth + 1) for _, p in parents)
         return list(seen.values())
+
+    # ---- store maintenance (irflow verify / gc) -------------------------------------------------
+    def stored_objects(self) -> list:
+        """A DatasetRef (with digest when recorded) for every dataset the catalog places in the store."""
+        from irflow.store import DatasetRef
+
+        with self.connect() as con:
+            rows = con.execute("SELECT dataset_id, name, kind, contract, path, digest FROM datasets "
+                               "WHERE path LIKE 'objects/%' ORDER BY created_at").fetchall()
+        return [DatasetRef(*r[:4], self._abs(r[4]), r[5]) for r in rows]
+
+    def finished_keys(self) -> set[str]:
+        with self.connect() as con:
+            return {r[0] for r in con.execute("SELECT DISTINCT cache_key FROM cache").fetchall()}
 
     # ---- SQL ------------------------------------------------------------------------------
     def connect_with_views(self):

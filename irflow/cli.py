@@ -5,6 +5,8 @@
     irflow config CONFIG [--set ...] [--explain]           the validated config, defaults filled in
     irflow lineage ID [--store DIR]                        where a dataset or model came from
     irflow sql "SELECT ..." [--store DIR] [--json]         DuckDB SQL over the catalog and every dataset
+    irflow verify [--store DIR] [--json]                   re-hash every stored object; exit 1 if any is damaged
+    irflow gc [--store DIR] [--dry-run]                    remove what nothing refers to (see irflow.maintenance)
     irflow serve CONFIG --cron "0 3 * * *" [--set ...]     run on a schedule (needs a Prefect server)
 
 Errors the user can fix (a config value, a missing file, data that cannot support the run, a stage
@@ -158,6 +160,42 @@ def cmd_sql(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from irflow import maintenance
+
+    _catalog(args)  # an existing store, or one line saying there is none
+    rep = maintenance.verify(api.store_root(args.store))
+    if args.json:
+        print(json.dumps(vars(rep) | {"ok": rep.ok}))
+    else:
+        for line in rep.damaged:
+            print(f"DAMAGED  {line}")
+        for did in rep.missing:
+            print(f"MISSING  {did}: in the catalog, not in objects/")
+        for did in rep.unreferenced:
+            print(f"UNKNOWN  {did}: in objects/, not in the catalog (irflow gc removes it)")
+        rate = rep.bytes / rep.seconds / 1e6 if rep.seconds else 0
+        print(f"{rep.checked} objects, {rep.bytes / 1e6:.1f} MB re-hashed in {rep.seconds:.2f} s ({rate:.0f} MB/s): "
+              f"{len(rep.damaged)} damaged, {len(rep.missing)} missing, {len(rep.unreferenced)} unreferenced")
+        if not rep.ok:
+            print("a run that needs a damaged or missing object recomputes it (damaged copies are set aside first)")
+    return 0 if rep.ok else 1
+
+
+def cmd_gc(args) -> int:
+    from irflow import maintenance
+
+    _catalog(args)
+    rep = maintenance.gc(api.store_root(args.store), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path, why, size in rep.removed:
+        print(f"{verb}  {path}  ({size / 1e6:.1f} MB; {why})")
+    for path, why in rep.kept:
+        print(f"kept     {path}  ({why})")
+    print(f"{verb} {len(rep.removed)} entries, {rep.bytes / 1e6:.1f} MB")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from irflow import runtime
     from irflow.recipe import get_recipe
@@ -221,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.add_argument("--max-rows", type=int, default=40)
     q.set_defaults(func=cmd_sql)
+
+    v = sub.add_parser("verify", help="re-hash every stored object against its recorded digest")
+    common(v, config=False)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    g = sub.add_parser("gc", help="remove unreferenced objects, staging of dead runs, finished checkpoints")
+    common(g, config=False)
+    g.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    g.set_defaults(func=cmd_gc)
 
     sv = sub.add_parser("serve", help="serve a config as a Prefect deployment on a cron schedule")
     common(sv)

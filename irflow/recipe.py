@@ -14,6 +14,7 @@ deployments in prefect.yaml run), so Prefect's UI shows the recipe's own task ru
 from __future__ import annotations
 
 import importlib
+import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,8 @@ from pydantic import Field
 from irflow.params import Params
 from irflow.runtime import RuntimeConfig
 from irflow.stage import Run
+
+log = logging.getLogger("irflow")
 
 # recipe name (a config's `flow:`) -> module that defines it
 MODULES = {
@@ -158,8 +161,11 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     store_root = str(Path(store).resolve())
     run = Run(store_root, run_id or new_run_id(recipe.name), runtime=c.runtime, force=force)
     flow_run_id = _prefect_flow_run_id()
-    run.catalog.start_run(run.run_id, recipe.name, str(Path(config_path).resolve()) if config_path else None,
+    run.store.reclaim()  # staging left by killed runs
+    interrupted = run.catalog.start_run(run.run_id, recipe.name, str(Path(config_path).resolve()) if config_path else None,
                           c.model_dump(mode="json"))
+    if interrupted:
+        log.warning("earlier run(s) %s died without finishing (killed?): marked interrupted", ", ".join(interrupted))
     t0 = time.perf_counter()
     status, rows = "failed", []
     try:

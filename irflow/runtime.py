@@ -299,3 +299,15 @@ def prefect_home() -> None:
     """Create Prefect's home (``configure`` set it): Prefect does not, and its temporary server
     then never answers."""
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+
+
+def start_prefect_server() -> None:
+    """Prefect's temporary server, started by us (it dies with this process, and runs started
+    together do not race on its database: see irflow.processes), unless a Prefect API is set."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    from irflow.processes import start_prefect_server as start
+
+    start(Path(os.environ["PREFECT_HOME"]))

@@ -17,6 +17,9 @@ unlike Prefect's default cache policy (which includes the run id and pickles inp
 "skip if the output file exists". Runtime settings (device, precision, threads) are not keyed; they
 are recorded per stage run. A hit is reused only if its files are still in the store; a miss
 computes, validates each output against its contract, publishes atomically and records lineage.
+A hit whose files no longer match their digest is set aside and recomputed (see irflow.store), and
+so is never used; one process at a time computes a key (a file lock per key), so identical runs
+started together compute each stage once.
 
 Calling a stage inside a recipe, ``bm25_search(run, params, label="flat", bm25_index=..., queries=...)``,
 runs it as a Prefect task; ``stage.run(run, params, ...)`` runs it without Prefect (same caching);
@@ -41,10 +44,11 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from irflow.catalog import Catalog, now
-from irflow.errors import StageFailed
+from irflow.errors import DataError, StageFailed
 from irflow.params import Params
+from irflow.processes import file_lock
 from irflow.runtime import RuntimeConfig, stage_runtime
-from irflow.store import DatasetRef, Store
+from irflow.store import DatasetRef, Store, remove_tree
 
 log = logging.getLogger("irflow")
 
@@ -223,31 +227,74 @@ class Stage:
 
         forced = bool({self.name, stage_label} & run.force) or catalog.tainted(run.run_id, input_ids)
         pending_inputs = any(r.kind == PENDING for v in inputs.values() for r in _as_list(v))
-        hit = {} if forced or pending_inputs else catalog.lookup(key)
         provenance = None
-        if hit and all(o.name in hit and Path(hit[o.name].path).exists() for o in self.outputs):
-            refs = {o.name: hit[o.name] for o in self.outputs}
-            status = "cached"
-            log.info("%s: cached (%s)", stage_label, ", ".join(r.id for r in refs.values()))
-        elif run.dry_run:
-            refs = {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
-                    for o in self.outputs}
-            status = "stale"
-            detail["why"] = self._why_stale(catalog, stage_label, detail, hit, forced, pending_inputs)
-        else:
-            refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
-            status = "computed"
-            if forced:
-                catalog.taint(run.run_id, [r.id for r in refs.values()])
-        if not run.dry_run:
-            catalog.record_stage_run(run.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
-                                     time.perf_counter() - t0, started, detail, provenance)
-        else:
+        if run.dry_run:
+            hit = {} if forced or pending_inputs else catalog.lookup(key)
+            damage = self._damage(store, hit)
+            if hit and not damage:
+                refs, status = {o.name: hit[o.name] for o in self.outputs}, "cached"
+            else:
+                refs = {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
+                        for o in self.outputs}
+                status = "stale"
+                detail["why"] = self._why_stale(catalog, stage_label, detail, hit, forced, pending_inputs, damage)
             run.plan.append({"name": stage_label, "status": status, "why": detail.get("why", [])})
+            return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
+
+        # One process at a time per key: a second run started alongside waits here for the first one's
+        # result and reuses it, instead of computing the same thing again (the kernel drops the lock
+        # of a process that dies, so a killed run never blocks the next one).
+        with file_lock(store.root / "locks" / f"{key[:32]}.lock",
+                       waiting=f"{stage_label}: waiting for another process computing the same stage"):
+            hit = {} if forced else catalog.lookup(key)
+            damage = self._damage(store, hit)
+            for ref, problem in damage:
+                log.warning("%s: stored %s is %s; it is set aside and recomputed", stage_label, ref.id, problem)
+                store.set_aside(ref)
+            if damage:
+                detail["recomputed"] = [f"{ref.id}: {problem}" for ref, problem in damage]
+            if hit and not damage:
+                refs = {o.name: hit[o.name] for o in self.outputs}
+                status = "cached"
+                log.info("%s: cached (%s)", stage_label, ", ".join(r.id for r in refs.values()))
+            else:
+                self._check_inputs(store, stage_label, inputs)
+                refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
+                status = "computed"
+                if forced:
+                    catalog.taint(run.run_id, [r.id for r in refs.values()])
+        catalog.record_stage_run(run.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
+                                 time.perf_counter() - t0, started, detail, provenance)
         return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
 
+    def _damage(self, store: Store, hit: dict) -> list[tuple[DatasetRef, str]]:
+        """(ref, what is wrong) for each cached output that is missing or no longer matches its digest."""
+        if not hit:
+            return []
+        out = []
+        for o in self.outputs:
+            ref = hit.get(o.name)
+            if ref is None:
+                continue
+            problem = "missing" if not Path(ref.path).exists() else store.check(ref)
+            if problem:
+                out.append((ref, problem))
+        return out
+
     @staticmethod
-    def _why_stale(catalog: Catalog, stage_label, detail, hit, forced, pending_inputs) -> list[str]:
+    def _check_inputs(store: Store, stage_label: str, inputs: dict) -> None:
+        """An input that no longer matches its digest is never read: it is set aside (the next run
+        recomputes it) and the stage stops naming it."""
+        for role, v in inputs.items():
+            for ref in _as_list(v):
+                problem = store.check(ref)
+                if problem:
+                    store.set_aside(ref)
+                    raise StageFailed(stage_label, DataError(
+                        f"input {role} {ref.id} is {problem}; it was set aside, run again to recompute it"))
+
+    @staticmethod
+    def _why_stale(catalog: Catalog, stage_label, detail, hit, forced, pending_inputs, damage=()) -> list[str]:
         """Human-readable reasons, from diffing this key's ingredients with the last execution's."""
         if forced:
             return ["forced (--from)"]
@@ -255,6 +302,8 @@ class Stage:
             upstream = sorted({i[1:].split(":")[0] for ids in detail["inputs"].values() for i in ids
                                if i.startswith("<")})
             return ["upstream is stale: " + ", ".join(upstream)]
+        if damage:
+            return [f"stored {ref.id} is {problem}" for ref, problem in damage]
         if hit:
             return ["its output is missing from the store"]
         last = catalog.last_stage_detail(stage_label)
@@ -330,7 +379,7 @@ class Stage:
                                params=params.key_dump(), run_id=run.run_id, outputs=published, parents=parents,
                                runtime=provenance)
         if resume_dir is not None:
-            shutil.rmtree(resume_dir, ignore_errors=True)
+            remove_tree(resume_dir)
         return {name: p[0] for name, p in published.items()}, provenance
 
     # -- Prefect --------------------------------------------------------------------------

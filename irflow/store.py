@@ -11,21 +11,32 @@ Layout of a store directory::
 A dataset id is ``<name>-<first 16 hex of sha256 over its files>``: the same content always gets
 the same id, so a stage that recomputes and produces identical bytes leaves everything downstream
 cached (early cut-off).
+
+Trust: the digest that names an object is also its checksum. The full sha256 (over every file's
+relative path, size and bytes; see `fingerprint_dir`) is recorded in the catalog when an object is
+published, and `Store.check` recomputes it before an object is reused from the cache or read by a
+stage (once per process and file state: hashing runs at ~1-2 GB/s, see bench/results/verify.json).
+A damaged object (a flipped byte, another run's file copied over it, a deleted file) is never used:
+it is set aside under ``tmp/damaged-*`` and treated as missing, so it is recomputed and the fresh
+copy takes its place. Published objects are read-only (files 0444, directories 0555).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from irflow import data_contracts
+
+log = logging.getLogger("irflow")
 
 DEFAULT_STORE = "store"
 TABLE_FILE = "data.parquet"
@@ -40,6 +51,7 @@ class DatasetRef:
     kind: str  # "table" | "model" | "index"
     contract: str | None
     path: str
+    digest: str | None = field(default=None, compare=False)  # full sha256 of the files, when known
 
     @property
     def parquet(self) -> str:
@@ -48,7 +60,14 @@ class DatasetRef:
         return str(Path(self.path) / TABLE_FILE)
 
     def table(self, columns: list[str] | None = None) -> pa.Table:
-        return pq.read_table(self.parquet, columns=columns)
+        try:
+            return pq.read_table(self.parquet, columns=columns)
+        except (OSError, pa.ArrowException) as e:
+            # A raw "Unexpected end of stream" names no dataset; this names the one that is unreadable.
+            from irflow.errors import DataError
+
+            raise DataError(f"dataset {self.id} ({self.parquet}) cannot be read: {e}; "
+                            f"`irflow verify` checks the store") from e
 
     def __str__(self) -> str:
         return self.id
@@ -97,13 +116,75 @@ class Store:
         return self.root / "catalog.duckdb"
 
     def staging_dir(self) -> Path:
-        d = self.root / "tmp" / uuid.uuid4().hex
+        # The owner's pid is in the name: `irflow gc` and the next run reclaim dirs of dead processes.
+        d = self.root / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex}"
         d.mkdir(parents=True)
         return d
 
     def object_dir(self, dataset_id: str) -> Path:
         return self.root / "objects" / dataset_id
 
+    def holds(self, ref: DatasetRef) -> bool:
+        """Whether ``ref`` is an object of this store (not a source or a model found elsewhere)."""
+        p = Path(ref.path) if ref.path else None
+        return p is not None and p.parent == self.root / "objects" and p.name == ref.id
+
+    # ---- trust ---------------------------------------------------------------------------------
+    def check(self, ref: DatasetRef) -> str | None:
+        """None if the object's files still hash to its digest; else what is wrong, in words.
+        Objects outside this store (sources, local models) are keyed by their own fingerprint and
+        are not checked here."""
+        if not self.holds(ref):
+            return None
+        path = Path(ref.path)
+        if not path.is_dir():
+            return "missing"
+        expected = ref.digest or ref.id.rsplit("-", 1)[-1]
+        state = _dir_state(path)
+        if _VERIFIED.get(str(path)) == (state, expected):
+            return None
+        digest = fingerprint_dir(path)
+        if not digest.startswith(expected):
+            return f"damaged (its files hash to {digest[:16]}, not {expected[:16]})"
+        _VERIFIED[str(path)] = (state, expected)
+        return None
+
+    def set_aside(self, ref: DatasetRef) -> Path | None:
+        """Move a damaged object out of the way (to tmp/damaged-*), so it reads as missing."""
+        path = Path(ref.path)
+        if not path.exists():
+            return None
+        dest = self.root / "tmp" / f"damaged-{ref.id}-{uuid.uuid4().hex[:8]}"
+        make_writable(path)
+        os.rename(path, dest)
+        _VERIFIED.pop(str(path), None)
+        return dest
+
+    # ---- leftovers ------------------------------------------------------------------------------
+    def dead_staging(self) -> list[Path]:
+        """Staging dirs of processes that no longer exist (a killed run's half-written outputs)."""
+        from irflow.processes import owner_pid, pid_alive
+
+        out = []
+        for d in sorted((self.root / "tmp").iterdir()):
+            if d.name.startswith("damaged-"):
+                continue
+            pid = owner_pid(d.name)
+            if pid is None or not pid_alive(pid):
+                out.append(d)
+        return out
+
+    def reclaim(self) -> int:
+        """Remove `dead_staging` dirs; returns the bytes freed. Called when a run starts."""
+        freed = 0
+        for d in self.dead_staging():
+            freed += tree_size(d)
+            remove_tree(d)
+        if freed:
+            log.info("store: reclaimed %.1f MB of staging left by killed runs", freed / 1e6)
+        return freed
+
+    # ---- publishing ----------------------------------------------------------------------------
     def stage_table(self, contract: str, table_or_file: pa.Table | Path) -> tuple[Path, int]:
         """Validate a table against its contract and write it into a new staging dir.
         Returns (staging dir, num_rows); nothing is published yet (see `publish`).
@@ -143,13 +224,69 @@ class Store:
             raise
 
     def publish(self, name: str, kind: str, contract: str | None, staging: Path) -> DatasetRef:
-        """Move a validated staging dir to its content address (a rename: all or nothing)."""
+        """Move a validated staging dir to its content address (a rename: all or nothing) and make it
+        read-only. An intact copy already there is kept (same content); a damaged one is replaced."""
         digest = fingerprint_dir(staging)
         dataset_id = f"{name}-{digest[:16]}"
         final = self.object_dir(dataset_id)
-        if final.exists():
-            # Same content already published (content addressing): keep the existing copy.
+        ref = DatasetRef(dataset_id, name, kind, contract, str(final), digest)
+        if final.exists() and self.check(ref) is None:
             shutil.rmtree(staging, ignore_errors=True)
-        else:
+            return ref
+        if final.exists():
+            self.set_aside(ref)
+        make_read_only(staging)
+        try:
             os.rename(staging, final)  # atomic on one filesystem: readers never see half a dataset
-        return DatasetRef(dataset_id, name, kind, contract, str(final))
+        except OSError:
+            if not final.exists():
+                raise
+            shutil.rmtree(staging, ignore_errors=True)  # another process published it meanwhile
+        _VERIFIED[str(final)] = (_dir_state(final), digest)
+        return ref
+
+
+
+# path -> (state of its files when last verified, the digest they matched), for this process: an
+# object read by five stages of a run is hashed once, and hashed again if any file changes.
+_VERIFIED: dict[str, tuple[tuple, str]] = {}
+
+
+def _dir_state(path: Path) -> tuple:
+    out = []
+    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+        st = f.stat()
+        out.append((f.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def make_read_only(path: Path) -> None:
+    """Files 0444, directories 0555: a published object is not edited in place by accident."""
+    for p in Path(path).rglob("*"):
+        if not p.is_symlink():
+            p.chmod(0o555 if p.is_dir() else 0o444)
+    Path(path).chmod(0o555)
+
+
+def make_writable(path: Path) -> None:
+    """Undo `make_read_only` on a tree, so that it can be moved or removed."""
+    path = Path(path)
+    if not path.exists():
+        return
+    path.chmod(0o755)
+    for p in path.rglob("*"):
+        if p.is_dir() and not p.is_symlink():
+            p.chmod(0o755)
+
+
+def tree_size(path: Path) -> int:
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that also removes read-only objects."""
+    make_writable(path)
+    shutil.rmtree(path, ignore_errors=True)

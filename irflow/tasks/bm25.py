@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from pydantic import Field, PositiveInt
 
 from irflow.java import anserini_jar, java_binary, pyserini_searcher
 from irflow.params import Params
+from irflow.processes import die_with_parent
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
@@ -91,7 +93,8 @@ def bm25_index(p: BM25IndexParams, rt: StageRuntime, *, corpus: DatasetRef) -> P
     write_beir_jsonl(corpus.table(), collection_dir)
     cmd = index_command(collection_dir, index_dir, p.variant, rt.threads, rt.jvm_heap)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # SIGKILL when this stage's thread dies: a killed run leaves no indexer writing into tmp/
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=die_with_parent(signal.SIGKILL))
     if proc.returncode != 0 or not index_dir.exists():
         raise RuntimeError(f"Anserini indexing failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     log.info("bm25 %s index of %d docs in %.1fs", p.variant, corpus.table().num_rows, time.perf_counter() - t0)

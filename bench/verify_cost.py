@@ -1,0 +1,96 @@
+"""What do digest checks cost? The GPL demo cold, then fully cached, with the time spent in
+`Store.check` (re-hashing objects before they are reused or read) measured inside the run.
+
+    .venv/bin/python bench/verify_cost.py [--config configs/demo.yaml] [--store DIR] [--out JSON]
+
+With an existing --store holding a cold run of the config, the cold run is not repeated: its time is
+read from the catalog. Also times `irflow verify` (every object re-hashed) on the same store.
+The goal (issue 9): checks on a fully cached re-run cost <= 5% of the cold run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from irflow import api, maintenance, store as store_mod
+from irflow.catalog import Catalog
+
+
+def timed_checks():
+    """Wrap Store.check to add up its wall time (calls, seconds, bytes hashed)."""
+    stats = {"calls": 0, "seconds": 0.0, "hashed_bytes": 0}
+    real_check, real_fp = store_mod.Store.check, store_mod.fingerprint_dir
+
+    def check(self, ref):
+        t0 = time.perf_counter()
+        try:
+            return real_check(self, ref)
+        finally:
+            stats["calls"] += 1
+            stats["seconds"] += time.perf_counter() - t0
+
+    def fingerprint(path):
+        stats["hashed_bytes"] += store_mod.tree_size(path)
+        return real_fp(path)
+
+    store_mod.Store.check = check
+    store_mod.fingerprint_dir = fingerprint
+    return stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--store", help="a store with a cold run of the config already in it (else a fresh one)")
+    ap.add_argument("--out", default="bench/results/verify.json")
+    args = ap.parse_args()
+    root = args.store or tempfile.mkdtemp(prefix="irflow-verify-")
+    cat_path = Path(root) / "catalog.duckdb"
+    cold = None
+    if cat_path.exists():
+        with Catalog(cat_path).connect() as con:
+            row = con.execute("SELECT run_id, epoch(finished_at - started_at) FROM runs WHERE status = 'completed' "
+                              "AND run_id IN (SELECT run_id FROM stage_runs GROUP BY run_id HAVING "
+                              "bool_and(status = 'computed')) ORDER BY started_at LIMIT 1").fetchone()
+        if row:
+            cold = {"run_id": row[0], "seconds": round(row[1], 1), "from": "catalog"}
+    stats = timed_checks()
+    if cold is None:
+        t0 = time.perf_counter()
+        r = api.run(args.config, store=root)
+        cold = {"run_id": r.run_id, "seconds": round(time.perf_counter() - t0, 1), "from": "this script",
+                "check_seconds": round(stats["seconds"], 2), "check_calls": stats["calls"]}
+    runs = []
+    for _ in range(2):
+        stats.update(calls=0, seconds=0.0, hashed_bytes=0)
+        t0 = time.perf_counter()
+        r = api.run(args.config, store=root)
+        wall = time.perf_counter() - t0
+        assert not r.computed, f"not fully cached: {sorted(r.computed)}"
+        runs.append({"run_id": r.run_id, "wall_seconds": round(wall, 2), "stages": len(r.stages),
+                     "check_calls": stats["calls"], "check_seconds": round(stats["seconds"], 3),
+                     "hashed_mb": round(stats["hashed_bytes"] / 1e6, 1)})
+    rep = maintenance.verify(root)
+    result = {
+        "config": args.config, "store": root, "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "cold": cold, "cached_runs": runs,
+        "check_share_of_cold": round(runs[0]["check_seconds"] / cold["seconds"], 4),
+        "check_share_of_cached_run": round(runs[0]["check_seconds"] / runs[0]["wall_seconds"], 4),
+        "verify": {"objects": rep.checked, "mb": round(rep.bytes / 1e6, 1), "seconds": rep.seconds,
+                   "mb_per_s": round(rep.bytes / 1e6 / rep.seconds, 1) if rep.seconds else None, "ok": rep.ok},
+    }
+    print(json.dumps(result, indent=2))
+    print(f"\ndigest checks on a fully cached re-run: {runs[0]['check_seconds']:.2f} s for {runs[0]['hashed_mb']} MB "
+          f"({runs[0]['check_calls']} checks) = {100 * result['check_share_of_cold']:.2f}% of the cold run "
+          f"({cold['seconds']} s); the whole re-run took {runs[0]['wall_seconds']} s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

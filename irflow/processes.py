@@ -1,0 +1,131 @@
+"""Process hygiene: children that die with their parent, file locks, leftovers of dead processes.
+
+A run killed with ``kill -9`` gets no chance to clean up, so the cleaning is arranged beforehand or
+done by the next process:
+
+- children (Prefect's temporary API server, the Java indexer) are started with Linux's
+  parent-death signal (``prctl(PR_SET_PDEATHSIG)``): the kernel signals them when the thread that
+  started them dies, however it dies;
+- staging dirs are named ``tmp/<pid>-<uuid>``; a later run (or ``irflow gc``) removes those of
+  processes that no longer exist;
+- the run row of a dead process is marked ``interrupted`` by the next run (see Catalog.start_run);
+- locks are ``flock``s, which the kernel releases when their holder dies: a killed run never
+  leaves a lock behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger("irflow")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM  # exists, owned by someone else
+    # a zombie (dead, not yet reaped by its parent) is not alive
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it dies (Linux).
+    Elsewhere it does nothing (and children may outlive a killed run)."""
+
+    def preexec() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    return preexec
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, waiting: str | None = None):
+    """An exclusive ``flock`` on ``path`` (created if needed). If another process holds it, log
+    ``waiting`` once and block until it is released (or its holder dies)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                log.info(waiting)
+            t0 = time.monotonic()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if waiting:
+                log.info("%s: done waiting (%.1f s)", waiting.split(":")[0], time.monotonic() - t0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def locked_elsewhere(path: Path) -> bool:
+    """Whether some process holds the flock on ``path`` now."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def owner_pid(name: str) -> int | None:
+    """The pid in a staging dir's name (``<pid>-<uuid>``), if it has one."""
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def start_prefect_server(prefect_home: Path) -> None:
+    """Start Prefect's temporary API server for this process, if no PREFECT_API_URL is set.
+
+    Prefect would start it on first use anyway; we start it here so that (a) it dies with us (the
+    parent-death signal: a killed run leaves no uvicorn behind) and (b) two runs starting together
+    on one store do not race on the SQLite migrations of their shared Prefect database: starting is
+    serialised with a lock in PREFECT_HOME, and the second server finds the database migrated.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from prefect.server.api import server as prefect_server
+
+    srv = prefect_server.SubprocessASGIServer()
+    if srv.running:
+        return
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", die_with_parent(signal.SIGTERM))
+        return real_popen(*args, **kwargs)
+
+    with file_lock(Path(prefect_home) / "irflow-server-start.lock",
+                   waiting="prefect: waiting for another run's temporary Prefect server to start"):
+        prefect_server.subprocess.Popen = popen  # only for this call: Prefect's Popen of uvicorn
+        try:
+            srv.start()
+        finally:
+            prefect_server.subprocess.Popen = real_popen

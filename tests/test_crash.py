@@ -1,0 +1,174 @@
+"""kill -9 at several points of a real run (`irflow run` as a user starts it, with its own temporary
+Prefect server): during ingest, BM25 indexing (the Java indexer running), corpus encoding and student
+training. After each kill no process of the killed run survives; the next run marks the killed one
+interrupted, reclaims its staging and goes on; the run that finally completes publishes the same
+dataset ids and metrics as an uninterrupted run on another store (a Lucene index is the one output
+that is never byte-identical; the BM25 runs searched from it are)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from irflow.catalog import Catalog
+from irflow.testing import beir_slice, make_tiny_bi_encoder
+
+IRFLOW = [sys.executable, "-m", "irflow.cli"]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc's ppid links)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # its own temporary server
+    e.update(HF_HUB_OFFLINE="1", PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1")
+    return e
+
+
+def start(config: Path, store: Path) -> subprocess.Popen:
+    return subprocess.Popen([*IRFLOW, "run", str(config), "--store", str(store), "--json"], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=config.parent)
+
+
+def finish(config: Path, store: Path) -> dict:
+    p = start(config, store)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def kill_when(config: Path, store: Path, ready) -> tuple[list[str], dict[int, str]]:
+    """Start a run; SIGKILL it once ``ready(lines, pid)`` says so. Returns (stderr lines, the processes
+    that were below it at the moment of the kill)."""
+    p = start(config, store)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stderr.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not ready(lines, p.pid):
+        assert p.poll() is None, "the run ended before the kill point:\n" + "".join(lines[-30:])
+        assert time.monotonic() < deadline, "kill point never reached:\n" + "".join(lines[-30:])
+        time.sleep(0.05)
+    below = {c: cmdline(c) for c in descendants(p.pid)}
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    reader.join(timeout=10)
+    p.stdout.close()
+    p.stderr.close()
+    return lines, below
+
+
+def computing(stage: str, after: float = 0.0):
+    seen: dict[str, float] = {}
+
+    def ready(lines, pid):
+        if stage not in seen and any(f"{stage}: computing" in ln for ln in lines):
+            seen[stage] = time.monotonic()
+        return stage in seen and time.monotonic() - seen[stage] >= after
+
+    return ready
+
+
+def java_indexing(lines, pid) -> bool:
+    return any("IndexCollection" in cmdline(c) for c in descendants(pid))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shared_datasets):
+    root = tmp_path_factory.mktemp("crash")
+    data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=20, n_train_queries=150,
+                      n_extra_docs=2500, seed=1)
+    bi = make_tiny_bi_encoder(root / "bi", normalize=True)
+    cfg = {"flow": "gpl", "dataset": {"name": "slice", "source": str(data), "split": "test"},
+           "generate": {"source": "unlabelled", "split": "train"},
+           "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
+                    "depth": 20},
+           "teacher": {"type": "fusion", "method": "zscore", "weights": {"bm25": 0.5, "bi": 0.5}},
+           "label": {"negatives_per_positive": 2, "rank_range": [2, 20]},
+           "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 64,
+                     "warmup_steps": 1, "steps": 80, "checkpoint_every": 20, "qgen": {"steps": 2}},
+           "bm25": {"variants": ["flat"], "hits": 100}, "dense": {"batch_size": 64, "hits": 100},
+           "runtime": {"threads": 1}}
+    config = root / "gpl.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config, root
+
+
+def test_kill_9_at_four_points_then_the_same_results(setup):
+    config, root = setup
+    store = root / "store"
+    points = [("ingest", computing("ingest")),
+              ("bm25_index[flat]", java_indexing),
+              ("encode_corpus[miner-bi]", computing("encode_corpus[miner-bi]", after=1.0)),
+              ("train_student[gpl]", computing("train_student[gpl]", after=1.5))]
+    killed_runs = []
+    for stage, ready in points:
+        lines, below = kill_when(config, store, ready)
+        # nothing of the killed run survives: not its Prefect server, not the Java indexer
+        deadline = time.monotonic() + 15
+        while any(alive(c) for c in below) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = {c: cmdline(c) for c in below if alive(c)}
+        assert not survivors, f"killed during {stage}; still running: {survivors}"
+        if stage == "bm25_index[flat]":
+            assert any("IndexCollection" in c for c in below.values())  # the indexer was running, and is gone
+        assert any("uvicorn" in c for c in below.values())  # so was its temporary Prefect server
+        cat = Catalog(store / "catalog.duckdb")
+        with cat.connect() as con:
+            run_id, status = con.execute("SELECT run_id, status FROM runs ORDER BY started_at DESC LIMIT 1").fetchone()
+            done = {r[0] for r in con.execute("SELECT stage FROM stage_runs WHERE run_id = ?", [run_id]).fetchall()}
+        assert status == "running" and stage not in done, f"the kill did not land during {stage}: {sorted(done)}"
+        killed_runs.append(run_id)
+
+    resumed = finish(config, store)
+    with Catalog(store / "catalog.duckdb").connect() as con:
+        statuses = dict(con.execute("SELECT run_id, status FROM runs").fetchall())
+    assert [statuses[r] for r in killed_runs] == ["interrupted"] * 4
+    assert [p.name for p in (store / "tmp").iterdir()] == []  # killed runs' staging reclaimed
+
+    reference = finish(config, root / "reference")  # never interrupted
+    # Every stage's output is byte-identical, except Lucene's index files (each segment gets a random id,
+    # so an index is never byte-deterministic); the BM25 runs searched from them are identical.
+    ids = lambda r: {s["name"]: s["outputs"] for s in r["stages"] if not s["name"].startswith("bm25_index")}  # noqa: E731
+    assert ids(resumed) == ids(reference) and len(ids(resumed)) == 24
+    assert ids(resumed)["bm25_search[miner-bm25]"] == ids(reference)["bm25_search[miner-bm25]"]
+    assert resumed["metrics"] == reference["metrics"]
