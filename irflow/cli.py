@@ -292,7 +292,11 @@ class _QuietPrefect(logging.Filter):
         if isinstance(exc, (StageFailed, UserError)):
             return False
         # "Finished in state Failed('... StageFailed: ...')" comes at INFO or ERROR: the CLI says it once
-        if any(n in record.getMessage() for n in _USER_ERROR_NAMES):
+        msg = record.getMessage()
+        if any(n in msg for n in _USER_ERROR_NAMES):
+            return False
+        # Ctrl-C: the CLI says "interrupted" once; Prefect's crash records of every run say it again
+        if "aborted by an interrupt signal" in msg or msg.startswith("Stopping temporary server"):
             return False
         return True
 

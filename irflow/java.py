@@ -46,6 +46,11 @@ def setup_pyserini_env(heap: str | None = None) -> None:
 
     if heap and not jnius_config.vm_running and not any(o.startswith("-Xmx") for o in jnius_config.options):
         jnius_config.add_options(f"-Xmx{heap}")
+    if not jnius_config.vm_running and "-Xrs" not in jnius_config.options:
+        # The JVM lives in our process: without -Xrs it takes SIGINT/SIGTERM for itself and, on a
+        # Ctrl-C, exits the process from a JVM thread while Python is still running (seen as
+        # "malloc(): smallbin double linked list corrupted", SIGABRT). Python handles the signals.
+        jnius_config.add_options("-Xrs")
     if getattr(jnius_config, "_irflow_patched", False):
         return
     original_add_options = jnius_config.add_options

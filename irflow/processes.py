@@ -44,11 +44,14 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def die_with_parent(sig: int = signal.SIGTERM):
+def die_with_parent(sig: int = signal.SIGTERM, own_session: bool = False):
     """A ``preexec_fn``: the child gets ``sig`` when the thread that started it dies (Linux).
-    Elsewhere it does nothing (and children may outlive a killed run)."""
+    Elsewhere it does nothing (and children may outlive a killed run). ``own_session``: the child
+    does not get the terminal's Ctrl-C (its parent stops it when the parent is done)."""
 
     def preexec() -> None:
+        if own_session:
+            os.setsid()
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
@@ -119,7 +122,9 @@ def start_prefect_server(prefect_home: Path) -> None:
     real_popen = subprocess.Popen
 
     def popen(*args, **kwargs):
-        kwargs.setdefault("preexec_fn", die_with_parent(signal.SIGTERM))
+        # Its own session: a Ctrl-C meant for the run must not take the server down under it (the
+        # run would then hang retrying its API calls); the run stops it on the way out (atexit).
+        kwargs.setdefault("preexec_fn", die_with_parent(signal.SIGTERM, own_session=True))
         return real_popen(*args, **kwargs)
 
     with file_lock(Path(prefect_home) / "irflow-server-start.lock",

@@ -172,6 +172,9 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         evaluations = recipe.body(c, run)
         rows = report(run, evaluations)
         status = "completed"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     finally:
         run.catalog.finish_run(run.run_id, status, flow_run_id)
     stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"))

@@ -172,3 +172,33 @@ def test_kill_9_at_four_points_then_the_same_results(setup):
     assert ids(resumed) == ids(reference) and len(ids(resumed)) == 24
     assert ids(resumed)["bm25_search[miner-bm25]"] == ids(reference)["bm25_search[miner-bm25]"]
     assert resumed["metrics"] == reference["metrics"]
+
+
+def test_ctrl_c_is_one_line_and_leaves_nothing_running(setup):
+    """SIGINT to the run's process group (what a terminal's Ctrl-C does) while the JVM and torch are both
+    loaded in the process: one line, exit 130, the run row says interrupted, no child left."""
+    config, root = setup
+    store = root / "ctrl-c"
+    p = subprocess.Popen([*IRFLOW, "run", str(config), "--store", str(store)], env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=config.parent, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stderr.readline, "")), daemon=True)
+    reader.start()
+    ready = computing("encode_corpus[miner-bi]", after=0.5)  # after BM25 search: the JVM is in the process
+    deadline = time.monotonic() + 300
+    while not ready(lines, p.pid):
+        assert p.poll() is None and time.monotonic() < deadline, "".join(lines[-30:])
+        time.sleep(0.05)
+    below = {c: cmdline(c) for c in descendants(p.pid)}
+    n = len(lines)
+    os.killpg(p.pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 130
+    reader.join(timeout=10)
+    p.stdout.close()
+    p.stderr.close()
+    after = [ln for ln in lines[n:] if "%|" not in ln]  # progress bars redraw their line; not messages
+    assert after == ["irflow: error: interrupted\n"], after
+    time.sleep(1)
+    assert not [c for c in below if alive(c)]
+    with Catalog(store / "catalog.duckdb").connect() as con:
+        assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
