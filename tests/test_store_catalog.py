@@ -21,7 +21,7 @@ from irflow.errors import StageFailed
 from irflow.params import NoParams, Params
 from irflow.runtime import RuntimeConfig, StageRuntime
 from irflow.stage import Output, Run, Stage, stage
-from irflow.store import TABLE_FILE, DatasetRef, Store
+from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree
 from irflow.testing import beir_slice, ingest_folder
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
@@ -186,7 +186,7 @@ def test_stage_caching(ctx, docs):
     assert len(calls) == 4 and statuses(ctx)[-1] == "computed" and small.table().num_rows == 50
 
     # output deleted from the store -> recompute, and it is back
-    shutil.rmtree(out.path)
+    remove_tree(out.path)  # objects are read-only
     back = toy.run(ctx, p, docs=src)
     assert len(calls) == 5 and statuses(ctx)[-1] == "computed"
     assert back.id == out.id and Path(back.path, TABLE_FILE).exists()
@@ -399,7 +399,7 @@ def test_connect_with_views(ctx, chain):
 
 def test_views_skip_deleted_datasets(ctx, chain):
     beir, upper, head = chain
-    shutil.rmtree(upper.path)
+    remove_tree(upper.path)
     con = ctx.catalog.connect_with_views()
     try:
         views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
@@ -501,7 +501,7 @@ def test_a_moved_store_hits_its_cache_and_a_copy_reads_its_own_objects(tmp_path,
 
     copy = tmp_path / "copy"
     shutil.copytree(moved, copy, symlinks=True)
-    shutil.rmtree(moved)  # the original is gone: the copy must not need it
+    remove_tree(moved)  # the original is gone: the copy must not need it
     cat = Catalog(copy / "catalog.duckdb")
     info = cat.dataset(head.id)
     assert Path(info["path"]).parent == copy / "objects"
