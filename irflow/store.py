@@ -235,13 +235,16 @@ class Store:
             return ref
         if final.exists():
             self.set_aside(ref)
-        make_read_only(staging)
+        make_read_only(staging, top=False)
         try:
             os.rename(staging, final)  # atomic on one filesystem: readers never see half a dataset
         except OSError:
             if not final.exists():
                 raise
-            shutil.rmtree(staging, ignore_errors=True)  # another process published it meanwhile
+            remove_tree(staging)  # another process published it meanwhile
+        else:
+            # Last: Linux refuses (to a non-root user) to move a directory it cannot write to another parent.
+            final.chmod(0o555)
         _VERIFIED[str(final)] = (_dir_state(final), digest)
         return ref
 
@@ -260,12 +263,13 @@ def _dir_state(path: Path) -> tuple:
     return tuple(out)
 
 
-def make_read_only(path: Path) -> None:
+def make_read_only(path: Path, top: bool = True) -> None:
     """Files 0444, directories 0555: a published object is not edited in place by accident."""
     for p in Path(path).rglob("*"):
         if not p.is_symlink():
             p.chmod(0o555 if p.is_dir() else 0o444)
-    Path(path).chmod(0o555)
+    if top:
+        Path(path).chmod(0o555)
 
 
 def make_writable(path: Path) -> None:
