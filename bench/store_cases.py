@@ -124,9 +124,13 @@ def case_swap(cli, fx):
     from irflow.store import fingerprint_dir
     intact = fingerprint_dir(s / "objects" / bm25).startswith(bm25.rsplit("-", 1)[1])
     warned = "damaged" in again.get("stderr", "")
-    return (f"bm25-flat nDCG@10 {ndcg(cold, 'bm25-flat'):.4f} cold; after swapping in the dense run's file: "
-            f"{ndcg(again, 'bm25-flat'):.4f} ({'warned, recomputed' if warned else 'no warning'}); "
-            f"--from bm25_search: {ndcg(forced, 'bm25-flat'):.4f}, stored copy {'intact' if intact else 'still tampered'}")
+    def show(r):
+        v = ndcg(r, "bm25-flat")
+        return f"{v:.4f}" if v is not None else f"rc {r['rc']} {r.get('error', '')[:100]}"
+
+    return (f"bm25-flat nDCG@10 {show(cold)} cold; after swapping in the dense run's file: "
+            f"{show(again)} ({'warned, recomputed' if warned else 'no warning'}); "
+            f"--from bm25_search: {show(forced)}, stored copy {'intact' if intact else 'still tampered'}")
 
 
 def case_flip(cli, fx):
