@@ -180,3 +180,17 @@ def run_cli(*args) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
     return code, out.getvalue(), err.getvalue()
+
+
+def scifact_docs(n: int, zip_path: str | Path | None = None):
+    """The first ``n`` real SciFact documents as a corpus table (doc_id, title, text)."""
+    import pyarrow as pa
+
+    rows = []
+    with zipfile.ZipFile(zip_path or SHARED_DATASETS / "scifact.zip") as z, z.open("scifact/corpus.jsonl") as f:
+        for line in f:
+            d = json.loads(line)
+            rows.append((str(d["_id"]), d.get("title") or "", d["text"]))
+            if len(rows) == n:
+                break
+    return pa.table({"doc_id": [r[0] for r in rows], "title": [r[1] for r in rows], "text": [r[2] for r in rows]})

@@ -22,7 +22,7 @@ from irflow.params import NoParams, Params
 from irflow.runtime import RuntimeConfig, StageRuntime
 from irflow.stage import Output, Run, Stage, stage
 from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree
-from irflow.testing import beir_slice, ingest_folder
+from irflow.testing import beir_slice, ingest_folder, scifact_docs
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -30,14 +30,7 @@ SCIFACT = SHARED_DATASETS / "scifact.zip"
 @pytest.fixture(scope="module")
 def docs() -> pa.Table:
     """The first 300 real SciFact documents as a corpus table."""
-    rows = []
-    with zipfile.ZipFile(SCIFACT) as z, z.open("scifact/corpus.jsonl") as f:
-        for line in f:
-            d = json.loads(line)
-            rows.append((str(d["_id"]), d.get("title") or "", d["text"]))
-            if len(rows) == 300:
-                break
-    return pa.table({"doc_id": [r[0] for r in rows], "title": [r[1] for r in rows], "text": [r[2] for r in rows]})
+    return scifact_docs(300)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from irflow.params import Params
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, Run, stage
 from irflow.store import TABLE_FILE, DatasetRef, Store, make_writable
-from irflow.testing import SHARED_DATASETS, run_cli
+from irflow.testing import SHARED_DATASETS, run_cli, scifact_docs
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -54,14 +54,8 @@ def make_count(calls: list):
 
 @pytest.fixture(scope="module")
 def docs() -> pa.Table:
-    rows = []
-    with zipfile.ZipFile(SCIFACT) as z, z.open("scifact/corpus.jsonl") as f:
-        for line in f:
-            d = json.loads(line)
-            rows.append((str(d["_id"]), d.get("title") or "", d["text"]))
-            if len(rows) == 200:
-                break
-    return pa.table({"doc_id": [r[0] for r in rows], "title": [r[1] for r in rows], "text": [r[2] for r in rows]})
+    """The first 200 real SciFact documents as a corpus table."""
+    return scifact_docs(200)
 
 
 @pytest.fixture
