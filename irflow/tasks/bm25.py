@@ -102,8 +102,12 @@ def bm25_index(p: BM25IndexParams, rt: StageRuntime, *, corpus: DatasetRef) -> P
 
 
 def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: float, top_k: int,
-           fields: dict, remove_query: bool, threads: int, batch_size: int = 1000, heap: str = "2g") -> dict[str, list]:
-    """Pyserini's batch search in chunks (for a progress bar); returns run columns."""
+           fields: dict, remove_query: bool, threads: int, batch_size: int = 100, heap: str = "2g") -> dict[str, list]:
+    """Pyserini's batch search in chunks (for a progress bar); returns run columns.
+
+    Chunks of 100 queries: every hit Anserini returns carries its stored document, so the JVM's live
+    heap is ~queries x hits x document size. 1000 SciFact queries x 1000 hits needed 2.3 GB (stalled
+    in GC under the default -Xmx2g); 100 need 0.24 GB, at the same speed (bench/README.md, Memory)."""
     searcher = pyserini_searcher(index_dir, heap)
     searcher.set_bm25(k1, b)
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
