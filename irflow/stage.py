@@ -48,7 +48,7 @@ from irflow.errors import DataError, StageFailed
 from irflow.params import Params
 from irflow.processes import file_lock
 from irflow.runtime import RuntimeConfig, stage_runtime
-from irflow.store import DatasetRef, Store, remove_tree
+from irflow.store import DatasetRef, Store, remove_tree, tree_size
 
 log = logging.getLogger("irflow")
 
@@ -368,7 +368,7 @@ class Stage:
             published: dict[str, tuple[DatasetRef, int | None, int]] = {}
             for o in self.outputs:
                 staging, rows = staged[o.name]
-                size = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+                size = tree_size(staging)
                 ref = store.publish(_ds_name(self, o), o.kind, o.contract, staging)
                 published[o.name] = (ref, rows, size)
         finally:

@@ -130,10 +130,10 @@ class Store:
         return p is not None and p.parent == self.root / "objects" and p.name == ref.id
 
     # ---- trust ---------------------------------------------------------------------------------
-    def check(self, ref: DatasetRef) -> str | None:
+    def check(self, ref: DatasetRef, rehash: bool = False) -> str | None:
         """None if the object's files still hash to its digest; else what is wrong, in words.
         Objects outside this store (sources, local models) are keyed by their own fingerprint and
-        are not checked here."""
+        are not checked here. ``rehash``: ignore this process's earlier checks (`irflow verify`)."""
         if not self.holds(ref):
             return None
         path = Path(ref.path)
@@ -141,7 +141,7 @@ class Store:
             return "missing"
         expected = ref.digest or ref.id.rsplit("-", 1)[-1]
         state = _dir_state(path)
-        if _VERIFIED.get(str(path)) == (state, expected):
+        if not rehash and _VERIFIED.get(str(path)) == (state, expected):
             return None
         digest = fingerprint_dir(path)
         if not digest.startswith(expected):

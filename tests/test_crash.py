@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from irflow.catalog import Catalog
+from irflow.processes import pid_alive as alive
 from irflow.testing import beir_slice, make_tiny_bi_encoder
 
 IRFLOW = [sys.executable, "-m", "irflow.cli"]
@@ -43,12 +44,6 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def cmdline(pid: int) -> str:
