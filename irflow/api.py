@@ -57,9 +57,15 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
     """Fail fast, before any stage runs: every model the config names must be loadable here and every
     device it asks for must exist. Returns warnings (a precision that is slow on this hardware)."""
     from irflow.models import model_ref
+    from irflow.scoring import NotACrossEncoder, check_cross_encoder
 
     for where, name in model_fields(c):
         model_ref(name, store, where)  # raises ModelNotAvailable naming `where`
+    for where, name in c.required_cross_encoders():
+        try:
+            check_cross_encoder(model_ref(name, store, where).path)
+        except NotACrossEncoder as e:
+            raise NotACrossEncoder(f"{where}: {e}") from None
     try:
         runtime.check_devices(c.runtime)
     except ValueError as e:

@@ -101,3 +101,155 @@ class MultipleNegativesRankingLoss(nn.Module):
             raise ValueError("MultipleNegativesRankingLoss(model=None): use from_embeddings(q, p, n)")
         embs = [embed(self.model, f) for f in sentence_features]
         return self.from_embeddings(embs[0], embs[1], embs[2] if len(embs) > 2 else None)
+
+
+# ---- large effective batches: cross-batch negatives and GradCache --------------------------------
+class _GatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward returns to each process the *sum over processes* of the gradient
+    w.r.t. its own slice: every process's loss reads every process's passages, so each slice gets
+    the gradient of all of them (an all_reduce, which gloo supports, unlike reduce_scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        ctx.rank, ctx.world = dist.get_rank(), dist.get_world_size()
+        parts = [torch.empty_like(x) for _ in range(ctx.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad.chunk(ctx.world, dim=0)[ctx.rank]
+
+
+def gather_across_processes(x: Tensor) -> Tensor:
+    """The rows of ``x`` from every process, in rank order (x itself where no process group runs).
+    Gradients flow back to the process that computed each row (RocketQA's cross-batch negatives;
+    sentence-transformers' ``gather_across_devices=True``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    return _GatherWithGrad.apply(x)
+
+
+class CrossBatchInfoNCE(nn.Module):
+    """InfoNCE over every passage of every process: RocketQA's cross-batch negatives.
+
+    Qu et al. (NAACL 2021), "RocketQA: An Optimized Training Approach to Dense Passage Retrieval for
+    Open-Domain Question Answering", section 4.1. With ``W`` processes of ``B`` queries and ``B * (1 + n)``
+    passages each (a positive and ``n`` hard negatives per query), query ``i`` of process ``r`` scores all
+    ``W * B * (1 + n)`` gathered passages; its target is its own positive, at ``r * B + i``:
+
+        loss = -1/B sum_i log softmax_j(scale * sim(q_i, p_j))[r * B + i]
+
+    Each process's loss is the mean over its own queries; averaging gradients over processes (as DDP
+    does) then gives the gradient of the mean over all ``W * B`` queries: the same update as one process
+    with a batch of ``W * B``. With one process it is ``MultipleNegativesRankingLoss``.
+    """
+
+    def __init__(self, similarity: str = "cos", scale: float | None = None):
+        super().__init__()
+        self.similarity = _check_similarity(similarity)
+        self.scale = float(scale) if scale is not None else (20.0 if similarity == "cos" else 1.0)
+        self.last_candidates = 0  # passages each query was scored against at the last call
+
+    def from_embeddings(self, q: Tensor, p: Tensor, n: Tensor | None = None) -> Tensor:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        all_p = gather_across_processes(p.float())
+        candidates = all_p if n is None else torch.cat([all_p, gather_across_processes(n.float())], dim=0)
+        self.last_candidates = int(candidates.shape[0])
+        scores = similarity_matrix(q.float(), candidates, self.similarity) * self.scale
+        target = torch.arange(q.shape[0], device=scores.device) + rank * q.shape[0]
+        return F.cross_entropy(scores, target)
+
+
+class RandContext:
+    """Captures the RNG state (CPU and CUDA) now; ``with ctx:`` replays it. GradCache's second forward
+    must draw the same dropout masks as its first, or the cached gradients belong to other activations."""
+
+    def __init__(self):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def __enter__(self):
+        self._fork = torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if self.cuda else [])
+        self._fork.__enter__()
+        torch.set_rng_state(self.cpu)
+        if self.cuda:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+    def __exit__(self, *exc):
+        self._fork.__exit__(*exc)
+
+
+def grad_cache_step(embeds: list, groups: list[list], loss_of_reps, mini_batch: int) -> Tensor:
+    """One forward/backward of ``loss_of_reps([embed(g) for embed, g in zip(embeds, groups)])`` in
+    memory bounded by ``mini_batch`` texts, with the same gradients as the full computation.
+
+    Gao, Zhang, Han, Callan (2021), "Scaling Deep Contrastive Learning Batch Size under Memory Limited
+    Setup" (GradCache; sentence-transformers' ``CachedMultipleNegativesRankingLoss``):
+    1. embed every chunk of ``mini_batch`` texts without a graph, remembering the RNG state;
+    2. compute the loss on those embeddings (as leaves) and back-propagate to them only;
+    3. re-embed each chunk with a graph (same RNG state: same dropout) and back-propagate the cached
+       embedding gradients through it: ``(emb * grad).sum().backward()``.
+    Parameter gradients accumulate as if the whole batch had been one graph. Returns the loss, detached
+    (its backward has been done).
+    """
+    reps, states = [], []
+    with torch.no_grad():
+        for embed, g in zip(embeds, groups):
+            chunks, rs = [], []
+            for i in range(0, len(g), mini_batch):
+                rs.append(RandContext())
+                chunks.append(embed(g[i:i + mini_batch]))
+            reps.append(torch.cat(chunks, 0) if chunks else torch.empty(0))
+            states.append(rs)
+    leaves = [r.detach().requires_grad_() for r in reps]
+    loss = loss_of_reps(leaves)
+    loss.backward()
+    for embed, g, leaf, rs in zip(embeds, groups, leaves, states):
+        for k, i in enumerate(range(0, len(g), mini_batch)):
+            with rs[k]:
+                out = embed(g[i:i + mini_batch])
+            (out * leaf.grad[i:i + mini_batch].to(out.dtype)).sum().backward()
+    return loss.detach()
+
+
+class ListwiseDistillationLoss(nn.Module):
+    """KL divergence from a re-ranker's distribution over a query's candidate list to the retriever's.
+
+    Ren et al. (EMNLP 2021), "RocketQAv2: A Joint Training Method for Dense Passage Retrieval and
+    Passage Re-ranking", section 3.2 (dynamic listwise distillation). For query ``q`` with candidates
+    ``p_1..p_m`` (the positive first):
+
+        s_i = softmax_i(scale * sim(q, p_i))            (retriever)
+        t_i = softmax_i(teacher(q, p_i) / temperature)  (re-ranker)
+        loss = sum_i t_i * (log t_i - log s_i)          (mean over queries)
+
+    This is the variant with the re-ranker frozen (its scores are precomputed), which
+    sentence-transformers calls ``DistillKLDivLoss``; RocketQAv2 also updates the re-ranker with the
+    same KL plus its own listwise cross-entropy.
+    """
+
+    def __init__(self, similarity: str = "cos", scale: float | None = None, temperature: float = 1.0):
+        super().__init__()
+        self.similarity = _check_similarity(similarity)
+        self.scale = float(scale) if scale is not None else (20.0 if similarity == "cos" else 1.0)
+        self.temperature = float(temperature)
+
+    def from_embeddings(self, q: Tensor, candidates: Tensor, teacher_scores: Tensor) -> Tensor:
+        """q: (B, d); candidates: (B, m, d); teacher_scores: (B, m)."""
+        q, candidates = q.float(), candidates.float()
+        if self.similarity == "cos":
+            q, candidates = F.normalize(q, dim=-1), F.normalize(candidates, dim=-1)
+        student = torch.einsum("bd,bmd->bm", q, candidates) * self.scale
+        teacher = F.log_softmax(teacher_scores.float() / self.temperature, dim=-1)
+        return F.kl_div(F.log_softmax(student, dim=-1), teacher, log_target=True, reduction="batchmean")

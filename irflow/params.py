@@ -61,21 +61,36 @@ MODEL = _ModelMarker()
 ModelName = Annotated[str, Field(min_length=1), MODEL]
 
 
-def model_fields(obj: BaseModel, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(dotted path, value) of every ``ModelName`` field set in a config, at any depth."""
+class _CrossEncoderMarker:
+    """Marks a model field whose model must already be a cross-encoder (checked before any stage)."""
+
+    def __repr__(self) -> str:
+        return "CrossEncoderName"
+
+
+CROSS_ENCODER = _CrossEncoderMarker()
+
+#: A model named in a config that is used as a cross-encoder as it is (not trained from): a
+#: sentence-transformers bi-encoder or a plain encoder there is refused before any stage runs.
+CrossEncoderName = Annotated[str, Field(min_length=1), MODEL, CROSS_ENCODER]
+
+
+def model_fields(obj: BaseModel, prefix: str = "", marker=MODEL) -> Iterator[tuple[str, str]]:
+    """(dotted path, value) of every ``ModelName`` field set in a config, at any depth (with
+    ``marker=CROSS_ENCODER``: only those that must be cross-encoders)."""
     for name, info in type(obj).model_fields.items():
         value = getattr(obj, name)
         path = f"{prefix}{name}"
         if value is None:
             continue
-        if any(m is MODEL for m in info.metadata) and isinstance(value, str):
+        if any(m is marker for m in info.metadata) and isinstance(value, str):
             yield path, value
         elif isinstance(value, BaseModel):
-            yield from model_fields(value, path + ".")
+            yield from model_fields(value, path + ".", marker)
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 if isinstance(item, BaseModel):
-                    yield from model_fields(item, f"{path}.{i}.")
+                    yield from model_fields(item, f"{path}.{i}.", marker)
 
 
 def explain(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:

@@ -34,6 +34,8 @@ log = logging.getLogger("irflow")
 MODULES = {
     "baselines": "irflow.flows.baselines",
     "gpl": "irflow.flows.gpl",
+    "rocketqa": "irflow.flows.rocketqa",
+    "ance": "irflow.flows.ance",
 }
 _REGISTRY: dict[str, "Recipe"] = {}
 
@@ -43,6 +45,13 @@ class RecipeConfig(Params):
 
     flow: str = Field(description="which recipe this config is for")
     runtime: RuntimeConfig = Field(RuntimeConfig(), description="where and how stages run (never part of a key)")
+
+    def required_cross_encoders(self) -> list[tuple[str, str]]:
+        """(config key, model) of models that must already be cross-encoders: checked before any stage
+        runs (a bi-encoder or a plain encoder would load with a random head and score nonsense)."""
+        from irflow.params import CROSS_ENCODER, model_fields
+
+        return list(model_fields(self, marker=CROSS_ENCODER))
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""Cross-encoder scoring: one relevance logit per (query, passage) pair.
+"""Cross-encoder scoring: one relevance score per (query, passage) pair.
 
 Any Hugging Face sequence-classification checkpoint with one output logit (the layout of
-``cross-encoder/ms-marco-*``, or one made by the ``train_cross_encoder`` stage). Raw logits are
-returned, as GPL uses them for margins; ``sigmoid`` of them is the probability RocketQA thresholds.
+``cross-encoder/ms-marco-*``, or one made by the ``train_cross_encoder`` stage) or two labels
+(RocketQA's cross-encoders; the score is ``logit[1] - logit[0]``, so that its sigmoid is the softmax
+probability of label 1). Raw scores are returned, as GPL uses them for margins; ``sigmoid`` of them
+is the probability RocketQA thresholds.
 """
 
 from __future__ import annotations
@@ -13,17 +15,55 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from irflow.errors import UserError
+
+
+class NotACrossEncoder(UserError, ValueError):
+    """A model given as a cross-encoder is not one (a bi-encoder, a plain encoder, a 3-class head)."""
+
+
+def check_cross_encoder(path: str) -> None:
+    """Refuse what would silently load as a cross-encoder with a random head: a sentence-transformers
+    bi-encoder, a plain encoder checkpoint, or a head with other than 1 or 2 labels."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_dir():
+        return  # a hub id: checked when loaded
+    if (p / "modules.json").exists():
+        raise NotACrossEncoder(f"{path} is a sentence-transformers bi-encoder, not a cross-encoder (it has "
+                               "modules.json); give a sequence-classification checkpoint, or train one with "
+                               "train_cross_encoder")
+    cfg_file = p / "config.json"
+    if not cfg_file.exists():
+        raise NotACrossEncoder(f"{path}: no config.json (not a Hugging Face model)")
+    cfg = json.loads(cfg_file.read_text())
+    archs = cfg.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise NotACrossEncoder(f"{path}: architectures {archs} has no *ForSequenceClassification head; a "
+                               "plain encoder would be scored through a random head")
+    labels = len(cfg.get("id2label") or {"0": "LABEL_0"})
+    if labels not in (1, 2):
+        raise NotACrossEncoder(f"{path}: a cross-encoder has 1 logit or 2 labels; this head has {labels}")
+
 
 def load_cross_encoder(path: str, device: str = "cpu"):
-    """(tokenizer, model) of a 1-logit cross-encoder, on ``device``, in eval mode."""
+    """(tokenizer, model) of a 1-logit or 2-label cross-encoder, on ``device``, in eval mode."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    check_cross_encoder(path)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
-    if model.config.num_labels != 1:
-        raise ValueError(f"cross-encoder {path}: expected one output logit, the model has "
-                         f"{model.config.num_labels} labels")
+    if model.config.num_labels not in (1, 2):
+        raise NotACrossEncoder(f"cross-encoder {path}: expected one output logit or two labels, the model has "
+                               f"{model.config.num_labels} labels")
     return tok, model
+
+
+def relevance(logits):
+    """One score per row: the logit of a 1-logit head, ``l1 - l0`` of a 2-label head."""
+    return logits[:, 0] if logits.shape[1] == 1 else logits[:, 1] - logits[:, 0]
 
 
 def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, batch_size: int,
@@ -46,5 +86,5 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
             idx = order[start:start + batch_size]
             enc = tok([pairs[i][0] for i in idx], [pairs[i][1] for i in idx], padding=True,
                       truncation="longest_first", max_length=max_length, return_tensors="pt").to(device)
-            out[idx] = model(**enc).logits[:, 0].float().cpu().numpy()
+            out[idx] = relevance(model(**enc).logits.float()).cpu().numpy()
     return out

@@ -135,11 +135,18 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.01):
 
 
 def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: BatchPlan, p: LoopParams,
-               warmup_steps: int, rt, desc: str) -> list[dict]:
+               warmup_steps: int, rt, desc: str, *, after_backward: Callable[[], None] | None = None,
+               step_info: Callable[[], dict] | None = None, save_checkpoints: bool = True,
+               show_progress: bool = True) -> list[dict]:
     """Run ``plan.total_steps(p)`` optimizer steps of ``compute_loss(batch indices)`` on ``rt.device``
     under ``rt.autocast()``; checkpoint into and resume from ``rt.resume_dir``.
 
-    Returns the loss history [{step, loss, lr}] (including steps done before a crash).
+    A loss returned without a graph has already been back-propagated (GradCache does its own
+    backward). ``after_backward`` runs before clipping (multi-process training averages gradients
+    there); ``step_info`` adds fields to each history entry; ``save_checkpoints`` is off on all but
+    one process of a multi-process run.
+
+    Returns the loss history [{step, loss, lr, ...}] (including steps done before a crash).
     """
     import torch
     from transformers import get_linear_schedule_with_warmup
@@ -160,22 +167,27 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
         log.info("%s: resuming from step %d (checkpoint in %s)", desc, start, rt.resume_dir)
 
     model.to(device)
-    bar = tqdm(range(start, total), desc=desc, initial=start, total=total, unit=" step", mininterval=2)
+    bar = tqdm(range(start, total), desc=desc, initial=start, total=total, unit=" step", mininterval=2,
+               disable=not show_progress)
     for step in bar:
         model.train()
         with rt.autocast():
             loss = compute_loss(plan.at(step))
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
+        if after_backward is not None:
+            after_backward()
         if p.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         value = float(loss.detach())
-        history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0]})
+        history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0], **(step_info() if step_info else {})})
         bar.set_postfix(loss=f"{value:.4f}")
         done = step + 1
-        if ckpt_path is not None and p.checkpoint_every and done % p.checkpoint_every == 0 and done < total:
+        if (ckpt_path is not None and save_checkpoints and p.checkpoint_every and done % p.checkpoint_every == 0
+                and done < total):
             tmp = ckpt_path.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": done,

@@ -209,9 +209,55 @@ PSEUDO_LABELS = Contract(
     "already scaled to the student's similarity.",
 )
 
+def check_probability(column: str) -> Callable[[pa.Table], list[str]]:
+    def check(table: pa.Table) -> list[str]:
+        bad = _count(table, f"SELECT count(*) FROM t WHERE {column} < 0 OR {column} > 1 OR isnan({column})")
+        return [f"{bad} row(s) whose {column} is not a probability in [0, 1]"] if bad else []
+
+    return check
+
+
+TEACHER_SCORES = Contract(
+    "teacher_scores",
+    pa.schema(
+        [
+            ("query_id", pa.string()),
+            ("doc_id", pa.string()),
+            ("rank", pa.int32()),
+            ("score", pa.float32()),
+            ("prob", pa.float32()),
+            ("positive", pa.bool_()),
+        ]
+    ),
+    (check_not_null("query_id", "doc_id", "rank", "score", "prob", "positive"),
+     check_no_duplicate_pairs("query_id", "doc_id"), check_probability("prob")),
+    "A teacher's scores of a retriever's candidates: rank in the retriever's list (0: a judged positive "
+    "the retriever did not return), the raw score, its probability of relevance (calibrated), and whether "
+    "the pair is a judged positive.",
+)
+
+DENOISE_AUDIT = Contract(
+    "denoise_audit",
+    pa.schema(
+        [
+            ("query_id", pa.string()),
+            ("bucket", pa.string()),
+            ("candidates", pa.int32()),
+            ("known_positives", pa.int32()),
+            ("dropped", pa.int32()),
+            ("kept", pa.int32()),
+        ]
+    ),
+    (check_not_null("query_id", "bucket", "candidates", "known_positives", "dropped", "kept"),
+     check_no_duplicate_pairs("query_id", "bucket")),
+    "Per query and rank bucket of the denoised list: candidates, judged positives among them, candidates "
+    "dropped as likely false negatives (teacher probability >= the threshold, not judged), and negatives kept.",
+)
+
 CONTRACTS: dict[str, Contract] = {
     c.name: c
-    for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS, NEGATIVES, PSEUDO_LABELS)
+    for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS, NEGATIVES, PSEUDO_LABELS,
+              TEACHER_SCORES, DENOISE_AUDIT)
 }
 
 

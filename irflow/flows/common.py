@@ -143,3 +143,27 @@ def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, 
     p = c.to(EvaluateParams, dataset=data.name, split=data.split)
     return [evaluate(run, p, label=system, run=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
             for system, ref in runs.items()]
+
+
+# ---- supervised recipes: their training queries' lists ------------------------------------------
+def labelled_queries(run: Run, data: Dataset, split: str) -> DatasetRef:
+    """The queries judged in a labelled ``split`` (what RocketQA and ANCE train on)."""
+    return select_queries(run, SelectQueriesParams(split=split), label=split, queries=data.queries, qrels=data.qrels)
+
+
+def bm25_train_run(run: Run, c: BM25Config, data: Dataset, queries: DatasetRef, depth: int,
+                   label: str = "bm25-train") -> DatasetRef:
+    """BM25's top ``depth`` for training queries (system 'bm25': a fusion teacher's weight key; the
+    index is the first variant's, shared with the evaluated BM25 system)."""
+    variant = c.variants[0]
+    index = bm25_index(run, BM25IndexParams(variant=variant), label=variant, corpus=data.corpus)
+    return bm25_search(run, c.to(BM25SearchParams, variant=variant, system="bm25", hits=depth, remove_query=False),
+                       label=label, bm25_index=index, queries=queries)
+
+
+def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, queries: DatasetRef, depth: int,
+             label: str, system: str = "dense") -> DatasetRef:
+    """A dual encoder's top ``depth`` for training queries. Its corpus embeddings are the ones its test
+    evaluation uses (same model, same encoding settings: one encode_corpus)."""
+    return dense_run(run, c.to(type(c), hits=depth, remove_query=False), data.corpus, queries, model=model,
+                     system=system, label=label)

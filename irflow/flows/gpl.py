@@ -31,7 +31,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig, bm25_runs, dense_run,
                                  evaluate_runs, ingest, system_name)
-from irflow.params import ModelName, NoParams, Params
+from irflow.params import CrossEncoderName, ModelName, NoParams, Params
 from irflow.recipe import RecipeConfig, recipe
 from irflow.stage import Run
 from irflow.store import DatasetRef
@@ -81,7 +81,7 @@ class MineConfig(MineParams):
 
 
 class CrossEncoderTeacherConfig(CrossEncoderTeacher):
-    model: ModelName = Field("cross-encoder/ms-marco-MiniLM-L-6-v2", description="the cross-encoder")
+    model: CrossEncoderName = Field("cross-encoder/ms-marco-MiniLM-L-6-v2", description="the cross-encoder")
 
 
 TeacherConfig = Annotated[Union[CrossEncoderTeacherConfig, FusionTeacher], Field(discriminator="type")]

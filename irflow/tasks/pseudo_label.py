@@ -40,13 +40,12 @@ import pyarrow.compute as pc
 from pydantic import Field, PositiveInt, field_validator
 
 from irflow.errors import DataError
-from irflow.fusion import FusionSettings, fuse_runs
 from irflow.params import NoParams, Params
 from irflow.qrels import group, judged_positives, positives
 from irflow.runtime import StageRuntime
 from irflow.sampling import rng, sample
-from irflow.scoring import cross_encoder_scores
 from irflow.stage import Output, stage
+from irflow.teachers import CrossEncoderTeacher, FusionTeacher, Teacher, fusion_scores, teacher_scores  # noqa: F401
 from irflow.store import DatasetRef
 from irflow.text import doc_texts, query_texts
 
@@ -54,21 +53,6 @@ log = logging.getLogger("irflow.pseudo_label")
 
 
 # ---- params ---------------------------------------------------------------------------------------
-class CrossEncoderTeacher(Params):
-    type: Literal["cross_encoder"] = Field(description="a cross-encoder's raw logits (GPL)")
-    batch_size: PositiveInt = Field(32, description="pairs per scoring batch")
-    max_length: PositiveInt = Field(350, description="tokens of (query, passage) the cross-encoder reads")
-
-
-class FusionTeacher(FusionSettings):
-    type: Literal["fusion"] = Field(description="a training-free fusion of the miners' runs (offline)")
-    weights: dict[str, float] | None = Field(None, description="weight per run, by system (miner) name "
-                                                               "(null: equal)")
-
-
-Teacher = Annotated[Union[CrossEncoderTeacher, FusionTeacher], Field(discriminator="type")]
-
-
 class AutoScale(Params):
     similarity: Literal["cos", "dot"] = Field(description="the student's similarity")
     max_seq_length: PositiveInt | None = Field(None, description="the student's max tokens")
@@ -98,20 +82,6 @@ class PseudoLabelParams(LabelSettings):
     teacher: Teacher = Field(description="who labels: a cross-encoder or a fusion of runs")
     scale: AutoScale | float | None = Field(None, description="margin scale: auto-fitted to the student, a "
                                                               "factor, or null (teacher units)")
-
-
-# ---- fusion teacher -------------------------------------------------------------------------------
-def fusion_scores(runs: Sequence[pa.Table], teacher: FusionTeacher, pairs: list[tuple[str, str]]) -> np.ndarray:
-    """The fusion teacher's score of each (query, doc) pair."""
-    if not runs:
-        raise ValueError("pseudo_label: teacher.type fusion needs the teacher_runs input")
-    want = pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs]},
-                    schema=pa.schema([("query_id", pa.string()), ("doc_id", pa.string())]))
-    fused = fuse_runs(runs, method=teacher.method, weights=teacher.weights, rrf_k=teacher.rrf_k,
-                      depth=teacher.depth, pairs=want)
-    lookup = dict(zip(zip(fused.column("query_id").to_pylist(), fused.column("doc_id").to_pylist()),
-                      fused.column("score").to_pylist()))
-    return np.array([lookup[p] for p in pairs], dtype=np.float64)
 
 
 # ---- margin scale ---------------------------------------------------------------------------------
@@ -154,16 +124,8 @@ def student_margins(model_path: str, similarity: str, triples: Sequence[tuple[st
 def _teacher_scores(p: PseudoLabelParams, rt: StageRuntime, pairs: list[tuple[str, str]], qtext, dtext, runs,
                     teacher_model: DatasetRef | None) -> dict[tuple[str, str], float]:
     uniq = sorted(set(pairs))
-    if not uniq:
-        return {}
-    if isinstance(p.teacher, CrossEncoderTeacher):
-        if teacher_model is None:
-            raise ValueError("pseudo_label: teacher.type cross_encoder needs the teacher input (a model)")
-        scores = cross_encoder_scores(teacher_model.path, [(qtext[q], dtext[d]) for q, d in uniq],
-                                      batch_size=p.teacher.batch_size, max_length=p.teacher.max_length,
-                                      device=rt.device, autocast=rt.autocast)
-    else:
-        scores = fusion_scores(runs, p.teacher, uniq)
+    scores = teacher_scores(p.teacher, uniq, qtext, dtext, runs=runs, model=teacher_model, rt=rt,
+                            stage="pseudo_label")
     return dict(zip(uniq, (float(s) for s in scores)))
 
 

@@ -1,0 +1,125 @@
+"""Data augmentation with a teacher (RocketQA, Qu et al., NAACL 2021, section 4.3;
+``construct_unlabel_train_de.py``).
+
+Unlabelled queries (a split's query texts with their labels unused -- never the evaluated split --
+or generated queries) are retrieved by the dual encoder; the teacher reads each query's top
+``depth``:
+
+- the top passage by the teacher is a positive if its probability is above ``positive_threshold``
+  (RocketQA: 0.9); otherwise the query is dropped (the teacher is not sure any passage answers it);
+- negatives are passages whose probability is below ``negative_threshold`` (0.1), up to
+  ``negatives_per_query`` (4), sampled (seeded).
+
+Outputs: ``qrels`` (split ``augmented``, score 1: what M_D2 trains on beside the labelled pairs) and
+``negatives`` (miner ``augmented``). Probabilities as in ``denoise``: a cross-encoder's logit through
+a sigmoid, or (``platt``) a sigmoid fitted on a labelled set's scores (the ``calibration`` input: the
+``scores`` that ``denoise`` wrote, with their judged positives) -- unlabelled queries have nothing to
+fit on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field, PositiveInt, model_validator
+
+from irflow.errors import DataError
+from irflow.params import Params
+from irflow.runtime import StageRuntime
+from irflow.sampling import sample
+from irflow.stage import Output, stage
+from irflow.store import DatasetRef
+from irflow.teachers import Calibration, Teacher, fit_platt, probabilities, teacher_scores
+from irflow.text import doc_texts, query_texts
+
+log = logging.getLogger("irflow.augment")
+
+AUGMENTED_SPLIT = "augmented"
+
+
+class AugmentSettings(Params):
+    calibration: Calibration = Field(Calibration(), description="how teacher scores become probabilities (platt: "
+                                                                "fitted on the calibration input)")
+    depth: PositiveInt = Field(50, description="the teacher reads the dual encoder's top n per query")
+    positive_threshold: float = Field(0.9, ge=0.0, le=1.0, description="the teacher's top passage is a positive "
+                                                                       "if its probability is above this (else the "
+                                                                       "query is dropped)")
+    negative_threshold: float = Field(0.1, ge=0.0, le=1.0, description="passages below this probability are "
+                                                                       "negatives")
+    negatives_per_query: PositiveInt = Field(4, description="negatives kept per augmented query")
+    seed: int = Field(42, description="seed of the negatives' sampling")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.negative_threshold >= self.positive_threshold:
+            raise ValueError(f"negative_threshold ({self.negative_threshold}) must be below positive_threshold "
+                             f"({self.positive_threshold})")
+        return self
+
+
+class AugmentParams(AugmentSettings):
+    teacher: Teacher = Field(description="who labels: a cross-encoder or a fusion of runs")
+
+
+def augment_tables(p: AugmentSettings, pairs: list[tuple[str, str, int]], prob: np.ndarray) -> dict[str, pa.Table]:
+    by_q: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
+    for (q, d, r), pr in zip(pairs, prob):
+        by_q[q].append((float(pr), r, d))
+    qrels = {"query_id": [], "doc_id": []}
+    neg = {"query_id": [], "doc_id": [], "miner": [], "rank": []}
+    for q in sorted(by_q):
+        ranked = sorted(by_q[q], key=lambda x: (-x[0], x[1]))
+        best_p, _, best_d = ranked[0]
+        if best_p <= p.positive_threshold:
+            continue
+        qrels["query_id"].append(q), qrels["doc_id"].append(best_d)
+        pool = {d: r for pr, r, d in ranked[1:] if pr < p.negative_threshold and d != q}
+        for d in sample(list(pool), p.negatives_per_query, p.seed, q):
+            neg["query_id"].append(q), neg["doc_id"].append(d), neg["miner"].append(AUGMENTED_SPLIT)
+            neg["rank"].append(pool[d])
+    n = len(qrels["query_id"])
+    return {"qrels": pa.table({**qrels, "score": pa.array([1] * n, pa.int32()), "split": [AUGMENTED_SPLIT] * n}),
+            "negatives": pa.table({**neg, "rank": pa.array(neg["rank"], pa.int32())})}
+
+
+@stage("augment", version="1", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")], work="score")
+def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, run: DatasetRef, corpus: DatasetRef,
+            teacher: DatasetRef | None = None, teacher_runs: list[DatasetRef] | None = None,
+            calibration: DatasetRef | None = None):
+    """Teacher-labelled (query, positive) pairs and negatives for the unlabelled ``queries``, from
+    ``run`` (the dual encoder's list for them)."""
+    r = run.table(columns=["query_id", "doc_id", "rank"])
+    r = r.filter(pc.less_equal(r.column("rank"), p.depth))
+    triples = list(zip(*(r.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))))
+    qtext = query_texts(queries.table(), {t[0] for t in triples})
+    corpus_t = corpus.table()
+    known = set(corpus_t.column("doc_id").to_pylist())
+    triples = [t for t in triples if t[0] in qtext and t[1] in known]
+    if not triples:
+        raise DataError("augment: the run has no candidates for the unlabelled queries")
+    dtext = doc_texts(corpus_t, {t[1] for t in triples})
+    pairs = [(q, d) for q, d, _ in triples]
+    fitted = None
+    if p.calibration.method == "platt":
+        if calibration is None:
+            raise ValueError("augment: calibration platt needs the calibration input (a teacher_scores table of "
+                             "labelled queries, e.g. denoise's scores)")
+        c = calibration.table(columns=["score", "positive"])
+        fitted = fit_platt(c.column("score").to_numpy().astype(np.float64),
+                           np.array(c.column("positive").to_pylist(), dtype=np.float64))
+    log.info("augment: the %s teacher scores %d pairs (%d unlabelled queries x top %d)", p.teacher.type, len(pairs),
+             len(qtext), p.depth)
+    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],
+                         model=teacher, rt=rt, stage="augment")
+    prob, _ = probabilities(raw, p.calibration.method, fitted=fitted)
+    out = augment_tables(p, triples, prob)
+    kept = out["qrels"].num_rows
+    log.info("augment: %d of %d queries labelled (top passage p > %.2f), %d negatives", kept, len(qtext),
+             p.positive_threshold, out["negatives"].num_rows)
+    if kept == 0:
+        log.warning("augment: the teacher labelled no query (no top passage above %.2f)", p.positive_threshold)
+    return out

@@ -1,0 +1,206 @@
+"""Denoised hard negatives (RocketQA, Qu et al., NAACL 2021, section 4.2; ``construct_marco_train_de.py``).
+
+A retriever's top passages for a labelled query are the hardest negatives, and also where the
+unlabelled positives are (RocketQA found ~70% of MS MARCO's top-retrieved "negatives" relevant):
+training on them as negatives hurt (MRR@10 26.03 vs 33.32). So a teacher reads them first:
+
+1. the teacher scores the retriever's top ``depth`` of every query with positives in ``split``
+   (and the judged positives themselves, for calibration and listwise distillation);
+2. walking the ranks, a passage is kept as a negative if its probability is below
+   ``negative_threshold`` and it is not a judged positive, up to ``negatives_per_positive`` per
+   positive; a passage at or above the threshold is dropped as a likely false negative;
+3. queries short of negatives are filled with random passages from ranks ``fill_ranks`` of the
+   retriever's list (not judged positives).
+
+Thresholds are probabilities: a cross-encoder's logit through a sigmoid (``calibration.method:
+sigmoid``, what RocketQA does), or any teacher's score through a sigmoid fitted on the labelled
+candidates (``platt``: judged positives 1, others 0) -- which a fusion teacher (BM25 + dense, no
+training, works offline) needs.
+
+Outputs: ``negatives`` (miner ``denoised`` or ``fill``, the retriever rank), ``scores`` (every scored
+pair with its probability: what listwise distillation and augmentation's calibration read), ``audit``
+(per query and rank bucket: candidates, judged positives, dropped, kept), and ``histogram`` (PNG +
+JSON of the probabilities, judged positives apart).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+
+from irflow.errors import DataError
+from irflow.figures import probability_histogram
+from irflow.params import Params
+from irflow.qrels import judged_positives, positives
+from irflow.runtime import StageRuntime
+from irflow.sampling import sample
+from irflow.stage import Output, stage
+from irflow.store import DatasetRef
+from irflow.teachers import Calibration, Teacher, probabilities, teacher_scores
+from irflow.text import doc_texts, query_texts
+
+log = logging.getLogger("irflow.denoise")
+
+Probability = Field(ge=0.0, le=1.0)
+
+
+class DenoiseSettings(Params):
+    """What a denoising run keeps (the teacher is chosen by the recipe)."""
+
+    calibration: Calibration = Field(Calibration(), description="how teacher scores become probabilities")
+    depth: PositiveInt = Field(50, description="the teacher reads the retriever's top n per query (RocketQA: 50)")
+    negative_threshold: float = Field(0.1, ge=0.0, le=1.0, description="a candidate whose probability is below "
+                                                                       "this is a negative; at or above, it is "
+                                                                       "dropped as a likely false negative")
+    negatives_per_positive: PositiveInt = Field(4, description="negatives kept per judged positive of a query")
+    fill_ranks: tuple[PositiveInt, PositiveInt] | None = Field(
+        (51, 1000), description="fill a query short of negatives with random passages from these ranks of the "
+                                "retriever's list [lo, hi] (null: no fill)")
+    split: str = Field("train", min_length=1, description="the qrels split whose queries and positives are used")
+    buckets: tuple[PositiveInt, ...] = Field((5, 10, 20, 50), min_length=1, description="upper ranks of the audit's "
+                                                                                        "rank buckets")
+    seed: int = Field(42, description="seed of the fill's sampling")
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        if self.fill_ranks is not None and self.fill_ranks[0] > self.fill_ranks[1]:
+            raise ValueError(f"fill_ranks: [lo, hi] with lo <= hi, got {list(self.fill_ranks)}")
+        if list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"buckets: increasing upper ranks, got {list(self.buckets)}")
+        return self
+
+
+class DenoiseParams(DenoiseSettings):
+    teacher: Teacher = Field(description="who reads the candidates: a cross-encoder or a fusion of runs")
+
+
+def bucket_names(buckets: tuple[int, ...]) -> list[tuple[int, int, str]]:
+    out, lo = [], 1
+    for hi in buckets:
+        out.append((lo, hi, f"{lo}-{hi}"))
+        lo = hi + 1
+    return out
+
+
+def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) -> tuple[list, dict]:
+    """(query, doc, rank) to score: each query's top ``depth`` and its judged positives (their rank in
+    the run, 0 if the run does not have them); and query -> {doc: rank} of its whole list."""
+    ranks: dict[str, dict[str, int]] = defaultdict(dict)
+    for q, d, r in zip(*(run.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))):
+        if q in pos_by_q:
+            ranks[q][d] = r
+    out = []
+    for q in sorted(pos_by_q):
+        top = {d: r for d, r in ranks.get(q, {}).items() if r <= depth}
+        for d in pos_by_q[q]:
+            top.setdefault(d, ranks.get(q, {}).get(d, 0))
+        out += [(q, d, r) for d, r in sorted(top.items(), key=lambda x: (x[1] == 0, x[1], x[0]))]
+    return out, ranks
+
+
+def denoise_tables(p: DenoiseParams, triples: list[tuple[str, str, int]], prob: np.ndarray, score: np.ndarray,
+                   pos_by_q: dict[str, set[str]], judged: dict[str, set[str]], ranks: dict[str, dict[str, int]]
+                   ) -> dict[str, pa.Table]:
+    """The negatives, scores and audit tables from scored candidates (the stage without models)."""
+    by_q: dict[str, list[tuple[int, str, float]]] = defaultdict(list)
+    for (q, d, r), pr in zip(triples, prob):
+        by_q[q].append((r, d, float(pr)))
+    buckets = bucket_names(p.buckets)
+    neg = {"query_id": [], "doc_id": [], "miner": [], "rank": []}
+    audit = {k: [] for k in ("query_id", "bucket", "candidates", "known_positives", "dropped", "kept")}
+    short = 0
+    for q in sorted(pos_by_q):
+        quota = p.negatives_per_positive * len(pos_by_q[q])
+        kept: list[tuple[str, int]] = []
+        counts = {name: [0, 0, 0, 0] for _, _, name in buckets}
+        for r, d, pr in sorted(x for x in by_q.get(q, ()) if 0 < x[0] <= p.depth):
+            name = next((nm for lo, hi, nm in buckets if lo <= r <= hi), None)
+            c = counts[name] if name else [0, 0, 0, 0]
+            c[0] += 1
+            if d in judged.get(q, ()) or d == q:
+                c[1] += 1
+            elif pr >= p.negative_threshold:
+                c[2] += 1
+            elif len(kept) < quota:
+                c[3] += 1
+                kept.append((d, r))
+        for d, r in kept:
+            neg["query_id"].append(q), neg["doc_id"].append(d), neg["miner"].append("denoised"), neg["rank"].append(r)
+        if len(kept) < quota and p.fill_ranks is not None:
+            lo, hi = p.fill_ranks
+            taken = {d for d, _ in kept}
+            pool = [d for d, r in ranks.get(q, {}).items()
+                    if lo <= r <= hi and d not in judged.get(q, ()) and d != q and d not in taken]
+            for d in sample(pool, quota - len(kept), p.seed, "fill", q):
+                neg["query_id"].append(q), neg["doc_id"].append(d), neg["miner"].append("fill")
+                neg["rank"].append(ranks[q][d])
+                kept.append((d, ranks[q][d]))
+        short += len(kept) < quota
+        for _, _, name in buckets:
+            audit["query_id"].append(q), audit["bucket"].append(name)
+            for k, v in zip(("candidates", "known_positives", "dropped", "kept"), counts[name]):
+                audit[k].append(v)
+    if short:
+        log.warning("denoise: %d quer(ies) got fewer negatives than %d per positive (short lists)", short,
+                    p.negatives_per_positive)
+    scores = {"query_id": [t[0] for t in triples], "doc_id": [t[1] for t in triples],
+              "rank": pa.array([t[2] for t in triples], pa.int32()), "score": pa.array(score, pa.float32()),
+              "prob": pa.array(np.clip(prob, 0, 1), pa.float32()),
+              "positive": [t[1] in judged.get(t[0], ()) for t in triples]}
+    i32 = pa.int32()
+    return {"negatives": pa.table({**neg, "rank": pa.array(neg["rank"], i32)}),
+            "scores": pa.table(scores),
+            "audit": pa.table({**{k: audit[k] for k in ("query_id", "bucket")},
+                               **{k: pa.array(audit[k], i32) for k in ("candidates", "known_positives", "dropped",
+                                                                       "kept")}})}
+
+
+@stage("denoise", version="1",
+       outputs=[Output("negatives", "negatives"), Output("scores", "teacher_scores"), Output("audit", "denoise_audit"),
+                Output("histogram", kind="figure")], work="score")
+def denoise(p: DenoiseParams, rt: StageRuntime, *, run: DatasetRef, queries: DatasetRef, corpus: DatasetRef,
+            qrels: DatasetRef, teacher: DatasetRef | None = None, teacher_runs: list[DatasetRef] | None = None):
+    """Denoised hard negatives from ``run`` for the queries with positives in ``split``; the teacher is
+    a cross-encoder (``teacher``) or a fusion of ``teacher_runs``."""
+    qrels_t = qrels.table()
+    pos_by_q = positives(qrels_t, p.split)
+    if not pos_by_q:
+        raise DataError(f"denoise: no positive qrels in split '{p.split}'")
+    r = run.table(columns=["query_id", "doc_id", "rank"])
+    judged = judged_positives(qrels_t)
+    triples, ranks = candidate_pairs(r, pos_by_q, p.depth)
+    if not ranks:
+        raise DataError(f"denoise: the run has no list for any query of split '{p.split}'")
+    pos_by_q = {q: ds for q, ds in pos_by_q.items() if q in ranks}
+    triples = [t for t in triples if t[0] in pos_by_q]
+    corpus_t = corpus.table()
+    qtext = query_texts(queries.table(), set(pos_by_q))
+    known = set(corpus_t.column("doc_id").to_pylist())
+    triples = [t for t in triples if t[0] in qtext and t[1] in known]
+    dtext = doc_texts(corpus_t, {t[1] for t in triples})
+    pairs = [(q, d) for q, d, _ in triples]
+    log.info("denoise: the %s teacher scores %d pairs (%d queries, top %d + judged positives)", p.teacher.type,
+             len(pairs), len(pos_by_q), p.depth)
+    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],
+                         model=teacher, rt=rt, stage="denoise")
+    labels = np.array([d in judged.get(q, ()) for q, d in pairs], dtype=np.float64)
+    prob, (a, b) = probabilities(raw, p.calibration.method, labels)
+    out = denoise_tables(p, triples, prob, raw, pos_by_q, judged, ranks)
+    audit = out["audit"]
+    cand = pc.sum(audit.column("candidates")).as_py() or 0
+    dropped = pc.sum(audit.column("dropped")).as_py() or 0
+    log.info("denoise: %d of %d top-%d candidates dropped as likely false negatives (p >= %.2f; calibration %s, "
+             "a=%.4g b=%.4g); %d negatives", dropped, cand, p.depth, p.negative_threshold, p.calibration.method, a, b,
+             out["negatives"].num_rows)
+    fig_dir = Path(rt.workdir) / "histogram"
+    is_pos = labels > 0
+    probability_histogram(fig_dir, {"judged positives": prob[is_pos], "other candidates": prob[~is_pos]},
+                          {f"negative < {p.negative_threshold}": p.negative_threshold},
+                          f"denoise: {p.teacher.type} teacher on top-{p.depth} ({p.calibration.method})")
+    return {**out, "histogram": fig_dir}

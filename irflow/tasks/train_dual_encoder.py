@@ -1,0 +1,141 @@
+"""Train a dual encoder on labelled pairs: RocketQA's M_D0 / M_D1 / M_D2, DPR, ANCE's rounds.
+
+Examples are the positives (score > 0) of the ``splits`` of every ``qrels`` input (labelled pairs,
+and augmented ones). With ``negatives_per_query`` > 0 each example carries that many hard negatives,
+sampled (seeded, per query and positive) from the ``negatives`` inputs (BM25's or a retriever's
+top-k, denoised or not, random passages); a judged positive of the query is never one, and a query
+whose pool runs short is filled with random corpus passages (counted in a warning); without a
+``negatives`` input they are all random passages (DPR's random negatives). ``negative_lines`` > 1
+makes several lines per positive, each with its own negatives (RocketQA's training files: 4 lines of
+one negative per positive). No two lines in a batch share a query or a passage: in-batch negatives
+must be negatives.
+
+``loss: listwise_kl`` reads ``teacher_scores`` (query, doc, score: a re-ranker's scores, as the
+``denoise`` stage writes them): each example's list is its positive plus ``list_size - 1`` scored
+candidates that are not positives.
+
+The work is ``irflow.dual_encoder.train``: in this process, or in ``processes`` torchrun workers
+(cross-batch negatives). The result is a sentence-transformers model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+
+from irflow.dual_encoder import Job, TrainDualEncoderParams, run_distributed, train
+from irflow.errors import DataError
+from irflow.qrels import group, judged_positives, positive_pairs
+from irflow.runtime import StageRuntime
+from irflow.sampling import sample
+from irflow.stage import Output, stage
+from irflow.store import DatasetRef
+from irflow.text import doc_texts, query_texts
+
+log = logging.getLogger("irflow.train")
+
+__all__ = ["TrainDualEncoderParams", "train_dual_encoder", "training_examples"]
+
+
+def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_ids: list[str],
+                      negatives: list[pa.Table] = (), teacher_scores: pa.Table | None = None) -> dict:
+    """{q, p, n (lists of ids), cand, teacher}: the examples of the stage, as ids (no texts)."""
+    pairs = sorted({pair for t in qrels for split in p.splits for pair in positive_pairs(t, split)})
+    if not pairs:
+        raise DataError(f"no positive qrels in split(s) {', '.join(p.splits)}: nothing to train on")
+    judged: dict[str, set[str]] = defaultdict(set)
+    for t in qrels:
+        for q, ds in judged_positives(t).items():
+            judged[q] |= ds
+    ex: dict[str, list] = {"q": [q for q, _ in pairs], "p": [d for _, d in pairs], "n": [], "cand": [], "teacher": []}
+    if p.loss == "infonce" and p.negatives_per_query:
+        # Each (query, positive) becomes `negative_lines` lines with `negatives_per_query` negatives each,
+        # drawn without replacement from the query's pool; no negatives input: random passages (DPR).
+        pools: dict[str, set[str]] = defaultdict(set)
+        for t in negatives:
+            for q, ds in group(t).items():
+                pools[q] |= ds
+        per_line, lines = p.negatives_per_query, p.negative_lines
+        want, short = per_line * lines, 0
+        lines_q, lines_p = [], []
+        for q, pos in pairs:
+            pool = [d for d in pools.get(q, ()) if d not in judged[q] and d != q]
+            negs = sample(pool, want, p.seed, q, pos)
+            if len(negs) < want:
+                short += bool(negatives)
+                extra = [d for d in sample(corpus_ids, 2 * want + len(judged[q]) + 1, p.seed, "random", q, pos)
+                         if d not in judged[q] and d != q and d not in negs]
+                negs += extra[:want - len(negs)]
+            for k in range(lines):
+                lines_q.append(q), lines_p.append(pos)
+                ex["n"].append(negs[k * per_line:(k + 1) * per_line])
+        ex["q"], ex["p"] = lines_q, lines_p
+        if short:
+            log.warning("train_dual_encoder: %d of %d (query, positive) pair(s) had fewer than %d negatives in the "
+                        "pool; filled with random passages", short, len(pairs), want)
+        elif not negatives:
+            log.info("train_dual_encoder: %d random negative(s) per line (no negatives input)", per_line)
+    if p.loss == "listwise_kl":
+        if teacher_scores is None:
+            raise ValueError("train_dual_encoder: loss listwise_kl needs the teacher_scores input")
+        scored: dict[str, dict[str, float]] = defaultdict(dict)
+        for q, d, s in zip(*(teacher_scores.column(c).to_pylist() for c in ("query_id", "doc_id", "score"))):
+            scored[q][d] = s
+        keep, missing = [], 0
+        for i, (q, pos) in enumerate(pairs):
+            others = [d for d in scored.get(q, {}) if d not in judged[q] and d != q]
+            if pos not in scored.get(q, {}) or len(others) < p.list_size - 1:
+                missing += 1
+                continue
+            cand = [pos] + sample(others, p.list_size - 1, p.seed, q, pos)
+            keep.append(i)
+            ex["cand"].append(cand)
+            ex["teacher"].append([float(scored[q][d]) for d in cand])
+        if missing:
+            log.warning("train_dual_encoder: %d example(s) skipped: the teacher did not score the positive or "
+                        "fewer than %d other candidates", missing, p.list_size - 1)
+        ex["q"], ex["p"] = [ex["q"][i] for i in keep], [ex["p"][i] for i in keep]
+        if not keep:
+            raise DataError("listwise_kl: no query has its positive and enough candidates scored by the teacher")
+    return ex
+
+
+@stage("train_dual_encoder", version="1", outputs=Output("model", kind="model"), work="train", resumable=True)
+def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: list[DatasetRef],
+                       corpus: DatasetRef, base_model: DatasetRef, qrels: list[DatasetRef],
+                       negatives: list[DatasetRef] | None = None, teacher_scores: DatasetRef | None = None) -> Path:
+    """A dual encoder trained from ``base_model`` on the positives of ``qrels`` (+ ``negatives``, or a
+    re-ranker's ``teacher_scores`` for listwise_kl)."""
+    corpus_t = corpus.table()
+    ex = training_examples(p, [t.table() for t in qrels], corpus_t.column("doc_id").to_pylist(),
+                           [t.table() for t in negatives or []],
+                           teacher_scores.table() if teacher_scores is not None else None)
+    qtext: dict[str, str] = {}
+    for t in queries:
+        qtext.update(query_texts(t.table(), set(ex["q"])))
+    doc_ids = set(ex["p"]) | {d for ns in ex["n"] for d in ns} | {d for c in ex["cand"] for d in c}
+    dtext = doc_texts(corpus_t, doc_ids)
+    n = len(ex["q"])
+    keep = [i for i in range(n) if ex["q"][i] in qtext and ex["p"][i] in dtext]
+    if len(keep) < n:
+        log.warning("train_dual_encoder: %d example(s) refer to unknown queries/passages and are dropped", n - len(keep))
+    if not keep:
+        raise DataError("no training examples: the qrels name no query or passage of the inputs")
+    job = Job(model_path=base_model.path, out_dir=str(Path(rt.workdir) / "model"), params=p.model_dump(mode="json"),
+              queries=[qtext[ex["q"][i]] for i in keep], positives=[dtext[ex["p"][i]] for i in keep],
+              negatives=[[dtext[d] for d in ex["n"][i]] for i in keep] if ex["n"] else [],
+              candidates=[[dtext[d] for d in ex["cand"][i]] for i in keep] if ex["cand"] else [],
+              teacher=[ex["teacher"][i] for i in keep] if ex["teacher"] else [],
+              # no two lines of a batch share a query or a passage: in-batch negatives must be negatives
+              keys=[sorted({"q:" + ex["q"][i], "d:" + ex["p"][i], *("d:" + d for d in (ex["n"][i] if ex["n"] else []))})
+                    for i in keep],
+              device=rt.device, precision=rt.precision, threads=rt.threads,
+              resume_dir=str(rt.resume_dir) if rt.resume_dir else None)
+    if p.processes == 1:
+        train(job)
+    else:
+        run_distributed(job, p.processes, Path(rt.workdir), max(1, rt.threads // p.processes))
+    return Path(job.out_dir)

@@ -1,0 +1,130 @@
+"""Teachers: who scores (query, passage) pairs for the stages that label or filter training data.
+
+Two kinds, chosen by ``type`` (a discriminated union, so a config says which and carries only its
+own settings):
+
+- ``cross_encoder``: a Hugging Face sequence-classification checkpoint (``irflow.scoring``): one
+  logit (``cross-encoder/ms-marco-*``, or the ``train_cross_encoder`` stage's), or two labels
+  (RocketQA's ERNIE cross-encoders: the score is ``l1 - l0``, so that ``sigmoid(score)`` is the
+  softmax probability of "relevant").
+- ``fusion``: a training-free fusion of ranked runs (``irflow.fusion``, e.g. BM25 + a dense model):
+  what works offline.
+
+``teacher_scores`` gives raw scores (GPL keeps margins in those units). Stages that threshold
+scores as probabilities (RocketQA's denoising and augmentation: "negative if < 0.1", "positive if
+> 0.9") use ``Calibration``: ``sigmoid`` reads a cross-encoder's logit as its probability (what
+RocketQA does); ``platt`` fits ``sigmoid(a * score + b)`` on labelled pairs (Platt, 1999), which a
+fusion score needs -- a weighted sum of z-scores is not a probability.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Sequence, Union
+
+import numpy as np
+import pyarrow as pa
+from pydantic import Field, PositiveInt
+
+from irflow.fusion import FusionSettings, fuse_runs
+from irflow.params import Params
+
+
+class CrossEncoderTeacher(Params):
+    type: Literal["cross_encoder"] = Field(description="a cross-encoder's raw logits (GPL)")
+    batch_size: PositiveInt = Field(32, description="pairs per scoring batch")
+    max_length: PositiveInt = Field(350, description="tokens of (query, passage) the cross-encoder reads")
+
+
+class FusionTeacher(FusionSettings):
+    type: Literal["fusion"] = Field(description="a training-free fusion of the miners' runs (offline)")
+    weights: dict[str, float] | None = Field(None, description="weight per run, by system (miner) name "
+                                                               "(null: equal)")
+
+
+Teacher = Annotated[Union[CrossEncoderTeacher, FusionTeacher], Field(discriminator="type")]
+
+
+def fusion_scores(runs: Sequence[pa.Table], teacher: FusionTeacher, pairs: list[tuple[str, str]],
+                  stage: str = "pseudo_label") -> np.ndarray:
+    """The fusion teacher's score of each (query, doc) pair."""
+    if not runs:
+        raise ValueError(f"{stage}: teacher.type fusion needs the teacher_runs input")
+    want = pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs]},
+                    schema=pa.schema([("query_id", pa.string()), ("doc_id", pa.string())]))
+    fused = fuse_runs(runs, method=teacher.method, weights=teacher.weights, rrf_k=teacher.rrf_k,
+                      depth=teacher.depth, pairs=want)
+    lookup = dict(zip(zip(fused.column("query_id").to_pylist(), fused.column("doc_id").to_pylist()),
+                      fused.column("score").to_pylist()))
+    return np.array([lookup[p] for p in pairs], dtype=np.float64)
+
+
+def teacher_scores(teacher: CrossEncoderTeacher | FusionTeacher, pairs: list[tuple[str, str]], qtext: dict,
+                   dtext: dict, *, runs: Sequence[pa.Table] = (), model=None, rt=None,
+                   stage: str = "stage") -> np.ndarray:
+    """Raw teacher scores of (query id, doc id) pairs, in order. ``model``: the cross-encoder's ref;
+    ``runs``: the fusion teacher's runs; ``rt``: the stage runtime (device, precision)."""
+    from irflow.scoring import cross_encoder_scores
+
+    if not pairs:
+        return np.zeros(0)
+    if isinstance(teacher, CrossEncoderTeacher):
+        if model is None:
+            raise ValueError(f"{stage}: teacher.type cross_encoder needs the teacher input (a model)")
+        return cross_encoder_scores(model.path, [(qtext[q], dtext[d]) for q, d in pairs],
+                                    batch_size=teacher.batch_size, max_length=teacher.max_length,
+                                    device=rt.device if rt else "cpu", autocast=rt.autocast if rt else None
+                                    ).astype(np.float64)
+    return fusion_scores(list(runs), teacher, pairs, stage)
+
+
+# ---- probabilities --------------------------------------------------------------------------------
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(x, -60, 60)))
+
+
+def fit_platt(scores: np.ndarray, labels: np.ndarray, iterations: int = 50) -> tuple[float, float]:
+    """(a, b) maximising the likelihood of ``labels`` under ``sigmoid(a * score + b)`` (Newton's
+    method on the logistic loss, with Platt's smoothed targets so separable data stays finite)."""
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels, dtype=np.float64)
+    n_pos, n_neg = float(y.sum()), float(len(y) - y.sum())
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError(f"platt calibration needs positive and negative pairs (got {int(n_pos)} positive, "
+                         f"{int(n_neg)} negative)")
+    t = np.where(y > 0, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2))  # Platt (1999), section 2.2
+    a, b = 1.0, float(np.log((n_pos + 1) / (n_neg + 1)))
+    x = np.stack([s, np.ones_like(s)], 1)
+    for _ in range(iterations):
+        p = sigmoid(a * s + b)
+        grad = x.T @ (p - t)
+        w = p * (1 - p) + 1e-12
+        hess = (x * w[:, None]).T @ x + 1e-9 * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        a, b = a - step[0], b - step[1]
+        if np.abs(step).max() < 1e-10:
+            break
+    return float(a), float(b)
+
+
+class Calibration(Params):
+    """How teacher scores become probabilities, for thresholds that are probabilities."""
+
+    method: Literal["sigmoid", "platt"] = Field(
+        "sigmoid", description="sigmoid: the score is a logit (a cross-encoder's; RocketQA); platt: "
+                               "sigmoid(a * score + b) fitted on the labelled queries' candidates (their "
+                               "judged positives as 1, the rest as 0) -- needed for a fusion teacher")
+
+
+def probabilities(scores: np.ndarray, method: str, labels: np.ndarray | None = None,
+                  fitted: tuple[float, float] | None = None) -> tuple[np.ndarray, tuple[float, float]]:
+    """(probabilities, (a, b)) of raw teacher scores: ``sigmoid(a * score + b)``; (1, 0) for
+    ``sigmoid``; for ``platt``, (a, b) are ``fitted`` or fitted here on ``labels`` (1: judged positive)."""
+    if method == "sigmoid":
+        a, b = 1.0, 0.0
+    elif fitted is not None:
+        a, b = fitted
+    else:
+        if labels is None:
+            raise ValueError("platt calibration needs labelled pairs")
+        a, b = fit_platt(scores, labels)
+    return sigmoid(a * np.asarray(scores, dtype=np.float64) + b), (a, b)
