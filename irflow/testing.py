@@ -37,8 +37,9 @@ def _tiny_bert_config(tokenizer, **kw):
                       intermediate_size=64, max_position_embeddings=512, **kw)
 
 
-def make_tiny_bi_encoder(out_dir: str | Path, seed: int = 0, normalize: bool = False) -> Path:
-    """A 2-layer BERT + mean pooling, saved in sentence-transformers format."""
+def make_tiny_bi_encoder(out_dir: str | Path, seed: int = 0, normalize: bool = False, dropout: float = 0.1) -> Path:
+    """A 2-layer BERT + mean pooling, saved in sentence-transformers format (``dropout``: BERT's hidden
+    and attention dropout; 0 makes training steps exactly comparable across batch layouts)."""
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -52,7 +53,8 @@ def make_tiny_bi_encoder(out_dir: str | Path, seed: int = 0, normalize: bool = F
     torch.manual_seed(seed)
     tok = _bert_tokenizer()
     hf_dir = out_dir / "_hf"
-    BertModel(_tiny_bert_config(tok)).save_pretrained(hf_dir)
+    BertModel(_tiny_bert_config(tok, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+              ).save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
     word = models.Transformer(str(hf_dir), max_seq_length=128)
     dim = (getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension)()

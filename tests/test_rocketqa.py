@@ -1,0 +1,245 @@
+"""RocketQA and ANCE end to end through irflow.api, under Prefect, on a real SciFact slice with tiny
+local models; their data stages (denoise, augment) on real tables; and the refusals a user meets."""
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+import yaml
+
+from irflow import api
+from irflow.errors import ConfigError, UserError
+from irflow.models import ModelNotAvailable
+from irflow.qrels import judged_positives
+from irflow.scoring import NotACrossEncoder
+from irflow.tasks.augment import AugmentSettings, augment_tables
+from irflow.tasks.denoise import DenoiseParams, candidate_pairs, denoise_tables
+from irflow.teachers import FusionTeacher, fit_platt, sigmoid
+from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
+from irflow.testing import run_cli as cli
+
+TRAIN = {"batch_size": 8, "steps": 2, "query_max_length": 16, "passage_max_length": 48, "checkpoint_every": 0}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shared_datasets, prefect_harness):
+    root = tmp_path_factory.mktemp("rocketqa")
+    data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=6, n_train_queries=20,
+                      n_extra_docs=50, seed=11)
+    bi = make_tiny_bi_encoder(root / "bi", normalize=True)
+    ce = make_tiny_cross_encoder(root / "ce")
+    common = {"dataset": {"name": "slice", "source": str(data), "split": "test"}, "base_model": str(bi),
+              "bm25": {"variants": ["flat"], "hits": 100}, "dense": {"batch_size": 32, "hits": 100},
+              "runtime": {"threads": 1}}
+    rocketqa = {"flow": "rocketqa", **common, "dual_encoder": dict(TRAIN), "retrieve": {"depth": 60},
+                "cross_encoder": {"model": str(bi), "steps": 2, "batch_size": 8, "max_length": 64,
+                                  "negatives_depth": 30, "rerank": {"depth": 20, "batch_size": 16}},
+                "denoise": {"teachers": ["cross_encoder", "fusion"], "depth": 10, "fill_ranks": [11, 60]},
+                "augment": {"enabled": True, "queries": {"source": "ict"}, "limit": 15, "depth": 10,
+                            "positive_threshold": 0.5, "negative_threshold": 0.49},
+                "student": dict(TRAIN, negative_lines=2),
+                "ablations": {"bm25_negatives": True, "undenoised": True, "listwise": True, "list_size": 4}}
+    ance = {"flow": "ance", **common, "warmup": dict(TRAIN, bm25_depth=30), "rounds": 2,
+            "round": dict(TRAIN, depth=30, mined_per_query=5)}
+    paths = {}
+    for name, cfg in (("rocketqa", rocketqa), ("ance", ance)):
+        paths[name] = root / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(cfg))
+    return {"root": root, "data": data, "bi": bi, "ce": ce, "store": root / "store", **paths}
+
+
+def run(setup, flow, *sets):
+    return api.run(setup[flow], list(sets), store=setup["store"])
+
+
+def test_rocketqa_cold_run_every_system_then_fully_cached(setup):
+    result = run(setup, "rocketqa")
+    assert {m["system"] for m in result.metrics} == {
+        "bm25-flat", "dense-bi", "md0", "md0-bm25neg", "md1-ce", "md1-fusion", "md0-hardneg", "md1-listwise", "md2",
+        "mc-rerank"}
+    names = {s.name for s in result.stages}
+    for stage in ("train_dual_encoder[md0]", "dense_search[md0-train]", "train_cross_encoder", "denoise[ce]",
+                  "denoise[fusion]", "augment", "train_dual_encoder[md2]", "rerank[mc]"):
+        assert stage in names
+    # M_D0's corpus embeddings are computed once: its train-query retrieval and its test run share them.
+    enc = [s for s in result.stages if s.name in ("encode_corpus[md0-train]", "encode_corpus[md0]")]
+    assert len({s.dataset_id for s in enc}) == 1 and sorted(s.status for s in enc) == ["cached", "computed"]
+    assert run(setup, "rocketqa").computed == set()
+
+
+def test_denoise_threshold_recomputes_denoise_onward_only(setup):
+    first = run(setup, "rocketqa")
+    changed = run(setup, "rocketqa", "denoise.negative_threshold=0.95").computed
+    downstream = {"denoise[ce]", "denoise[fusion]", "augment", "encode_corpus[md1-augment]", "dense_search[md1-augment]"}
+    for name in ("md1-ce", "md1-fusion", "md2"):
+        downstream |= {f"train_dual_encoder[{name}]", f"encode_corpus[{name}]", f"dense_search[{name}]",
+                       f"evaluate[{name}]"}
+    assert {"denoise[ce]", "denoise[fusion]"} <= changed <= downstream
+    # What a denoiser's output is identical for is not recomputed either (content ids): everything else
+    # of the first run is reused.
+    assert {s.name for s in first.stages} - downstream <= run(setup, "rocketqa", "denoise.negative_threshold=0.95").cached
+
+
+def test_cross_encoder_lr_recomputes_from_m_c_onward(setup):
+    run(setup, "rocketqa")
+    changed = run(setup, "rocketqa", "cross_encoder.lr=5.0e-5").computed
+    m_c_onward = {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "denoise[ce]", "augment",
+                  "train_dual_encoder[md1-listwise]", "encode_corpus[md1-augment]", "dense_search[md1-augment]"}
+    for name in ("md1-ce", "md2", "md1-listwise"):
+        m_c_onward |= {f"train_dual_encoder[{name}]", f"encode_corpus[{name}]", f"dense_search[{name}]",
+                       f"evaluate[{name}]"}
+    # (a student whose denoised data came out identical is reused: ids are content fingerprints)
+    assert {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "denoise[ce]"} <= changed <= m_c_onward
+    # M_D0, its retrieval, BM25, the fusion denoiser and what it alone feeds are reused.
+    assert not changed & {"train_dual_encoder[md0]", "dense_search[md0-train]", "bm25_search[bm25-train]",
+                          "denoise[fusion]", "train_dual_encoder[md1-fusion]", "train_dual_encoder[md0-hardneg]",
+                          "evaluate[bm25-flat]", "evaluate[md0]"}
+
+
+def test_denoise_outputs_are_consistent(setup):
+    import pyarrow.parquet as pq
+
+    from irflow.store import TABLE_FILE, Store
+
+    result = run(setup, "rocketqa")
+    store = Store(setup["store"])
+
+    def table(stage, output):
+        return pq.read_table(store.object_dir(result.stage(stage).outputs[output]) / TABLE_FILE)
+
+    neg, audit, scores = (table("denoise[ce]", o) for o in ("negatives", "audit", "scores"))
+    png = store.object_dir(result.stage("denoise[ce]").outputs["histogram"]) / "histogram.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    judged = judged_positives(table("ingest", "qrels"))
+    assert neg.num_rows > 0
+    for q, d in zip(neg.column("query_id").to_pylist(), neg.column("doc_id").to_pylist()):
+        assert d not in judged.get(q, set())
+    probs = scores.column("prob").to_numpy()
+    assert ((probs >= 0) & (probs <= 1)).all()
+    # Every judged positive of a train query was scored too (calibration, listwise distillation).
+    scored_pos = {(q, d) for q, d, pos in zip(*(scores.column(c).to_pylist() for c in ("query_id", "doc_id",
+                                                                                      "positive"))) if pos}
+    assert scored_pos and all(d in judged[q] for q, d in scored_pos)
+    # The audit's kept negatives are the denoised (not filled) rows of the negatives table.
+    denoised = pc.sum(pc.equal(neg.column("miner"), "denoised")).as_py()
+    assert pc.sum(audit.column("kept")).as_py() == denoised
+    assert set(audit.column("bucket").to_pylist()) == {"1-5", "6-10", "11-20", "21-50"}
+
+
+def test_ance_adding_a_round_computes_that_round_and_its_evaluation_only(setup):
+    first = run(setup, "ance")
+    assert {m["system"] for m in first.metrics} == {"bm25-flat", "dense-bi", "ance-warmup", "ance-round1",
+                                                   "ance-round2"}
+    changed = run(setup, "ance", "rounds=3").computed
+    assert changed == {"dense_search[ance-r3-train]", "mine_negatives[ance-r3]", "train_dual_encoder[ance-round3]",
+                       "encode_corpus[ance-round3]", "dense_search[ance-round3]", "evaluate[ance-round3]"}
+    # Round 3 retrieved with round 2's model: the encode of its train queries is round 2's evaluation encode.
+    second = run(setup, "ance", "rounds=3")
+    stage = {s.name: s for s in second.stages}
+    assert stage["encode_corpus[ance-r3-train]"].dataset_id == stage["encode_corpus[ance-round2]"].dataset_id
+
+
+# ---- data stages on real tables ---------------------------------------------------------------------
+def test_denoise_walks_ranks_with_quota_threshold_and_fill():
+    p = DenoiseParams(teacher=FusionTeacher(type="fusion"), depth=6, negative_threshold=0.1,
+                      negatives_per_positive=2, fill_ranks=(7, 20), buckets=(3, 6))
+    import pyarrow as pa
+
+    docs = [f"d{i}" for i in range(1, 21)]
+    run = pa.table({"query_id": ["q"] * 20, "doc_id": docs, "rank": pa.array(range(1, 21), pa.int32())})
+    pos = {"q": {"d2"}}
+    triples, ranks = candidate_pairs(run, pos, 6)
+    assert [t[1] for t in triples] == ["d1", "d2", "d3", "d4", "d5", "d6"]
+    prob = {"d1": 0.95, "d2": 0.9, "d3": 0.05, "d4": 0.5, "d5": 0.01, "d6": 0.02}
+    out = denoise_tables(p, triples, np.array([prob[t[1]] for t in triples]), np.zeros(6), pos, pos, ranks)
+    neg = out["negatives"].to_pylist()
+    # quota 2 (1 positive x 2): d3 and d5 (p < 0.1, in rank order); d1 and d4 dropped; d6 over the quota.
+    assert [(r["doc_id"], r["miner"], r["rank"]) for r in neg] == [("d3", "denoised", 3), ("d5", "denoised", 5)]
+    audit = {r["bucket"]: r for r in out["audit"].to_pylist()}
+    assert (audit["1-3"]["candidates"], audit["1-3"]["known_positives"], audit["1-3"]["dropped"],
+            audit["1-3"]["kept"]) == (3, 1, 1, 1)
+    assert (audit["4-6"]["dropped"], audit["4-6"]["kept"]) == (1, 1)
+    # A stricter threshold keeps fewer: the query is filled from ranks 7-20, never a positive.
+    strict = p.model_copy(update={"negative_threshold": 0.015})
+    out = denoise_tables(strict, triples, np.array([prob[t[1]] for t in triples]), np.zeros(6), pos, pos, ranks)
+    rows = out["negatives"].to_pylist()
+    assert [r["doc_id"] for r in rows if r["miner"] == "denoised"] == ["d5"]
+    fill = [r for r in rows if r["miner"] == "fill"]
+    assert len(fill) == 1 and 7 <= fill[0]["rank"] <= 20
+
+
+def test_augment_keeps_confident_queries_only():
+    s = AugmentSettings(positive_threshold=0.9, negative_threshold=0.1, negatives_per_query=2)
+    pairs = [("a", "x", 1), ("a", "y", 2), ("a", "z", 3), ("a", "w", 4), ("b", "x", 1), ("b", "y", 2)]
+    prob = np.array([0.95, 0.05, 0.5, 0.02, 0.6, 0.01])
+    out = augment_tables(s, pairs, prob)
+    assert out["qrels"].to_pylist() == [{"query_id": "a", "doc_id": "x", "score": 1, "split": "augmented"}]
+    assert sorted(out["negatives"].column("doc_id").to_pylist()) == ["w", "y"]  # z (0.5) is not a negative
+
+
+def test_platt_recovers_a_known_calibration():
+    rng = np.random.default_rng(0)
+    s = rng.normal(0, 2, 20000)
+    y = (rng.random(20000) < sigmoid(1.7 * s - 0.8)).astype(float)
+    a, b = fit_platt(s, y)
+    assert a == pytest.approx(1.7, abs=0.1) and b == pytest.approx(-0.8, abs=0.1)
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+def _cfg(setup, flow="rocketqa", **update):
+    cfg = yaml.safe_load(Path(setup[flow]).read_text())
+    for k, v in update.items():
+        cfg[k] = v
+    return cfg
+
+
+def test_test_split_as_training_or_unlabelled_source_is_refused(setup, tmp_path):
+    store = tmp_path / "store"
+    with pytest.raises(ConfigError, match="train_split: 'test' is the evaluated split"):
+        api.run(_cfg(setup, train_split="test"), store=store)
+    with pytest.raises(ConfigError, match="train_split: 'test' is the evaluated split"):
+        api.run(_cfg(setup, "ance", train_split="test"), store=store)
+    aug = dict(_cfg(setup)["augment"], queries={"source": "unlabelled", "split": "test"})
+    with pytest.raises(ConfigError, match="test queries must not be used for training"):
+        api.run(_cfg(setup, augment=aug), store=store)
+    aug = dict(_cfg(setup)["augment"], queries={"source": "unlabelled", "split": "train"})
+    with pytest.raises(ConfigError, match="augment.queries.split: 'train' is the labelled split"):
+        api.run(_cfg(setup, augment=aug), store=store)
+    assert not store.exists()  # refused before anything was created
+
+
+def test_thresholds_outside_unit_interval_and_missing_train_split(setup, tmp_path, shared_datasets):
+    code, out, err = cli("run", setup["rocketqa"], "--store", tmp_path / "s", "--set", "denoise.negative_threshold=1.5",
+                         "--set", "augment.positive_threshold=-0.1")
+    assert code == 2 and "denoise.negative_threshold" in err and "augment.positive_threshold" in err
+    assert "less than or equal to 1" in err and "Traceback" not in err
+    no_train = beir_slice(shared_datasets / "scifact.zip", tmp_path / "no-train", n_test_queries=4, n_extra_docs=10)
+    code, out, err = cli("run", setup["rocketqa"], "--store", tmp_path / "s", "--set", f"dataset.source={no_train}")
+    assert code == 2 and "train_split: 'train' is not a split of" in err and "(its qrels: test)" in err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_bi_encoder_given_as_the_cross_encoder_is_refused(setup, tmp_path):
+    code, out, err = cli("run", setup["rocketqa"], "--store", tmp_path / "s", "--set", "cross_encoder.train=false",
+                         "--set", f"cross_encoder.model={setup['bi']}")
+    assert code == 2
+    assert "cross_encoder.model" in err and "bi-encoder, not a cross-encoder" in err and "Traceback" not in err
+    # A real (tiny) cross-encoder is accepted as M_C without training.
+    c = api.load_config(setup["rocketqa"], ["cross_encoder.train=false", f"cross_encoder.model={setup['ce']}"])
+    api.preflight(c, str(tmp_path / "s2"))
+    with pytest.raises(NotACrossEncoder, match="ForSequenceClassification"):
+        from irflow.scoring import check_cross_encoder
+
+        hf = tmp_path / "plain"
+        hf.mkdir()
+        (hf / "config.json").write_text('{"architectures": ["BertModel"]}')
+        check_cross_encoder(str(hf))
+
+
+def test_hub_configs_fail_fast_offline_naming_the_model(tmp_path):
+    for config in ("configs/rocketqa_scifact.yaml", "configs/ance_scifact.yaml"):
+        code, out, err = cli("run", config, "--store", tmp_path / "s")
+        assert code == 2, err
+        assert "base_model" in err and "Traceback" not in err
+        assert not (tmp_path / "s").exists()
