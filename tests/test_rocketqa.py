@@ -9,8 +9,7 @@ import pytest
 import yaml
 
 from irflow import api
-from irflow.errors import ConfigError, UserError
-from irflow.models import ModelNotAvailable
+from irflow.errors import ConfigError
 from irflow.qrels import judged_positives
 from irflow.scoring import NotACrossEncoder
 from irflow.tasks.augment import AugmentSettings, augment_tables

@@ -20,12 +20,10 @@ from typing import Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (BM25Config, DatasetConfig, DenseConfig, bm25_runs, bm25_train_run, dense_run,
-                                 evaluate_runs, ingest, labelled_queries, retrieve, system_name)
-from irflow.params import ModelName
-from irflow.recipe import RecipeConfig, recipe
+from irflow.flows.common import (SupervisedConfig, bm25_train_run, evaluate_runs, ingest, labelled_queries,
+                                 raw_section, retrieve, test_runs)
+from irflow.recipe import recipe
 from irflow.stage import Run
-from irflow.tasks.evaluate import EvaluationParams
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.train_dual_encoder import train_dual_encoder
 
@@ -43,20 +41,12 @@ class RoundConfig(TrainDualEncoderParams):
                                                                       "(Tevatron's cheap reproduction)")
 
 
-class ANCEConfig(RecipeConfig):
+class ANCEConfig(SupervisedConfig):
     flow: Literal["ance"] = Field(description="this recipe: ance")
-    dataset: DatasetConfig = Field(description="the BEIR dataset and the split to evaluate")
-    train_split: str = Field("train", min_length=1, description="the labelled split trained on (never the "
-                                                                "evaluated one)")
-    base_model: ModelName = Field("all-MiniLM-L6-v2", description="the dual encoder's starting point")
     warmup: WarmupConfig = Field(WarmupConfig(negatives_per_query=1), description="round 0: BM25 negatives")
     rounds: NonNegativeInt = Field(2, description="index refreshes after the warm-up")
     round: RoundConfig = Field(RoundConfig(negatives_per_query=1), description="each refresh's retrieval, mining "
                                                                                "and training")
-    bm25: BM25Config = Field(BM25Config(), description="BM25 systems (and the warm-up's negatives)")
-    dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search (similarity "
-                                                          "follows warmup.similarity)")
-    evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
 
     @model_validator(mode="before")
     @classmethod
@@ -66,30 +56,18 @@ class ANCEConfig(RecipeConfig):
         data = dict(data)
         split = data.get("train_split", "train")
         for key in ("warmup", "round"):
-            section = data.get(key) if isinstance(data.get(key), dict) else ({} if data.get(key) is None else None)
+            section = raw_section(data, key)
             if section is not None:
-                section = dict(section)
                 section.setdefault("splits", [split])
                 section.setdefault("negatives_per_query", 1)
-                data[key] = section
-        warm = data.get("warmup") if isinstance(data.get("warmup"), dict) else {}
-        dense = data.get("dense") if isinstance(data.get("dense"), dict) else ({} if data.get("dense") is None else None)
+        warm, dense = raw_section(data, "warmup") or {}, raw_section(data, "dense")
         if dense is not None:
-            dense = dict(dense)
             dense.setdefault("similarity", warm.get("similarity", TrainDualEncoderParams.model_fields["similarity"].default))
-            data["dense"] = dense
         return data
 
     @model_validator(mode="after")
     def _rules(self):
-        split, evaluated = self.train_split, self.dataset.split
-        if split == evaluated:
-            raise ValueError(f"train_split: '{split}' is the evaluated split (dataset.split); training on it would "
-                             "leak the test set")
-        splits = self.dataset.splits()
-        if splits is not None and split not in splits:
-            raise ValueError(f"train_split: '{split}' is not a split of {self.dataset.source} (its qrels: "
-                             f"{', '.join(splits) or 'none'}): ANCE trains on labelled pairs")
+        split = self.train_split
         for key in ("warmup", "round"):
             section = getattr(self, key)
             if tuple(section.splits) != (split,):
@@ -132,13 +110,7 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
                                    negatives=[negatives])
         systems[f"ance-round{r}"] = model
 
-    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
-    zero_shot = system_name(c.base_model)
-    runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
-                                label="zero-shot")
-    for name, m in systems.items():
-        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=m, system=name, label=name)
-    return evaluate_runs(run, c.evaluate, data, runs)
+    return evaluate_runs(run, c.evaluate, data, test_runs(run, c, data, base, systems))
 
 
 def __getattr__(name: str):

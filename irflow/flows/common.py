@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from irflow.params import ModelName
+from irflow.recipe import RecipeConfig
 from irflow.stage import Run
 from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
@@ -167,3 +168,53 @@ def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, quer
     evaluation uses (same model, same encoding settings: one encode_corpus)."""
     return dense_run(run, c.to(type(c), hits=depth, remove_query=False), data.corpus, queries, model=model,
                      system=system, label=label)
+
+
+def raw_section(data: dict, key: str) -> dict | None:
+    """A section of a raw config as a mutable copy, created empty if absent (None if it is not a
+    mapping: validation says why). For recipes' `mode="before"` validators that fill what follows."""
+    value = data.get(key)
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        return None
+    data[key] = dict(value)
+    return data[key]
+
+
+class SupervisedConfig(RecipeConfig):
+    """What every supervised recipe (RocketQA, ANCE) has: a dataset, its labelled split, the dual
+    encoders' starting point, and the test-side systems."""
+
+    dataset: DatasetConfig = Field(description="the BEIR dataset and the split to evaluate")
+    train_split: str = Field("train", min_length=1, description="the labelled split trained on (never the "
+                                                                "evaluated one)")
+    base_model: ModelName = Field("all-MiniLM-L6-v2", description="the dual encoders' starting point")
+    bm25: BM25Config = Field(BM25Config(), description="BM25 systems (and BM25 negatives / a fusion teacher)")
+    dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search (similarity follows "
+                                                          "the dual encoder's)")
+    evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
+
+    @model_validator(mode="after")
+    def _labelled_split(self):
+        split, evaluated = self.train_split, self.dataset.split
+        if split == evaluated:
+            raise ValueError(f"train_split: '{split}' is the evaluated split (dataset.split); training on it would "
+                             "leak the test set")
+        splits = self.dataset.splits()
+        if splits is not None and split not in splits:
+            raise ValueError(f"train_split: '{split}' is not a split of {self.dataset.source} (its qrels: "
+                             f"{', '.join(splits) or 'none'}): {self.flow} trains on labelled pairs")
+        return self
+
+
+def test_runs(run: Run, c: SupervisedConfig, data: Dataset, base: DatasetRef,
+              models: dict[str, DatasetRef]) -> dict[str, DatasetRef]:
+    """System name -> test run: BM25, the zero-shot base model, and each trained model."""
+    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
+    zero_shot = system_name(c.base_model)
+    runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
+                                label="zero-shot")
+    for name, model in models.items():
+        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, label=name)
+    return runs

@@ -30,18 +30,17 @@ labelled split; the evaluated dense systems use the dual encoder's similarity.
 # is not in sys.modules, where pydantic could not resolve string annotations of the config models.
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig, bm25_runs, bm25_train_run,
-                                 dense_run, evaluate_runs, ingest, labelled_queries, retrieve, system_name)
+from irflow.flows.common import (Dataset, SupervisedConfig, bm25_train_run, evaluate_runs, ingest, labelled_queries,
+                                 raw_section, retrieve, test_runs)
 from irflow.params import ModelName, Params
-from irflow.recipe import RecipeConfig, recipe
+from irflow.recipe import recipe
 from irflow.stage import Run
 from irflow.store import DatasetRef
 from irflow.tasks.augment import AUGMENTED_SPLIT, AugmentParams, AugmentSettings, augment
 from irflow.tasks.denoise import DenoiseParams, DenoiseSettings, denoise
-from irflow.tasks.evaluate import EvaluationParams
 from irflow.tasks.generate_queries import CropSource, ICTSource, UnlabelledSource, generate_queries
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.sample_queries import SampleQueriesParams, sample_queries
@@ -123,12 +122,8 @@ class AblationConfig(Params):
     list_size: PositiveInt = Field(8, description="listwise: candidates per query, the positive included")
 
 
-class RocketQAConfig(RecipeConfig):
+class RocketQAConfig(SupervisedConfig):
     flow: Literal["rocketqa"] = Field(description="this recipe: rocketqa")
-    dataset: DatasetConfig = Field(description="the BEIR dataset and the split to evaluate")
-    train_split: str = Field("train", min_length=1, description="the labelled split trained on (never the "
-                                                                "evaluated one)")
-    base_model: ModelName = Field("all-MiniLM-L6-v2", description="the dual encoders' starting point")
     dual_encoder: DualEncoderConfig = Field(DualEncoderConfig(), description="M_D0: InfoNCE on labelled pairs")
     retrieve: RetrieveConfig = Field(RetrieveConfig(), description="M_D0's retrieval for the train queries")
     cross_encoder: CrossEncoderConfig = Field(CrossEncoderConfig(), description="M_C")
@@ -138,10 +133,6 @@ class RocketQAConfig(RecipeConfig):
                                    description="M_D1 / M_D2 training (RocketQA: 4 lines of 1 denoised negative per "
                                                "positive)")
     ablations: AblationConfig = Field(AblationConfig(), description="extra systems for the paper's ablation")
-    bm25: BM25Config = Field(BM25Config(), description="BM25 systems (and BM25 negatives / the fusion teacher)")
-    dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search (similarity "
-                                                          "follows dual_encoder.similarity)")
-    evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
 
     @model_validator(mode="before")
     @classmethod
@@ -152,33 +143,26 @@ class RocketQAConfig(RecipeConfig):
         data = dict(data)
         split = data.get("train_split", "train")
         for key, field in (("cross_encoder", "split"), ("denoise", "split")):
-            section = _raw(data, key)
+            section = raw_section(data, key)
             if section is not None:
                 section.setdefault(field, split)
         for key in ("dual_encoder", "student"):
-            section = _raw(data, key)
+            section = raw_section(data, key)
             if section is not None:
                 section.setdefault("splits", [split])
-        student = _raw(data, "student")
+        student = raw_section(data, "student")
         if student is not None:
             student.setdefault("negatives_per_query", 1)
             student.setdefault("negative_lines", 4)
-        de = _raw(data, "dual_encoder")
-        dense = _raw(data, "dense")
+        de = raw_section(data, "dual_encoder")
+        dense = raw_section(data, "dense")
         if dense is not None and de is not None:
             dense.setdefault("similarity", de.get("similarity", TrainDualEncoderParams.model_fields["similarity"].default))
         return data
 
     @model_validator(mode="after")
     def _rules(self):
-        split, evaluated = self.train_split, self.dataset.split
-        if split == evaluated:
-            raise ValueError(f"train_split: '{split}' is the evaluated split (dataset.split); training on it would "
-                             "leak the test set")
-        splits = self.dataset.splits()
-        if splits is not None and split not in splits:
-            raise ValueError(f"train_split: '{split}' is not a split of {self.dataset.source} (its qrels: "
-                             f"{', '.join(splits) or 'none'}): RocketQA trains on labelled pairs")
+        split, evaluated, splits = self.train_split, self.dataset.split, self.dataset.splits()
         for where, value in (("cross_encoder.split", self.cross_encoder.split), ("denoise.split", self.denoise.split)):
             if value != split:
                 raise ValueError(f"{where}: '{value}', but the labelled split is train_split '{split}'")
@@ -220,16 +204,6 @@ class RocketQAConfig(RecipeConfig):
     def required_cross_encoders(self) -> list[tuple[str, str]]:
         """Models that must already be cross-encoders (preflight refuses a bi-encoder or plain encoder)."""
         return [] if self.cross_encoder.train else [("cross_encoder.model", self.cross_encoder.model)]
-
-
-def _raw(data: dict, key: str) -> dict | None:
-    value = data.get(key)
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        return None
-    data[key] = dict(value)
-    return data[key]
 
 
 # ---- building blocks ------------------------------------------------------------------------------
@@ -301,6 +275,7 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
             out = denoise(run, p, label="fusion", run=md0_train, queries=train_q, corpus=data.corpus,
                           qrels=data.qrels, teacher_runs=[bm25_train, md0_train])
         denoised[teacher] = out
+        histogram_artifact(run, out["histogram"], key=f"denoise-{'ce' if teacher == 'cross_encoder' else teacher}")
         name = "md1-ce" if teacher == "cross_encoder" else "md1-fusion"
         systems[name] = student(run, c, data, [train_q], init, name, [data.qrels], [out["negatives"]])
 
@@ -335,12 +310,7 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
                                  [denoised[primary]["negatives"], aug["negatives"]])
 
     # 7. Evaluation on the test split: BM25, zero-shot, every dual encoder, M_C re-ranking M_D0's top 100.
-    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
-    zero_shot = system_name(c.base_model)
-    runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
-                                label="zero-shot")
-    for name, model in systems.items():
-        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, label=name)
+    runs = test_runs(run, c, data, base, systems)
     runs["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), label="mc",
                                run=runs["md0"], queries=data.test_queries, corpus=data.corpus, model=m_c)
     return evaluate_runs(run, c.evaluate, data, runs)
@@ -364,3 +334,26 @@ def __getattr__(name: str):
     if name == "rocketqa_flow":
         return rocketqa.flow
     raise AttributeError(name)
+
+
+def histogram_artifact(run: Run, histogram: DatasetRef, key: str) -> None:
+    """The denoise histogram as a Prefect markdown artifact (bins x counts, and where the PNG is)."""
+    import json
+    from pathlib import Path
+
+    if run.dry_run:
+        return
+    data = json.loads((Path(histogram.path) / "histogram.json").read_text())
+    groups = list(data["counts"])
+    lines = [f"**{data['title']}** (thresholds: {data['thresholds']})", "",
+             "| probability | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+    for i, lo in enumerate(data["edges"][:-1]):
+        lines.append(f"| {lo:.2f}-{data['edges'][i + 1]:.2f} | " + " | ".join(str(data["counts"][g][i]) for g in groups)
+                     + " |")
+    lines += ["", f"PNG: `{Path(histogram.path) / 'histogram.png'}` (dataset {histogram.id})"]
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(key=key, markdown="\n".join(lines), description=f"irflow run {run.run_id}")
+    except Exception:  # noqa: BLE001 -- outside a Prefect run there is no artifact store
+        pass

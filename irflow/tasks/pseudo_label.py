@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Annotated, Literal, Sequence, Union
+from typing import Literal, Sequence
 
 import numpy as np
 import pyarrow as pa

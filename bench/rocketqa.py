@@ -1,0 +1,152 @@
+"""RocketQA and ANCE benchmark on whole BEIR datasets (offline: MiniLM everywhere), and the partial
+re-execution stage lists on the bundled sample.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/rocketqa.py --dataset scifact [--store DIR] [--skip-ance]
+        [--set key=value ...] [--out bench/results/rocketqa_scifact.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/rocketqa.py --partial [--out bench/results/rocketqa_partial.json]
+
+Runs ``configs/rocketqa_<ds>_offline.yaml`` and ``configs/ance_<ds>_offline.yaml`` through
+``irflow.api.run`` in one store (BM25, the zero-shot run and ingest are shared) and writes:
+- the table: nDCG@10 and R@100 per system, in the issue's column order;
+- wall time per stage (``RunResult.stages``) and the machine's load before/after;
+- the denoise audit per teacher: the share of M_D0's top-50 candidates the teacher calls likely
+  positives (dropped), by rank bucket, read from the ``audit`` dataset;
+- where the histograms are (PNG per denoise teacher).
+``--partial`` runs configs/rocketqa_demo.yaml and configs/ance_demo.yaml on the sample, then the
+three changes of the issue (denoise threshold, M_C's learning rate, one more ANCE round), and
+records which stages each recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+ORDER = ["bm25-flat", "dense-all-MiniLM-L6-v2", "md0", "md0-bm25neg", "md0-hardneg", "md1-ce", "md1-fusion",
+         "md1-listwise", "md2", "mc-rerank", "ance-warmup", "ance-round1", "ance-round2", "ance-round3"]
+LABELS = {"bm25-flat": "BM25", "dense-all-MiniLM-L6-v2": "zero-shot MiniLM", "md0": "M_D0 in-batch",
+          "md0-bm25neg": "+ BM25 negatives", "md0-hardneg": "+ M_D0 hard negatives, not denoised",
+          "md1-ce": "M_D1 denoised by M_C", "md1-fusion": "M_D1 denoised by fusion",
+          "md1-listwise": "M_D1 listwise KL from M_C (frozen)", "md2": "M_D2 + augmentation",
+          "mc-rerank": "M_C re-ranking M_D0 top-100", "ance-warmup": "ANCE warm-up (BM25 negatives)",
+          "ance-round1": "ANCE round 1", "ance-round2": "ANCE round 2", "ance-round3": "ANCE round 3"}
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def api_run(config: str, store: str, sets: list[str] = ()) -> tuple[object, float]:
+    from irflow import api
+
+    t0 = time.perf_counter()
+    result = api.run(str(ROOT / config), overrides=list(sets), store=store)
+    return result, round(time.perf_counter() - t0, 1)
+
+
+def audit_summary(store: str, result) -> dict:
+    """Per denoise teacher: candidates, judged positives, dropped and kept by rank bucket."""
+    import duckdb
+
+    from irflow.store import TABLE_FILE, Store
+
+    s = Store(store)
+    out = {}
+    for st in result.stages:
+        if not st.name.startswith("denoise["):
+            continue
+        path = s.object_dir(st.outputs["audit"]) / TABLE_FILE
+        rows = duckdb.sql(f"SELECT bucket, sum(candidates) c, sum(known_positives) p, sum(dropped) d, sum(kept) k "
+                          f"FROM '{path}' GROUP BY bucket ORDER BY min(CAST(split_part(bucket, '-', 1) AS INT))"
+                          ).fetchall()
+        out[st.name] = [{"bucket": b, "candidates": int(c), "judged_positives": int(p), "dropped": int(d),
+                         "kept": int(k), "dropped_share": round(d / c, 4) if c else None,
+                         "dropped_share_of_unjudged": round(d / (c - p), 4) if c - p else None}
+                        for b, c, p, d, k in rows]
+        out[st.name + ":histogram"] = str(s.object_dir(st.outputs["histogram"]) / "histogram.png")
+    return out
+
+
+def table(metrics: list[dict]) -> list[dict]:
+    by = {m["system"]: m for m in metrics}
+    return [{"system": s, "label": LABELS.get(s, s), "ndcg@10": round(by[s]["ndcg@10"], 4),
+             "recall@100": round(by[s]["recall@100"], 4)} for s in ORDER if s in by] + \
+           [{"system": s, "label": s, "ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
+            for s, m in by.items() if s not in ORDER]
+
+
+def bench_dataset(ds: str, store: str, sets: list[str], skip_ance: bool) -> dict:
+    from irflow.runtime import cpu_flags, cpu_model
+
+    out = {"dataset": ds, "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
+                                      "avx512_bf16": "avx512_bf16" in cpu_flags(), "python": platform.python_version()},
+           "store": store, "overrides": sets, "runs": {}}
+    metrics = []
+    for flow in ("rocketqa",) + (() if skip_ance else ("ance",)):
+        config = f"configs/{flow}_{ds}_offline.yaml"
+        before = load()
+        result, wall = api_run(config, store, sets if flow == "rocketqa" else [])
+        print(f"{flow} {ds}: {result.status} in {wall} s", flush=True)
+        out["runs"][flow] = {"config": config, "run_id": result.run_id, "wall_seconds": wall, "load_before": before,
+                             "load_after": load(),
+                             "stages": [{"stage": s.name, "status": s.status, "seconds": round(s.seconds, 1),
+                                         "device": (s.runtime or {}).get("device"),
+                                         "precision": (s.runtime or {}).get("precision")} for s in result.stages]}
+        if flow == "rocketqa":
+            out["denoise_audit"] = audit_summary(store, result)
+        metrics += [m for m in result.metrics if not any(m["system"] == x["system"] for x in metrics)]
+    out["table"] = table(metrics)
+    return out
+
+
+def bench_partial(store: str) -> dict:
+    cases = [("rocketqa", "configs/rocketqa_demo.yaml", []),
+             ("rocketqa: denoise.negative_threshold 0.1 -> 0.05", "configs/rocketqa_demo.yaml",
+              ["denoise.negative_threshold=0.05"]),
+             ("rocketqa: cross_encoder.lr 3e-5 -> 2e-5", "configs/rocketqa_demo.yaml", ["cross_encoder.lr=2.0e-5"]),
+             ("ance", "configs/ance_demo.yaml", []),
+             ("ance: rounds 2 -> 3", "configs/ance_demo.yaml", ["rounds=3"])]
+    out = []
+    for name, config, sets in cases:
+        result, wall = api_run(config, store, sets)
+        out.append({"case": name, "overrides": sets, "wall_seconds": wall, "computed": sorted(result.computed),
+                    "cached": len(result.cached), "table": table(result.metrics)})
+        print(f"{name}: {wall} s, computed {sorted(result.computed)}", flush=True)
+    return {"store": store, "cases": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dataset", default="scifact")
+    ap.add_argument("--partial", action="store_true")
+    ap.add_argument("--store", default=None)
+    ap.add_argument("--skip-ance", action="store_true")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.partial:
+        store = a.store or str(ROOT / "store-bench-partial")
+        res = bench_partial(store)
+        out = a.out or str(ROOT / "bench/results/rocketqa_partial.json")
+    else:
+        store = a.store or str(ROOT / f"store-bench-{a.dataset}")
+        res = bench_dataset(a.dataset, store, a.sets, a.skip_ance)
+        out = a.out or str(ROOT / f"bench/results/rocketqa_{a.dataset}.json")
+        print(f"\n{'system':45s} {'nDCG@10':>8s} {'R@100':>7s}")
+        for r in res["table"]:
+            print(f"{r['label']:45s} {r['ndcg@10']:8.4f} {r['recall@100']:7.4f}")
+    Path(out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Training throughput: irflow's cross-encoder and GradCache dual-encoder training against plain
+sentence-transformers (its trainers and losses) on the same inputs.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/train_throughput.py [--steps 12] [--reps 2]
+        [--out bench/results/train_throughput.json]
+
+Inputs: SciFact train pairs (real texts), all-MiniLM-L6-v2, fp32 on both sides (the trainers'
+default), the same batch sizes, lengths, learning rate and number of steps.
+- cross-encoder: irflow's ``train_cross_encoder`` (its loop) vs ``CrossEncoderTrainer`` with
+  ``BinaryCrossEntropyLoss`` (1 logit), batch 16, max length 200;
+- GradCache: irflow's ``train_dual_encoder`` (``mini_batch``) vs ``SentenceTransformerTrainer`` with
+  ``CachedMultipleNegativesRankingLoss``, batch 64 queries in chunks of 16, (query, positive) pairs.
+Time is measured between the end of step 1 and the end of the last step (set-up and the first step's
+warm-up excluded on both sides): irflow through its per-step hook, sentence-transformers through a
+TrainerCallback. Runs alternate (irflow, st, irflow, st, ...) so load drifts hit both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+
+def scifact_pairs(n: int):
+    """(query text, positive text) for the first n SciFact train qrels, and some other passages."""
+    with zipfile.ZipFile(ROOT.parent / "shared/datasets/scifact.zip") as z:
+        docs = {}
+        for line in z.open("scifact/corpus.jsonl"):
+            d = json.loads(line)
+            docs[str(d["_id"])] = f"{d.get('title') or ''} {d['text']}".strip()
+        queries = {str(json.loads(x)["_id"]): json.loads(x)["text"] for x in z.open("scifact/queries.jsonl")}
+        rows = [ln.split("\t") for ln in z.read("scifact/qrels/train.tsv").decode().splitlines()[1:]]
+    pairs, seen = [], set()
+    for q, d, _ in rows:
+        if q in seen or d not in docs:
+            continue
+        seen.add(q)
+        pairs.append((queries[q], docs[d]))
+        if len(pairs) == n:
+            break
+    others = list(docs.values())[: 4 * n]
+    return pairs, others
+
+
+class StepClock:
+    def __init__(self):
+        self.times = []
+
+    def tick(self, *_):
+        self.times.append(time.perf_counter())
+
+    def rate(self, per_step: int) -> float:
+        """Examples per second between the end of step 1 and the end of the last step."""
+        return per_step * (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+
+def irflow_ce(pairs, others, steps, batch, max_length) -> float:
+    import irflow.training as training
+    from irflow.models import minilm_path
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    import torch
+
+    from irflow.runtime import StageRuntime
+    from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams
+    from irflow.training import BatchPlan, seed_everything, train_loop
+
+    # The stage's own model set-up and loss (train_cross_encoder), on in-memory pairs.
+    texts = [(q, d, 1.0) for q, d in pairs] + [(q, o, 0.0) for (q, _), o in zip(pairs, others)]
+    p = TrainCrossEncoderParams(steps=steps, batch_size=batch, max_length=max_length, checkpoint_every=0,
+                                warmup_steps=0, lr=3e-5)
+    seed_everything(p.seed)
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=1,
+                                                               ignore_mismatched_sizes=True)
+    bce = torch.nn.BCEWithLogitsLoss()
+    labels = torch.tensor([t[2] for t in texts])
+
+    def compute_loss(idx):
+        enc = tok([texts[i][0] for i in idx], [texts[i][1] for i in idx], padding=True,
+                  truncation="longest_first", max_length=max_length, return_tensors="pt")
+        return bce(model(**enc).logits.view(-1).float(), labels[idx])
+
+    clock = StepClock()
+    training._on_step = clock.tick
+    try:
+        train_loop(model, compute_loss, BatchPlan(len(texts), batch, p.seed), p, 0, StageRuntime(), "irflow CE",
+                   show_progress=False)
+    finally:
+        training._on_step = lambda step: None
+    return clock.rate(batch)
+
+
+def st_ce(pairs, others, steps, batch, max_length) -> float:
+    from datasets import Dataset
+    from sentence_transformers.cross_encoder import CrossEncoder, CrossEncoderTrainer, CrossEncoderTrainingArguments
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+    from transformers import TrainerCallback
+
+    from irflow.models import minilm_path
+
+    model = CrossEncoder(minilm_path(), num_labels=1, max_length=max_length, device="cpu")
+    data = Dataset.from_dict({"query": [q for q, _ in pairs] + [q for q, _ in pairs],
+                              "passage": [d for _, d in pairs] + others[:len(pairs)],
+                              "label": [1.0] * len(pairs) + [0.0] * len(pairs)})
+    clock = StepClock()
+
+    class Cb(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            clock.tick()
+
+    with tempfile.TemporaryDirectory() as out:
+        args = CrossEncoderTrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
+                                             learning_rate=3e-5, warmup_steps=0, save_strategy="no", report_to=[],
+                                             logging_steps=10_000, use_cpu=True, dataloader_num_workers=0,
+                                             disable_tqdm=True, seed=42)
+        CrossEncoderTrainer(model=model, args=args, train_dataset=data, loss=BinaryCrossEntropyLoss(model),
+                            callbacks=[Cb()]).train()
+    return clock.rate(batch)
+
+
+def irflow_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
+    import irflow.training as training
+    from irflow.dual_encoder import Job, TrainDualEncoderParams, train
+    from irflow.models import minilm_path
+
+    p = TrainDualEncoderParams(batch_size=batch, mini_batch=mini, steps=steps, checkpoint_every=0, warmup_ratio=0,
+                               query_max_length=q_len, passage_max_length=p_len, lr=2e-5)
+    clock = StepClock()
+    training._on_step = clock.tick
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            train(Job(model_path=minilm_path(), out_dir=out, params=p.model_dump(mode="json"),
+                      queries=[q for q, _ in pairs], positives=[d for _, d in pairs],
+                      keys=[[f"q{i}"] for i in range(len(pairs))]))
+    finally:
+        training._on_step = lambda step: None
+    return clock.rate(batch)
+
+
+def st_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.losses import CachedMultipleNegativesRankingLoss
+    from transformers import TrainerCallback
+
+    from irflow.models import minilm_path
+
+    model = SentenceTransformer(minilm_path(), device="cpu")
+    model.max_seq_length = p_len  # one limit for both sides in sentence-transformers
+    data = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [d for _, d in pairs]})
+    clock = StepClock()
+
+    class Cb(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            clock.tick()
+
+    with tempfile.TemporaryDirectory() as out:
+        args = SentenceTransformerTrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
+                                                    learning_rate=2e-5, warmup_steps=0, save_strategy="no",
+                                                    report_to=[], logging_steps=10_000, use_cpu=True,
+                                                    dataloader_num_workers=0, disable_tqdm=True, seed=42)
+        loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini)
+        SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss, callbacks=[Cb()]).train()
+    return clock.rate(batch)
+
+
+def main() -> None:
+    import torch
+
+    from irflow.runtime import cpu_flags, cpu_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/train_throughput.json"))
+    a = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    pairs, others = scifact_pairs(64 * (a.steps + 1))
+    ce = {"irflow": [], "sentence-transformers": []}
+    gc = {"irflow": [], "sentence-transformers": []}
+    for rep in range(a.reps):
+        ce["irflow"].append(irflow_ce(pairs, others, a.steps, 16, 200))
+        ce["sentence-transformers"].append(st_ce(pairs, others, a.steps, 16, 200))
+        # (queries are SciFact claims, under 64 tokens: one max length for both sides matches ST's single limit)
+        gc["irflow"].append(irflow_gradcache(pairs, a.steps, 64, 16, 200, 200))
+        gc["sentence-transformers"].append(st_gradcache(pairs, a.steps, 64, 16, 200, 200))
+        print(f"rep {rep}: CE {ce['irflow'][-1]:.2f} vs {ce['sentence-transformers'][-1]:.2f} pairs/s; GradCache "
+              f"{gc['irflow'][-1]:.2f} vs {gc['sentence-transformers'][-1]:.2f} queries/s", flush=True)
+    res = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in cpu_flags(),
+                       "load": os.getloadavg()},
+           "settings": {"steps": a.steps, "precision": "fp32", "ce": {"batch": 16, "max_length": 200},
+                        "gradcache": {"batch": 64, "mini_batch": 16, "max_length": 200}},
+           "cross_encoder_pairs_per_s": ce, "gradcache_queries_per_s": gc}
+    for name, d in (("cross_encoder", ce), ("gradcache", gc)):
+        res[f"{name}_ratio"] = round(sum(d["irflow"]) / sum(d["sentence-transformers"]), 3)
+    print(json.dumps({k: v for k, v in res.items() if k.endswith("ratio")}))
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
