@@ -108,7 +108,7 @@ def bench_dataset(ds: str, store: str, sets: list[str], skip_ance: bool) -> dict
     return out
 
 
-def bench_partial(store: str) -> dict:
+def bench_partial(store: str, only: str | None = None, out_path: str | None = None) -> dict:
     cases = [("rocketqa", "configs/rocketqa_demo.yaml", []),
              ("rocketqa: denoise.negative_threshold 0.1 -> 0.05", "configs/rocketqa_demo.yaml",
               ["denoise.negative_threshold=0.05"]),
@@ -117,10 +117,14 @@ def bench_partial(store: str) -> dict:
              ("ance: rounds 2 -> 3", "configs/ance_demo.yaml", ["rounds=3"])]
     out = []
     for name, config, sets in cases:
+        if only and not name.startswith(only):
+            continue
         result, wall = api_run(config, store, sets)
         out.append({"case": name, "overrides": sets, "wall_seconds": wall, "computed": sorted(result.computed),
                     "cached": len(result.cached), "table": table(result.metrics)})
         print(f"{name}: {wall} s, computed {sorted(result.computed)}", flush=True)
+        if out_path:  # after every case: a long benchmark that dies keeps what it measured
+            Path(out_path).write_text(json.dumps({"store": store, "cases": out}, indent=1))
     return {"store": store, "cases": out}
 
 
@@ -128,6 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset", default="scifact")
     ap.add_argument("--partial", action="store_true")
+    ap.add_argument("--only", default=None, help="--partial: only the cases whose name starts with this")
     ap.add_argument("--store", default=None)
     ap.add_argument("--skip-ance", action="store_true")
     ap.add_argument("--set", dest="sets", action="append", default=[])
@@ -135,8 +140,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.partial:
         store = a.store or str(ROOT / "store-bench-partial")
-        res = bench_partial(store)
         out = a.out or str(ROOT / "bench/results/rocketqa_partial.json")
+        res = bench_partial(store, a.only, out)
     else:
         store = a.store or str(ROOT / f"store-bench-{a.dataset}")
         res = bench_dataset(a.dataset, store, a.sets, a.skip_ance)

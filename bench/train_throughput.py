@@ -6,13 +6,13 @@ sentence-transformers (its trainers and losses) on the same inputs.
 
 Inputs: SciFact train pairs (real texts), all-MiniLM-L6-v2, fp32 on both sides (the trainers'
 default), the same batch sizes, lengths, learning rate and number of steps.
-- cross-encoder: irflow's ``train_cross_encoder`` (its loop) vs ``CrossEncoderTrainer`` with
-  ``BinaryCrossEntropyLoss`` (1 logit), batch 16, max length 200;
-- GradCache: irflow's ``train_dual_encoder`` (``mini_batch``) vs ``SentenceTransformerTrainer`` with
-  ``CachedMultipleNegativesRankingLoss``, batch 64 queries in chunks of 16, (query, positive) pairs.
-Time is measured between the end of step 1 and the end of the last step (set-up and the first step's
-warm-up excluded on both sides): irflow through its per-step hook, sentence-transformers through a
-TrainerCallback. Runs alternate (irflow, st, irflow, st, ...) so load drifts hit both.
+- cross-encoder: irflow's ``train_cross_encoder`` model, loss and loop vs sentence-transformers'
+  ``CrossEncoder`` with its ``BinaryCrossEntropyLoss`` (1 logit), batch 16, max length 200;
+- GradCache: irflow's ``train_dual_encoder`` (``mini_batch``) vs sentence-transformers'
+  ``CachedMultipleNegativesRankingLoss``, batch 64 (query, positive) pairs in chunks of 16.
+sentence-transformers' side runs its losses in a plain AdamW loop with clipping (its Trainer needs
+``accelerate``, which irflow does not install). Time is measured between the end of step 1 and the
+end of the last step (set-up and the first step's warm-up excluded on both sides). Runs alternate (irflow, st, irflow, st, ...) so load drifts hit both.
 """
 
 from __future__ import annotations
@@ -100,32 +100,42 @@ def irflow_ce(pairs, others, steps, batch, max_length) -> float:
     return clock.rate(batch)
 
 
+def _st_loop(model, step_loss, steps: int, lr: float) -> StepClock:
+    """sentence-transformers' losses in a plain AdamW loop (what its Trainer runs per step, without the
+    Trainer, which needs `accelerate`: not part of irflow's install)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    clock = StepClock()
+    model.train()
+    for step in range(steps):
+        loss = step_loss(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        clock.tick()
+    return clock
+
+
 def st_ce(pairs, others, steps, batch, max_length) -> float:
-    from datasets import Dataset
-    from sentence_transformers.cross_encoder import CrossEncoder, CrossEncoderTrainer, CrossEncoderTrainingArguments
+    import torch
+    from sentence_transformers.cross_encoder import CrossEncoder
     from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
-    from transformers import TrainerCallback
 
     from irflow.models import minilm_path
 
     model = CrossEncoder(minilm_path(), num_labels=1, max_length=max_length, device="cpu")
-    data = Dataset.from_dict({"query": [q for q, _ in pairs] + [q for q, _ in pairs],
-                              "passage": [d for _, d in pairs] + others[:len(pairs)],
-                              "label": [1.0] * len(pairs) + [0.0] * len(pairs)})
-    clock = StepClock()
+    loss = BinaryCrossEntropyLoss(model)
+    texts = [(q, d, 1.0) for q, d in pairs] + [(q, o, 0.0) for (q, _), o in zip(pairs, others)]
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(42)).tolist()
 
-    class Cb(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            clock.tick()
+    def step_loss(step):
+        idx = order[step * batch:(step + 1) * batch]
+        return loss([[texts[i][0] for i in idx], [texts[i][1] for i in idx]],
+                    torch.tensor([texts[i][2] for i in idx]))
 
-    with tempfile.TemporaryDirectory() as out:
-        args = CrossEncoderTrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
-                                             learning_rate=3e-5, warmup_steps=0, save_strategy="no", report_to=[],
-                                             logging_steps=10_000, use_cpu=True, dataloader_num_workers=0,
-                                             disable_tqdm=True, seed=42)
-        CrossEncoderTrainer(model=model, args=args, train_dataset=data, loss=BinaryCrossEntropyLoss(model),
-                            callbacks=[Cb()]).train()
-    return clock.rate(batch)
+    return _st_loop(model, step_loss, steps, 3e-5).rate(batch)
 
 
 def irflow_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
@@ -148,30 +158,22 @@ def irflow_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
 
 
 def st_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from sentence_transformers.losses import CachedMultipleNegativesRankingLoss
-    from transformers import TrainerCallback
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
     from irflow.models import minilm_path
 
     model = SentenceTransformer(minilm_path(), device="cpu")
     model.max_seq_length = p_len  # one limit for both sides in sentence-transformers
-    data = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [d for _, d in pairs]})
-    clock = StepClock()
+    loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini)
 
-    class Cb(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            clock.tick()
+    def step_loss(step):
+        chunk = pairs[step * batch:(step + 1) * batch]
+        feats = [model.tokenize([q for q, _ in chunk]), model.tokenize([d for _, d in chunk])]
+        return loss(feats, torch.empty(0))
 
-    with tempfile.TemporaryDirectory() as out:
-        args = SentenceTransformerTrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
-                                                    learning_rate=2e-5, warmup_steps=0, save_strategy="no",
-                                                    report_to=[], logging_steps=10_000, use_cpu=True,
-                                                    dataloader_num_workers=0, disable_tqdm=True, seed=42)
-        loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini)
-        SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss, callbacks=[Cb()]).train()
-    return clock.rate(batch)
+    return _st_loop(model, step_loss, steps, 2e-5).rate(batch)
 
 
 def main() -> None:
