@@ -338,6 +338,9 @@ def _error(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from irflow.processes import install_interrupt_handler
+
+    install_interrupt_handler()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise

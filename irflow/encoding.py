@@ -7,6 +7,8 @@ import contextlib
 import numpy as np
 from tqdm.auto import tqdm
 
+from irflow.processes import check_interrupted
+
 
 def embedding_dim(st_model) -> int:
     # sentence-transformers >= 6 renamed the method; keep working with both.
@@ -24,6 +26,7 @@ def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, d
     with tqdm(total=len(texts), desc=desc, unit=" texts", mininterval=2) as bar, \
             (autocast() if autocast else contextlib.nullcontext()):
         for start in range(0, len(texts), batch_size):
+            check_interrupted()
             idx = order[start:start + batch_size]
             emb = st_model.encode([texts[i] for i in idx], batch_size=len(idx), convert_to_tensor=True,
                                   normalize_embeddings=normalize, show_progress_bar=False)

@@ -23,12 +23,43 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 log = logging.getLogger("irflow")
 
 _PR_SET_PDEATHSIG = 1
+
+
+# Ctrl-C, remembered. Python raises KeyboardInterrupt at the main thread's next bytecode; if that
+# bytecode belongs to a finaliser (a progress bar's __del__ run by the garbage collector, say), the
+# exception is printed as "ignored" and the run goes on as if nothing happened -- it did, once in CI:
+# exit 0 after a Ctrl-C. The handler also sets this flag, and stage boundaries and training/encoding
+# loops check it, so a swallowed interrupt still stops the run at the next check.
+_interrupted = False
+
+
+def install_interrupt_handler() -> None:
+    """SIGINT raises KeyboardInterrupt (as Python's default does) and is remembered for
+    ``check_interrupted``. Installed by the CLI only: a library caller keeps its own handler."""
+
+    global _interrupted
+
+    def on_sigint(signum, frame):
+        global _interrupted
+        _interrupted = True
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # only there can handlers be set
+        _interrupted = False
+        signal.signal(signal.SIGINT, on_sigint)
+
+
+def check_interrupted() -> None:
+    """Raise KeyboardInterrupt if a Ctrl-C came and was swallowed on its way."""
+    if _interrupted:
+        raise KeyboardInterrupt
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from pydantic import Field
 
 from irflow.params import Params
+from irflow.processes import check_interrupted
 from irflow.runtime import RuntimeConfig
 from irflow.stage import Run
 
@@ -180,6 +181,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     try:
         evaluations = recipe.body(c, run)
         rows = report(run, evaluations)
+        check_interrupted()
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"

@@ -46,7 +46,7 @@ import pyarrow as pa
 from irflow.catalog import Catalog, now
 from irflow.errors import DataError, StageFailed
 from irflow.params import Params
-from irflow.processes import file_lock
+from irflow.processes import check_interrupted, file_lock
 from irflow.runtime import RuntimeConfig, stage_runtime
 from irflow.store import DatasetRef, Store, remove_tree, tree_size
 
@@ -217,6 +217,7 @@ class Stage:
 
     # -- execution ------------------------------------------------------------------------
     def run(self, run: Run, params: Params | dict, /, *, label: str | None = None, **inputs) -> Any:
+        check_interrupted()
         params, inputs = self._check(params, inputs)
         store, catalog = run.store, run.catalog
         stage_label = self.label(label)
@@ -338,6 +339,7 @@ class Stage:
                 raise
             except Exception as e:
                 raise StageFailed(stage_label, e) from e
+            check_interrupted()  # a Ctrl-C swallowed during the computation: publish nothing
             if len(self.outputs) == 1 and not isinstance(result, dict):
                 result = {self.outputs[0].name: result}
             missing = [o.name for o in self.outputs if o.name not in result]

@@ -26,6 +26,7 @@ from pydantic import Field, PositiveInt
 from tqdm.auto import tqdm
 
 from irflow.params import Params
+from irflow.processes import check_interrupted
 
 log = logging.getLogger("irflow.train")
 CHECKPOINT = "checkpoint.pt"
@@ -170,6 +171,7 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
     bar = tqdm(range(start, total), desc=desc, initial=start, total=total, unit=" step", mininterval=2,
                disable=not show_progress)
     for step in bar:
+        check_interrupted()
         model.train()
         with rt.autocast():
             loss = compute_loss(plan.at(step))

@@ -197,3 +197,26 @@ def test_ctrl_c_is_one_line_and_leaves_nothing_running(setup):
     assert not [c for c in below if alive(c)]
     with Catalog(store / "catalog.duckdb").connect() as con:
         assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+
+
+def test_a_ctrl_c_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
+    """Python raises a Ctrl-C's KeyboardInterrupt wherever the main thread is; inside a finaliser
+    (``__del__`` run by the garbage collector) it is printed as "ignored" and lost. The CLI's handler
+    remembers it: the next stage boundary raises it again."""
+    from irflow import processes
+
+    class Finaliser:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler runs here, its exception is swallowed
+
+    monkeypatch.setattr(processes, "_interrupted", False)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        processes.install_interrupt_handler()
+        processes.check_interrupted()  # nothing yet
+        f = Finaliser()
+        del f  # "Exception ignored in ... KeyboardInterrupt": the run would go on
+        with pytest.raises(KeyboardInterrupt):
+            processes.check_interrupted()
+    finally:
+        signal.signal(signal.SIGINT, previous)
