@@ -13,8 +13,9 @@ from irflow.errors import ConfigError
 from irflow.qrels import judged_positives
 from irflow.scoring import NotACrossEncoder
 from irflow.tasks.augment import AugmentSettings, augment_tables
-from irflow.tasks.denoise import DenoiseParams, candidate_pairs, denoise_tables
-from irflow.teachers import FusionTeacher, fit_platt, sigmoid
+from irflow.tasks.denoise import DenoiseParams, denoise_tables
+from irflow.tasks.score_candidates import candidate_pairs
+from irflow.teachers import fit_platt, sigmoid
 from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
 from irflow.testing import run_cli as cli
 
@@ -58,8 +59,9 @@ def test_rocketqa_cold_run_every_system_then_fully_cached(setup):
         "bm25-flat", "dense-bi", "md0", "md0-bm25neg", "md1-ce", "md1-fusion", "md0-hardneg", "md1-listwise", "md2",
         "mc-rerank"}
     names = {s.name for s in result.stages}
-    for stage in ("train_dual_encoder[md0]", "dense_search[md0-train]", "train_cross_encoder", "denoise[ce]",
-                  "denoise[fusion]", "augment", "train_dual_encoder[md2]", "rerank[mc]"):
+    for stage in ("train_dual_encoder[md0]", "dense_search[md0-train]", "train_cross_encoder", "score_candidates[ce]",
+                  "denoise[ce]", "score_candidates[fusion]", "denoise[fusion]", "augment", "train_dual_encoder[md2]",
+                  "rerank[mc]"):
         assert stage in names
     # M_D0's corpus embeddings are computed once: its train-query retrieval and its test run share them.
     enc = [s for s in result.stages if s.name in ("encode_corpus[md0-train]", "encode_corpus[md0]")]
@@ -75,6 +77,8 @@ def test_denoise_threshold_recomputes_denoise_onward_only(setup):
         downstream |= {f"train_dual_encoder[{name}]", f"encode_corpus[{name}]", f"dense_search[{name}]",
                        f"evaluate[{name}]"}
     assert {"denoise[ce]", "denoise[fusion]"} <= changed <= downstream
+    # the teachers' scoring (a cross-encoder over every candidate: denoising's cost) is not redone
+    assert not changed & {"score_candidates[ce]", "score_candidates[fusion]", "train_cross_encoder"}
     # What a denoiser's output is identical for is not recomputed either (content ids): everything else
     # of the first run is reused.
     assert {s.name for s in first.stages} - downstream <= run(setup, "rocketqa", "denoise.negative_threshold=0.95").cached
@@ -83,16 +87,19 @@ def test_denoise_threshold_recomputes_denoise_onward_only(setup):
 def test_cross_encoder_lr_recomputes_from_m_c_onward(setup):
     run(setup, "rocketqa")
     changed = run(setup, "rocketqa", "cross_encoder.lr=5.0e-5").computed
-    m_c_onward = {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "denoise[ce]", "augment",
+    m_c_onward = {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "score_candidates[ce]", "denoise[ce]",
+                  "augment",
                   "train_dual_encoder[md1-listwise]", "encode_corpus[md1-augment]", "dense_search[md1-augment]"}
     for name in ("md1-ce", "md2", "md1-listwise"):
         m_c_onward |= {f"train_dual_encoder[{name}]", f"encode_corpus[{name}]", f"dense_search[{name}]",
                        f"evaluate[{name}]"}
     # (a student whose denoised data came out identical is reused: ids are content fingerprints)
-    assert {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "denoise[ce]"} <= changed <= m_c_onward
+    assert {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "score_candidates[ce]",
+            "denoise[ce]"} <= changed <= m_c_onward
     # M_D0, its retrieval, BM25, the fusion denoiser and what it alone feeds are reused.
     assert not changed & {"train_dual_encoder[md0]", "dense_search[md0-train]", "bm25_search[bm25-train]",
-                          "denoise[fusion]", "train_dual_encoder[md1-fusion]", "train_dual_encoder[md0-hardneg]",
+                          "score_candidates[fusion]", "denoise[fusion]", "train_dual_encoder[md1-fusion]",
+                          "train_dual_encoder[md0-hardneg]",
                           "evaluate[bm25-flat]", "evaluate[md0]"}
 
 
@@ -141,7 +148,7 @@ def test_ance_adding_a_round_computes_that_round_and_its_evaluation_only(setup):
 
 # ---- data stages on real tables ---------------------------------------------------------------------
 def test_denoise_walks_ranks_with_quota_threshold_and_fill():
-    p = DenoiseParams(teacher=FusionTeacher(type="fusion"), depth=6, negative_threshold=0.1,
+    p = DenoiseParams(negative_threshold=0.1,
                       negatives_per_positive=2, fill_ranks=(7, 20), buckets=(3, 6))
     import pyarrow as pa
 

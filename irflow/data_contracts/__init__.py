@@ -217,6 +217,24 @@ def check_probability(column: str) -> Callable[[pa.Table], list[str]]:
     return check
 
 
+CANDIDATE_SCORES = Contract(
+    "candidate_scores",
+    pa.schema(
+        [
+            ("query_id", pa.string()),
+            ("doc_id", pa.string()),
+            ("rank", pa.int32()),
+            ("score", pa.float32()),
+            ("positive", pa.bool_()),
+        ]
+    ),
+    (check_nonempty_table, check_not_null("query_id", "doc_id", "rank", "score", "positive"),
+     check_no_duplicate_pairs("query_id", "doc_id")),
+    "A teacher's raw scores of a retriever's top candidates per labelled query: rank in the retriever's "
+    "list (0: a judged positive the retriever did not return), the raw score (a logit, a fused score), "
+    "and whether the pair is a judged positive. What denoising thresholds, once calibrated.",
+)
+
 TEACHER_SCORES = Contract(
     "teacher_scores",
     pa.schema(
@@ -257,7 +275,7 @@ DENOISE_AUDIT = Contract(
 CONTRACTS: dict[str, Contract] = {
     c.name: c
     for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS, NEGATIVES, PSEUDO_LABELS,
-              TEACHER_SCORES, DENOISE_AUDIT)
+              TEACHER_SCORES, DENOISE_AUDIT, CANDIDATE_SCORES)
 }
 
 

@@ -7,7 +7,7 @@
        │                                   │
        ├──train_cross_encoder (positives + negatives from M_D0's top k) ──> M_C ──rerank test top-100──> "mc-rerank"
        │                                   │
-       │        denoise (M_C, or the BM25 + M_D0 fusion, reads M_D0's top 50: p < 0.1 -> negative)
+       │  score_candidates (M_C, or the BM25 + M_D0 fusion, reads M_D0's top 50) ──> denoise (p < 0.1 -> negative)
        │                                   │
        ├──train_dual_encoder (labelled + denoised negatives) ──> M_D1   (from M_D0's starting point)
        │                                   │
@@ -16,8 +16,8 @@
        └──train_dual_encoder (M_D1's data + augmented data) ──> M_D2
     test queries ──> BM25 | zero-shot | M_D0 | ablations | M_D1 | M_D2 | M_C re-ranking ──> evaluate ──> report
 
-Each arrow is a stage cached on its inputs: change the denoise threshold and only denoising and what
-follows recompute; change M_C's learning rate and M_C, its re-ranking, denoising and the students
+Each arrow is a stage cached on its inputs: change the denoise threshold and only denoising (not the
+teacher's scoring) and what follows recompute; change M_C's learning rate and M_C, its re-ranking, denoising and the students
 after it recompute, while M_D0 and its retrieval are reused. The corpus embeddings of a model are
 computed once and shared by its train-query retrieval and its test evaluation.
 
@@ -40,10 +40,11 @@ from irflow.recipe import recipe
 from irflow.stage import Run
 from irflow.store import DatasetRef
 from irflow.tasks.augment import AUGMENTED_SPLIT, AugmentParams, AugmentSettings, augment
-from irflow.tasks.denoise import DenoiseParams, DenoiseSettings, denoise
+from irflow.tasks.denoise import DenoiseParams, denoise
 from irflow.tasks.generate_queries import CropSource, ICTSource, UnlabelledSource, generate_queries
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.sample_queries import SampleQueriesParams, sample_queries
+from irflow.tasks.score_candidates import ScoreCandidatesParams, score_candidates
 from irflow.tasks.rerank import RerankParams, RerankSettings, rerank
 from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder
 from irflow.tasks.train_dual_encoder import train_dual_encoder
@@ -87,7 +88,8 @@ class FusionConfig(FusionSettings):
                                                                               "the dual encoder ('dense')")
 
 
-class DenoiseConfig(DenoiseSettings):
+class DenoiseConfig(DenoiseParams):
+    depth: PositiveInt = Field(50, description="the teacher reads M_D0's top n per train query (RocketQA: 50)")
     teachers: tuple[Literal["cross_encoder", "fusion"], ...] = Field(
         ("cross_encoder",), min_length=1, description="who denoises; one M_D1 per teacher (md1-ce, md1-fusion); "
                                                       "the first one's data feeds M_D2")
@@ -263,19 +265,23 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
     init = base if c.student.init == "base" else md0
     denoised: dict[str, dict] = {}
     for teacher in c.denoise.teachers:
-        settings = c.denoise.to(DenoiseSettings)
+        label = "ce" if teacher == "cross_encoder" else teacher
+        settings = c.denoise.to(DenoiseParams)
         if teacher == "cross_encoder":
-            p = c.denoise.to(DenoiseParams, teacher=c.cross_encoder.teacher())
-            out = denoise(run, p, label="ce", run=md0_train, queries=train_q, corpus=data.corpus, qrels=data.qrels,
-                          teacher=m_c)
+            scored = score_candidates(run, c.denoise.to(ScoreCandidatesParams, teacher=c.cross_encoder.teacher()),
+                                      label=label, run=md0_train, queries=train_q, corpus=data.corpus,
+                                      qrels=data.qrels, teacher=m_c)
         else:
             fusion = FusionTeacher(type="fusion", **c.denoise.fusion.model_dump())
             bm25_train = bm25_train or bm25_train_run(run, c.bm25, data, train_q, max(de.bm25_depth, c.retrieve.depth))
-            p = DenoiseParams(**{**settings.model_dump(), "calibration": {"method": "platt"}}, teacher=fusion)
-            out = denoise(run, p, label="fusion", run=md0_train, queries=train_q, corpus=data.corpus,
-                          qrels=data.qrels, teacher_runs=[bm25_train, md0_train])
+            scored = score_candidates(run, c.denoise.to(ScoreCandidatesParams, teacher=fusion), label=label,
+                                      run=md0_train, queries=train_q, corpus=data.corpus, qrels=data.qrels,
+                                      teacher_runs=[bm25_train, md0_train])
+            settings = DenoiseParams(**{**settings.model_dump(), "calibration": {"method": "platt"}})
+        # thresholds apart from scoring: a threshold change re-decides in seconds, never re-scores
+        out = denoise(run, settings, label=label, scores=scored, run=md0_train, qrels=data.qrels)
         denoised[teacher] = out
-        histogram_artifact(run, out["histogram"], key=f"denoise-{'ce' if teacher == 'cross_encoder' else teacher}")
+        histogram_artifact(run, out["histogram"], key=f"denoise-{label}")
         name = "md1-ce" if teacher == "cross_encoder" else "md1-fusion"
         systems[name] = student(run, c, data, [train_q], init, name, [data.qrels], [out["negatives"]])
 

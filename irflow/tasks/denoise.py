@@ -2,20 +2,19 @@
 
 A retriever's top passages for a labelled query are the hardest negatives, and also where the
 unlabelled positives are (RocketQA found ~70% of MS MARCO's top-retrieved "negatives" relevant):
-training on them as negatives hurt (MRR@10 26.03 vs 33.32). So a teacher reads them first:
+training on them as negatives hurt (MRR@10 26.03 vs 33.32). So a teacher reads them first
+(``score_candidates``: the retriever's top ``depth`` and the judged positives, raw scores), and this
+stage decides from its scores, without a model:
 
-1. the teacher scores the retriever's top ``depth`` of every query with positives in ``split``
-   (and the judged positives themselves, for calibration and listwise distillation);
+1. scores become probabilities: a cross-encoder's logit through a sigmoid (``calibration.method:
+   sigmoid``, what RocketQA does), or any teacher's score through a sigmoid fitted on the labelled
+   candidates (``platt``: judged positives 1, others 0) -- which a fusion teacher (BM25 + dense, no
+   training, works offline) needs;
 2. walking the ranks, a passage is kept as a negative if its probability is below
    ``negative_threshold`` and it is not a judged positive, up to ``negatives_per_positive`` per
    positive; a passage at or above the threshold is dropped as a likely false negative;
 3. queries short of negatives are filled with random passages from ranks ``fill_ranks`` of the
    retriever's list (not judged positives).
-
-Thresholds are probabilities: a cross-encoder's logit through a sigmoid (``calibration.method:
-sigmoid``, what RocketQA does), or any teacher's score through a sigmoid fitted on the labelled
-candidates (``platt``: judged positives 1, others 0) -- which a fusion teacher (BM25 + dense, no
-training, works offline) needs.
 
 Outputs: ``negatives`` (miner ``denoised`` or ``fill``, the retriever rank), ``scores`` (every scored
 pair with its probability: what listwise distillation and augmentation's calibration read), ``audit``
@@ -42,19 +41,17 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Calibration, Teacher, probabilities, teacher_scores
-from irflow.text import doc_texts, query_texts
+from irflow.teachers import Calibration, probabilities
 
 log = logging.getLogger("irflow.denoise")
 
 Probability = Field(ge=0.0, le=1.0)
 
 
-class DenoiseSettings(Params):
-    """What a denoising run keeps (the teacher is chosen by the recipe)."""
+class DenoiseParams(Params):
+    """What a denoising run keeps, from a teacher's scores of the candidates."""
 
     calibration: Calibration = Field(Calibration(), description="how teacher scores become probabilities")
-    depth: PositiveInt = Field(50, description="the teacher reads the retriever's top n per query (RocketQA: 50)")
     negative_threshold: float = Field(0.1, ge=0.0, le=1.0, description="a candidate whose probability is below "
                                                                        "this is a negative; at or above, it is "
                                                                        "dropped as a likely false negative")
@@ -76,32 +73,12 @@ class DenoiseSettings(Params):
         return self
 
 
-class DenoiseParams(DenoiseSettings):
-    teacher: Teacher = Field(description="who reads the candidates: a cross-encoder or a fusion of runs")
-
-
 def bucket_names(buckets: tuple[int, ...]) -> list[tuple[int, int, str]]:
     out, lo = [], 1
     for hi in buckets:
         out.append((lo, hi, f"{lo}-{hi}"))
         lo = hi + 1
     return out
-
-
-def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) -> tuple[list, dict]:
-    """(query, doc, rank) to score: each query's top ``depth`` and its judged positives (their rank in
-    the run, 0 if the run does not have them); and query -> {doc: rank} of its whole list."""
-    ranks: dict[str, dict[str, int]] = defaultdict(dict)
-    for q, d, r in zip(*(run.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))):
-        if q in pos_by_q:
-            ranks[q][d] = r
-    out = []
-    for q in sorted(pos_by_q):
-        top = {d: r for d, r in ranks.get(q, {}).items() if r <= depth}
-        for d in pos_by_q[q]:
-            top.setdefault(d, ranks.get(q, {}).get(d, 0))
-        out += [(q, d, r) for d, r in sorted(top.items(), key=lambda x: (x[1] == 0, x[1], x[0]))]
-    return out, ranks
 
 
 def denoise_tables(p: DenoiseParams, triples: list[tuple[str, str, int]], prob: np.ndarray, score: np.ndarray,
@@ -119,7 +96,7 @@ def denoise_tables(p: DenoiseParams, triples: list[tuple[str, str, int]], prob: 
         quota = p.negatives_per_positive * len(pos_by_q[q])
         kept: list[tuple[str, int]] = []
         counts = {name: [0, 0, 0, 0] for _, _, name in buckets}
-        for r, d, pr in sorted(x for x in by_q.get(q, ()) if 0 < x[0] <= p.depth):
+        for r, d, pr in sorted(x for x in by_q.get(q, ()) if x[0] > 0):
             name = next((nm for lo, hi, nm in buckets if lo <= r <= hi), None)
             c = counts[name] if name else [0, 0, 0, 0]
             c[0] += 1
@@ -161,46 +138,41 @@ def denoise_tables(p: DenoiseParams, triples: list[tuple[str, str, int]], prob: 
                                                                        "kept")}})}
 
 
-@stage("denoise", version="1",
+@stage("denoise", version="2",
        outputs=[Output("negatives", "negatives"), Output("scores", "teacher_scores"), Output("audit", "denoise_audit"),
-                Output("histogram", kind="figure")], work="score")
-def denoise(p: DenoiseParams, rt: StageRuntime, *, run: DatasetRef, queries: DatasetRef, corpus: DatasetRef,
-            qrels: DatasetRef, teacher: DatasetRef | None = None, teacher_runs: list[DatasetRef] | None = None):
-    """Denoised hard negatives from ``run`` for the queries with positives in ``split``; the teacher is
-    a cross-encoder (``teacher``) or a fusion of ``teacher_runs``."""
+                Output("histogram", kind="figure")])
+def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, run: DatasetRef, qrels: DatasetRef):
+    """Denoised hard negatives for the queries with positives in ``split``, from a teacher's
+    ``scores`` (candidate_scores) of ``run``'s top candidates; ``run``'s deeper ranks are the fill."""
     qrels_t = qrels.table()
     pos_by_q = positives(qrels_t, p.split)
     if not pos_by_q:
         raise DataError(f"denoise: no positive qrels in split '{p.split}'")
-    r = run.table(columns=["query_id", "doc_id", "rank"])
     judged = judged_positives(qrels_t)
-    triples, ranks = candidate_pairs(r, pos_by_q, p.depth)
-    if not ranks:
-        raise DataError(f"denoise: the run has no list for any query of split '{p.split}'")
-    pos_by_q = {q: ds for q, ds in pos_by_q.items() if q in ranks}
-    triples = [t for t in triples if t[0] in pos_by_q]
-    corpus_t = corpus.table()
-    qtext = query_texts(queries.table(), set(pos_by_q))
-    known = set(corpus_t.column("doc_id").to_pylist())
-    triples = [t for t in triples if t[0] in qtext and t[1] in known]
-    dtext = doc_texts(corpus_t, {t[1] for t in triples})
-    pairs = [(q, d) for q, d, _ in triples]
-    log.info("denoise: the %s teacher scores %d pairs (%d queries, top %d + judged positives)", p.teacher.type,
-             len(pairs), len(pos_by_q), p.depth)
-    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],
-                         model=teacher, rt=rt, stage="denoise")
-    labels = np.array([d in judged.get(q, ()) for q, d in pairs], dtype=np.float64)
+    cand = scores.table()
+    triples = list(zip(*(cand.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))))
+    scored_q = {q for q, _, _ in triples}
+    pos_by_q = {q: ds for q, ds in pos_by_q.items() if q in scored_q}
+    if not pos_by_q:
+        raise DataError(f"denoise: the scores have no query of split '{p.split}'")
+    ranks: dict[str, dict[str, int]] = defaultdict(dict)
+    r = run.table(columns=["query_id", "doc_id", "rank"])
+    for q, d, rk in zip(*(r.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))):
+        if q in pos_by_q:
+            ranks[q][d] = rk
+    raw = cand.column("score").to_numpy().astype(np.float64)
+    labels = np.array([d in judged.get(q, ()) for q, d, _ in triples], dtype=np.float64)
     prob, (a, b) = probabilities(raw, p.calibration.method, labels)
     out = denoise_tables(p, triples, prob, raw, pos_by_q, judged, ranks)
     audit = out["audit"]
-    cand = pc.sum(audit.column("candidates")).as_py() or 0
+    n_cand = pc.sum(audit.column("candidates")).as_py() or 0
     dropped = pc.sum(audit.column("dropped")).as_py() or 0
-    log.info("denoise: %d of %d top-%d candidates dropped as likely false negatives (p >= %.2f; calibration %s, "
-             "a=%.4g b=%.4g); %d negatives", dropped, cand, p.depth, p.negative_threshold, p.calibration.method, a, b,
+    log.info("denoise: %d of %d candidates dropped as likely false negatives (p >= %.2f; calibration %s, "
+             "a=%.4g b=%.4g); %d negatives", dropped, n_cand, p.negative_threshold, p.calibration.method, a, b,
              out["negatives"].num_rows)
     fig_dir = Path(rt.workdir) / "histogram"
     is_pos = labels > 0
     probability_histogram(fig_dir, {"judged positives": prob[is_pos], "other candidates": prob[~is_pos]},
                           {f"negative < {p.negative_threshold}": p.negative_threshold},
-                          f"denoise: {p.teacher.type} teacher on top-{p.depth} ({p.calibration.method})")
+                          f"denoise: teacher probabilities of the top candidates ({p.calibration.method})")
     return {**out, "histogram": fig_dir}

@@ -1,0 +1,84 @@
+"""A teacher's scores of a retriever's top candidates for the labelled queries: what ``denoise``
+thresholds (RocketQA, Qu et al., NAACL 2021, section 4.2).
+
+Per query with positives in ``split``: the retriever's top ``depth`` passages, plus the query's
+judged positives (rank 0 where the run does not have them: they calibrate a Platt fit and anchor
+listwise distillation), each with the teacher's raw score and whether it is a judged positive.
+
+Scoring is its own stage so that what is decided *from* the scores (thresholds, quotas, the fill)
+recomputes without re-scoring: a cross-encoder reading 40k pairs is nearly all of denoising's time
+(528 s of 530 s on SciFact), a threshold change then costs seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+from pydantic import Field, PositiveInt
+
+from irflow.errors import DataError
+from irflow.params import Params
+from irflow.qrels import judged_positives, positives
+from irflow.runtime import StageRuntime
+from irflow.stage import Output, stage
+from irflow.store import DatasetRef
+from irflow.teachers import Teacher, teacher_scores
+from irflow.text import doc_texts, query_texts
+
+log = logging.getLogger("irflow.score_candidates")
+
+
+class ScoreCandidatesParams(Params):
+    teacher: Teacher = Field(description="who reads the candidates: a cross-encoder or a fusion of runs")
+    depth: PositiveInt = Field(50, description="the teacher reads the retriever's top n per query (RocketQA: 50)")
+    split: str = Field("train", min_length=1, description="the qrels split whose queries and positives are scored")
+
+
+def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) -> tuple[list, dict]:
+    """(query, doc, rank) to score: each query's top ``depth`` and its judged positives (their rank in
+    the run, 0 if the run does not have them); and query -> {doc: rank} of its whole list."""
+    ranks: dict[str, dict[str, int]] = defaultdict(dict)
+    for q, d, r in zip(*(run.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))):
+        if q in pos_by_q:
+            ranks[q][d] = r
+    out = []
+    for q in sorted(pos_by_q):
+        top = {d: r for d, r in ranks.get(q, {}).items() if r <= depth}
+        for d in pos_by_q[q]:
+            top.setdefault(d, ranks.get(q, {}).get(d, 0))
+        out += [(q, d, r) for d, r in sorted(top.items(), key=lambda x: (x[1] == 0, x[1], x[0]))]
+    return out, ranks
+
+
+@stage("score_candidates", version="1", outputs=Output("out", "candidate_scores"), work="score")
+def score_candidates(p: ScoreCandidatesParams, rt: StageRuntime, *, run: DatasetRef, queries: DatasetRef,
+                     corpus: DatasetRef, qrels: DatasetRef, teacher: DatasetRef | None = None,
+                     teacher_runs: list[DatasetRef] | None = None) -> pa.Table:
+    """Raw teacher scores of ``run``'s top ``depth`` (and the judged positives) for the queries with
+    positives in ``split``; the teacher is a cross-encoder (``teacher``) or a fusion of ``teacher_runs``."""
+    qrels_t = qrels.table()
+    pos_by_q = positives(qrels_t, p.split)
+    if not pos_by_q:
+        raise DataError(f"score_candidates: no positive qrels in split '{p.split}'")
+    triples, ranks = candidate_pairs(run.table(columns=["query_id", "doc_id", "rank"]), pos_by_q, p.depth)
+    if not ranks:
+        raise DataError(f"score_candidates: the run has no list for any query of split '{p.split}'")
+    triples = [t for t in triples if t[0] in ranks]
+    corpus_t = corpus.table()
+    qtext = query_texts(queries.table(), {t[0] for t in triples})
+    known = set(corpus_t.column("doc_id").to_pylist())
+    triples = [t for t in triples if t[0] in qtext and t[1] in known]
+    dtext = doc_texts(corpus_t, {t[1] for t in triples})
+    pairs = [(q, d) for q, d, _ in triples]
+    log.info("score_candidates: the %s teacher scores %d pairs (%d queries, top %d + judged positives)",
+             p.teacher.type, len(pairs), len({q for q, _ in pairs}), p.depth)
+    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],
+                         model=teacher, rt=rt, stage="score_candidates")
+    judged = judged_positives(qrels_t)
+    return pa.table({"query_id": [t[0] for t in triples], "doc_id": [t[1] for t in triples],
+                     "rank": pa.array([t[2] for t in triples], pa.int32()),
+                     "score": pa.array(np.asarray(raw, dtype=np.float32), pa.float32()),
+                     "positive": [t[1] in judged.get(t[0], ()) for t in triples]})
