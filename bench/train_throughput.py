@@ -12,7 +12,9 @@ default), the same batch sizes, lengths, learning rate and number of steps.
   ``CachedMultipleNegativesRankingLoss``, batch 64 (query, positive) pairs in chunks of 16.
 sentence-transformers' side runs its losses in a plain AdamW loop with clipping (its Trainer needs
 ``accelerate``, which irflow does not install). Time is measured between the end of step 1 and the
-end of the last step (set-up and the first step's warm-up excluded on both sides). Runs alternate (irflow, st, irflow, st, ...) so load drifts hit both.
+end of the last step (set-up and the first step's warm-up excluded on both sides). Both sides train on
+the same batches (irflow's BatchPlan picks them; padding cost depends on which texts share a batch).
+Runs alternate (irflow, st, irflow, st, ...) so load drifts hit both.
 """
 
 from __future__ import annotations
@@ -127,11 +129,14 @@ def st_ce(pairs, others, steps, batch, max_length) -> float:
 
     model = CrossEncoder(minilm_path(), num_labels=1, max_length=max_length, device="cpu")
     loss = BinaryCrossEntropyLoss(model)
+    from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams
+    from irflow.training import BatchPlan
+
     texts = [(q, d, 1.0) for q, d in pairs] + [(q, o, 0.0) for (q, _), o in zip(pairs, others)]
-    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(42)).tolist()
+    plan = BatchPlan(len(texts), batch, TrainCrossEncoderParams().seed)  # irflow's batches: the same inputs
 
     def step_loss(step):
-        idx = order[step * batch:(step + 1) * batch]
+        idx = plan.at(step)
         return loss([[texts[i][0] for i in idx], [texts[i][1] for i in idx]],
                     torch.tensor([texts[i][2] for i in idx]))
 
@@ -168,8 +173,15 @@ def st_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
     model.max_seq_length = p_len  # one limit for both sides in sentence-transformers
     loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini)
 
+    from irflow.dual_encoder import TrainDualEncoderParams
+    from irflow.training import BatchPlan
+
+    # irflow's batches (the same seed and keys as irflow_gradcache's job): the same inputs per step
+    keys = [frozenset([f"q{i}"]) for i in range(len(pairs))]
+    plan = BatchPlan(len(pairs), batch, TrainDualEncoderParams().seed, keys)
+
     def step_loss(step):
-        chunk = pairs[step * batch:(step + 1) * batch]
+        chunk = [pairs[i] for i in plan.at(step)]
         feats = [model.tokenize([q for q, _ in chunk]), model.tokenize([d for _, d in chunk])]
         return loss(feats, torch.empty(0))
 
