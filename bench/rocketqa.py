@@ -1,7 +1,7 @@
 """RocketQA and ANCE benchmark on whole BEIR datasets (offline: MiniLM everywhere), and the partial
 re-execution stage lists on the bundled sample.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/rocketqa.py --dataset scifact [--store DIR] [--skip-ance]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/rocketqa.py --dataset scifact [--store DIR] [--skip-ance | --skip-rocketqa]
         [--set key=value ...] [--out bench/results/rocketqa_scifact.json]
     HF_HUB_OFFLINE=1 .venv/bin/python bench/rocketqa.py --partial [--out bench/results/rocketqa_partial.json]
 
@@ -84,14 +84,14 @@ def table(metrics: list[dict]) -> list[dict]:
             for s, m in by.items() if s not in ORDER]
 
 
-def bench_dataset(ds: str, store: str, sets: list[str], skip_ance: bool) -> dict:
+def bench_dataset(ds: str, store: str, sets: list[str], flows: tuple[str, ...]) -> dict:
     from irflow.runtime import cpu_flags, cpu_model
 
     out = {"dataset": ds, "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                                       "avx512_bf16": "avx512_bf16" in cpu_flags(), "python": platform.python_version()},
            "store": store, "overrides": sets, "runs": {}}
     metrics = []
-    for flow in ("rocketqa",) + (() if skip_ance else ("ance",)):
+    for flow in flows:
         config = f"configs/{flow}_{ds}_offline.yaml"
         before = load()
         result, wall = api_run(config, store, sets if flow == "rocketqa" else [])
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="--partial: only the cases whose name starts with this")
     ap.add_argument("--store", default=None)
     ap.add_argument("--skip-ance", action="store_true")
+    ap.add_argument("--skip-rocketqa", action="store_true", help="ANCE only (e.g. RocketQA measured before)")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -144,7 +145,8 @@ def main() -> None:
         res = bench_partial(store, a.only, out)
     else:
         store = a.store or str(ROOT / f"store-bench-{a.dataset}")
-        res = bench_dataset(a.dataset, store, a.sets, a.skip_ance)
+        flows = tuple(f for f, skip in (("rocketqa", a.skip_rocketqa), ("ance", a.skip_ance)) if not skip)
+        res = bench_dataset(a.dataset, store, a.sets, flows)
         out = a.out or str(ROOT / f"bench/results/rocketqa_{a.dataset}.json")
         print(f"\n{'system':45s} {'nDCG@10':>8s} {'R@100':>7s}")
         for r in res["table"]:

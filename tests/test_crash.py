@@ -199,6 +199,7 @@ def test_ctrl_c_is_one_line_and_leaves_nothing_running(setup):
         assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowing, on purpose
 def test_a_ctrl_c_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
     """Python raises a Ctrl-C's KeyboardInterrupt wherever the main thread is; inside a finaliser
     (``__del__`` run by the garbage collector) it is printed as "ignored" and lost. The CLI's handler
