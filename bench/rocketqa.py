@@ -108,7 +108,8 @@ def bench_dataset(ds: str, store: str, sets: list[str], flows: tuple[str, ...]) 
     return out
 
 
-def bench_partial(store: str, only: str | None = None, out_path: str | None = None) -> dict:
+def bench_partial(store: str, only: str | None = None, out_path: str | None = None,
+                  cases_named: list[str] = ()) -> dict:
     cases = [("rocketqa", "configs/rocketqa_demo.yaml", []),
              ("rocketqa: denoise.negative_threshold 0.1 -> 0.05", "configs/rocketqa_demo.yaml",
               ["denoise.negative_threshold=0.05"]),
@@ -117,7 +118,7 @@ def bench_partial(store: str, only: str | None = None, out_path: str | None = No
              ("ance: rounds 2 -> 3", "configs/ance_demo.yaml", ["rounds=3"])]
     out = []
     for name, config, sets in cases:
-        if only and not name.startswith(only):
+        if (only and not name.startswith(only)) or (cases_named and name not in cases_named):
             continue
         result, wall = api_run(config, store, sets)
         out.append({"case": name, "overrides": sets, "wall_seconds": wall, "computed": sorted(result.computed),
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--dataset", default="scifact")
     ap.add_argument("--partial", action="store_true")
     ap.add_argument("--only", default=None, help="--partial: only the cases whose name starts with this")
+    ap.add_argument("--case", action="append", default=[], help="--partial: only the cases of exactly these names")
     ap.add_argument("--store", default=None)
     ap.add_argument("--skip-ance", action="store_true")
     ap.add_argument("--skip-rocketqa", action="store_true", help="ANCE only (e.g. RocketQA measured before)")
@@ -142,7 +144,7 @@ def main() -> None:
     if a.partial:
         store = a.store or str(ROOT / "store-bench-partial")
         out = a.out or str(ROOT / "bench/results/rocketqa_partial.json")
-        res = bench_partial(store, a.only, out)
+        res = bench_partial(store, a.only, out, a.case)
     else:
         store = a.store or str(ROOT / f"store-bench-{a.dataset}")
         flows = tuple(f for f, skip in (("rocketqa", a.skip_rocketqa), ("ance", a.skip_ance)) if not skip)
