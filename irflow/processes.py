@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -54,6 +55,15 @@ def install_interrupt_handler() -> None:
     if threading.current_thread() is threading.main_thread():  # only there can handlers be set
         _interrupted = False
         signal.signal(signal.SIGINT, on_sigint)
+        # The swallowed interrupt's "Exception ignored in: <... __del__>" traceback is not news to the
+        # user (it was seen in CI, from asyncio's _SelectorTransport.__del__): the flag carries it on.
+        previous = sys.unraisablehook
+
+        def unraisable(u):
+            if not (_interrupted and isinstance(u.exc_value, KeyboardInterrupt)):
+                previous(u)
+
+        sys.unraisablehook = unraisable
 
 
 def check_interrupted() -> None:
