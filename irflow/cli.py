@@ -338,43 +338,71 @@ def _error(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from irflow.processes import install_interrupt_handler
+    from irflow.processes import install_interrupt_handler, interrupted
 
     install_interrupt_handler()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+    said = False
     try:
-        return args.func(args)
+        try:
+            return args.func(args)
+        except KeyboardInterrupt:
+            said = True
+            _error("interrupted")
+            return 130
+        except Exception as e:  # noqa: BLE001 -- every failure ends in one line (and a traceback with --debug)
+            if interrupted():  # a Ctrl-C some library turned into its own error on the way out
+                said = True
+                _error("interrupted")
+                return 130
+            return _report_failure(e, args.debug)
+        finally:
+            # Objects that C extensions own (DuckDB connections, via nanobind) must die before the
+            # interpreter does, or each one prints a "leaked" line at exit: drop the frames that a caught
+            # exception keeps alive, then collect.
+            sys.last_traceback = sys.last_value = sys.last_type = None
+            gc.collect()
     except KeyboardInterrupt:
-        _error("interrupted")
+        # Python raises a Ctrl-C's KeyboardInterrupt at whatever bytecode the main thread is on, which
+        # can be the error handling or the clean-up above; escaping main it would kill the process by
+        # SIGINT with a traceback (CI once saw exit -2 instead of 130). The run is stopped either way.
+        if not said:
+            _error("interrupted")
         return 130
-    except Exception as e:  # noqa: BLE001 -- every failure ends in one line (and a traceback with --debug)
-        from irflow.catalog import CatalogLocked
-        from irflow.data_contracts import ContractError
 
-        if args.debug:
-            import traceback
 
-            traceback.print_exception(e)
-        if isinstance(e, StageFailed):
-            if e.user_error:
-                _error(e.one_line())
-                return 2
-            _error(e.one_line() + ("" if args.debug else " (run with --debug for the traceback)"))
-            return 1
-        if isinstance(e, (UserError, CatalogLocked, ContractError)):
-            _error(str(e))
+def _report_failure(e: Exception, debug: bool) -> int:
+    from irflow.catalog import CatalogLocked
+    from irflow.data_contracts import ContractError
+
+    if debug:
+        import traceback
+
+        traceback.print_exception(e)
+    if isinstance(e, StageFailed):
+        if e.user_error:
+            _error(e.one_line())
             return 2
-        _error(f"{type(e).__name__}: {e}" + ("" if args.debug else " (run with --debug for the traceback)"))
+        _error(e.one_line() + ("" if debug else " (run with --debug for the traceback)"))
         return 1
-    finally:
-        # Objects that C extensions own (DuckDB connections, via nanobind) must die before the
-        # interpreter does, or each one prints a "leaked" line at exit: drop the frames that a caught
-        # exception keeps alive, then collect.
-        sys.last_traceback = sys.last_value = sys.last_type = None
-        gc.collect()
+    if isinstance(e, (UserError, CatalogLocked, ContractError)):
+        _error(str(e))
+        return 2
+    _error(f"{type(e).__name__}: {e}" + ("" if debug else " (run with --debug for the traceback)"))
+    return 1
+
+
+def entry() -> None:
+    """The console script: main's code as the exit status; a Ctrl-C between main returning and the exit
+    is still exit 130, never a death by SIGINT."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = 130
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -66,6 +66,11 @@ def install_interrupt_handler() -> None:
         sys.unraisablehook = unraisable
 
 
+def interrupted() -> bool:
+    """Whether a Ctrl-C came (since the CLI's handler was installed)."""
+    return _interrupted
+
+
 def check_interrupted() -> None:
     """Raise KeyboardInterrupt if a Ctrl-C came and was swallowed on its way."""
     if _interrupted:

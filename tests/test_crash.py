@@ -187,8 +187,9 @@ def test_ctrl_c_is_one_line_and_leaves_nothing_running(setup):
     below = {c: cmdline(c) for c in descendants(p.pid)}
     n = len(lines)
     os.killpg(p.pid, signal.SIGINT)
-    assert p.wait(timeout=60) == 130
+    rc = p.wait(timeout=60)
     reader.join(timeout=10)
+    assert rc == 130, "".join(lines[n:])[-4000:]
     p.stdout.close()
     p.stderr.close()
     after = [ln for ln in lines[n:] if "%|" not in ln]  # progress bars redraw their line; not messages
@@ -223,3 +224,33 @@ def test_a_ctrl_c_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch, caps
         signal.signal(signal.SIGINT, previous)
     # ... and its "Exception ignored in ..." traceback is not printed (the CLI says "interrupted" once)
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["clean-up", "converted"])
+def test_a_ctrl_c_landing_outside_the_run_is_still_one_line_and_130(where, monkeypatch, capsys):
+    """The KeyboardInterrupt lands wherever the main thread is: in main's own clean-up (it must not
+    escape main: the process would die by SIGINT with a traceback), or inside a library that turns it
+    into its own error (it must not be reported as a failure)."""
+    import gc
+
+    from irflow import cli, processes
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    if where == "clean-up":
+        def collect(*_):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(gc, "collect", collect)
+    else:
+        def show_config(args):
+            processes._interrupted = True  # the handler ran, and some C extension raised its own error
+            raise RuntimeError("interrupted by signal")
+        monkeypatch.setattr(cli, "cmd_config", show_config)  # build_parser reads it when main calls it
+    monkeypatch.setattr(processes, "_interrupted", False)
+    previous, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    try:
+        code = cli.main(["config", config])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
+    assert code == 130
+    assert capsys.readouterr().err.splitlines()[-1:] == ["irflow: error: interrupted"]
