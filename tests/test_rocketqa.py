@@ -249,3 +249,14 @@ def test_hub_configs_fail_fast_offline_naming_the_model(tmp_path):
         assert code == 2, err
         assert "base_model" in err and "Traceback" not in err
         assert not (tmp_path / "s").exists()
+
+
+def test_m_c_is_evaluated_at_the_length_it_was_trained_on(setup):
+    """The re-ranking of mc-rerank reads cross_encoder.max_length tokens unless rerank.max_length is
+    set (a 128-token M_C scored on 256 tokens sees inputs it was never trained on)."""
+    c = api.load_config(setup["rocketqa"], ["cross_encoder.max_length=96"])
+    assert c.cross_encoder.rerank.max_length == 96 == c.cross_encoder.teacher().max_length
+    c = api.load_config(setup["rocketqa"], ["cross_encoder.max_length=96", "cross_encoder.rerank.max_length=200"])
+    assert c.cross_encoder.rerank.max_length == 200
+    c = api.load_config(setup["rocketqa"], [])
+    assert c.cross_encoder.rerank.max_length == c.cross_encoder.max_length

@@ -76,7 +76,21 @@ class CrossEncoderConfig(TrainCrossEncoderParams):
     negatives_depth: PositiveInt = Field(1000, description="M_C's negatives are sampled uniformly from M_D0's "
                                                            "top n, positives excluded (RocketQA: 1000)")
     rerank: RerankSettings = Field(RerankSettings(), description="M_C evaluated as a re-ranker of M_D0's test "
-                                                                 "top-n (system mc-rerank)")
+                                                                 "top-n (system mc-rerank); it reads `max_length` "
+                                                                 "tokens, as M_C was trained, unless "
+                                                                 "rerank.max_length is set")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rerank_reads_as_trained(cls, data):
+        # A cross-encoder trained on 128 tokens and evaluated on 256 is evaluated on inputs it never
+        # saw (and twice as slowly): the re-ranker inherits the training length unless told otherwise.
+        if isinstance(data, dict):
+            rerank = data.get("rerank")
+            rerank = rerank.model_dump(exclude_unset=True) if isinstance(rerank, RerankSettings) else dict(rerank or {})
+            rerank.setdefault("max_length", data.get("max_length", TrainCrossEncoderParams.model_fields["max_length"].default))
+            data = {**data, "rerank": rerank}
+        return data
 
     def teacher(self) -> CrossEncoderTeacher:
         return CrossEncoderTeacher(type="cross_encoder", batch_size=self.rerank.batch_size,
