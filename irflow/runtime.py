@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import re
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -293,6 +294,9 @@ def configure(store_root: str | Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OPENAI_API_KEY", "not-used-by-irflow")  # see irflow.java
+    # Importing Prefect tries to create PREFECT_HOME (without its parents) and warns when the store
+    # does not exist yet; prefect_home() creates it before any flow runs, so the warning is noise.
+    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory", category=UserWarning)
 
 
 def prefect_home() -> None:
