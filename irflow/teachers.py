@@ -92,16 +92,34 @@ def fit_platt(scores: np.ndarray, labels: np.ndarray, iterations: int = 50) -> t
         raise ValueError(f"platt calibration needs positive and negative pairs (got {int(n_pos)} positive, "
                          f"{int(n_neg)} negative)")
     t = np.where(y > 0, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2))  # Platt (1999), section 2.2
-    a, b = 1.0, float(np.log((n_pos + 1) / (n_neg + 1)))
+
+    def loss(a: float, b: float) -> float:
+        z = a * s + b
+        return float(np.sum(t * np.logaddexp(0, -z) + (1 - t) * np.logaddexp(0, z)))
+
+    # Start from the base rate (a = 0: every p equal, a well-conditioned Hessian) and backtrack each
+    # Newton step until the loss decreases (Lin, Lin & Weng 2007). Plain Newton from a = 1 diverged
+    # (a ~ -5e10) on NFCorpus's fusion scores: ranges up to ~17 saturate p, the Hessian vanishes.
+    a, b = 0.0, float(np.log((n_pos + 1) / (n_neg + 1)))
     x = np.stack([s, np.ones_like(s)], 1)
+    f = loss(a, b)
     for _ in range(iterations):
         p = sigmoid(a * s + b)
         grad = x.T @ (p - t)
         w = p * (1 - p) + 1e-12
         hess = (x * w[:, None]).T @ x + 1e-9 * np.eye(2)
         step = np.linalg.solve(hess, grad)
-        a, b = a - step[0], b - step[1]
-        if np.abs(step).max() < 1e-10:
+        lam = 1.0
+        while lam >= 1e-10:
+            na, nb = a - lam * step[0], b - lam * step[1]
+            nf = loss(na, nb)
+            if nf < f + 1e-4 * lam * float(grad @ -step):
+                break
+            lam /= 2
+        else:
+            break  # no step decreases the loss: at the optimum (to rounding)
+        a, b, f = na, nb, nf
+        if np.abs(lam * step).max() < 1e-10:
             break
     return float(a), float(b)
 

@@ -192,6 +192,24 @@ def test_platt_recovers_a_known_calibration():
     assert a == pytest.approx(1.7, abs=0.1) and b == pytest.approx(-0.8, abs=0.1)
 
 
+def test_platt_converges_where_plain_newton_diverged():
+    """Scores shaped like NFCorpus's fusion teacher: unjudged candidates around 1, judged positives both
+    high (in the lists) and low (outside them, 43 per query). Plain Newton from a = 1 went to
+    a ~ 8e10 here; the fit must be finite and at least as likely as every point of a grid."""
+    rng = np.random.default_rng(1)
+    s = np.concatenate([rng.normal(1.3, 1.5, 161000), rng.normal(3.9, 3.0, 13000), rng.normal(-1.1, 0.5, 51000)])
+    y = np.concatenate([np.zeros(161000), np.ones(13000), np.ones(51000)])
+    a, b = fit_platt(s, y)
+
+    def nll(a, b):
+        z = a * s + b
+        return float(np.sum(y * np.logaddexp(0, -z) + (1 - y) * np.logaddexp(0, z)))
+
+    assert abs(a) < 10 and abs(b) < 10
+    best_on_grid = min(nll(ga, gb) for ga in np.linspace(-3, 3, 25) for gb in np.linspace(-3, 3, 25))
+    assert nll(a, b) <= best_on_grid + 1e-6 * best_on_grid
+
+
 # ---- refusals ---------------------------------------------------------------------------------------
 def _cfg(setup, flow="rocketqa", **update):
     cfg = yaml.safe_load(Path(setup[flow]).read_text())

@@ -138,7 +138,7 @@ def denoise_tables(p: DenoiseParams, triples: list[tuple[str, str, int]], prob: 
                                                                        "kept")}})}
 
 
-@stage("denoise", version="2",
+@stage("denoise", version="3",
        outputs=[Output("negatives", "negatives"), Output("scores", "teacher_scores"), Output("audit", "denoise_audit"),
                 Output("histogram", kind="figure")])
 def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, run: DatasetRef, qrels: DatasetRef):
