@@ -88,7 +88,7 @@ class CrossEncoderConfig(TrainCrossEncoderParams):
         if isinstance(data, dict):
             rerank = data.get("rerank")
             rerank = rerank.model_dump(exclude_unset=True) if isinstance(rerank, RerankSettings) else dict(rerank or {})
-            rerank.setdefault("max_length", data.get("max_length", TrainCrossEncoderParams.model_fields["max_length"].default))
+            rerank.setdefault("max_length", data.get("max_length", cls.model_fields["max_length"].default))
             data = {**data, "rerank": rerank}
         return data
 
