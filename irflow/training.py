@@ -123,22 +123,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_optimizer(model, lr: float, weight_decay: float = 0.01):
+def make_optimizer(model, lr: float, weight_decay: float = 0.01, head_lr: float | None = None):
+    """AdamW, no weight decay on biases and norms. ``head_lr``: the learning rate of the parameters
+    outside the model's pretrained body (``model.base_model_prefix``, e.g. a sequence classifier's
+    fresh head); None: ``lr`` for every parameter."""
     import torch
 
     no_decay = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "norm.weight")
+    body = getattr(model, "base_model_prefix", "") or ""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for n, p in named if not any(k in n for k in no_decay)], "weight_decay": weight_decay},
-        {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0},
-    ]
+    groups = []
+    for decay in (True, False):
+        for is_head in (False, True):
+            params = [p for n, p in named if (not any(k in n for k in no_decay)) == decay
+                      and (head_lr is not None and bool(body) and not n.startswith(body + ".")) == is_head]
+            if params:
+                groups.append({"params": params, "weight_decay": weight_decay if decay else 0.0,
+                               "lr": head_lr if is_head else lr})
     return torch.optim.AdamW(groups, lr=lr)
 
 
 def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: BatchPlan, p: LoopParams,
                warmup_steps: int, rt, desc: str, *, after_backward: Callable[[], None] | None = None,
                step_info: Callable[[], dict] | None = None, save_checkpoints: bool = True,
-               show_progress: bool = True) -> list[dict]:
+               show_progress: bool = True, head_lr: float | None = None) -> list[dict]:
     """Run ``plan.total_steps(p)`` optimizer steps of ``compute_loss(batch indices)`` on ``rt.device``
     under ``rt.autocast()``; checkpoint into and resume from ``rt.resume_dir``.
 
@@ -154,7 +162,7 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
 
     total = plan.total_steps(p)
     device = rt.device
-    opt = make_optimizer(model, p.lr, p.weight_decay)
+    opt = make_optimizer(model, p.lr, p.weight_decay, head_lr)
     sched = get_linear_schedule_with_warmup(opt, int(warmup_steps), total)
     ckpt_path = Path(rt.resume_dir) / CHECKPOINT if rt.resume_dir else None
     start, history = 0, []

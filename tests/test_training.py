@@ -440,7 +440,10 @@ def test_train_cross_encoder_from_a_bi_encoder_and_resume(env, tmp_path, monkeyp
         return dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], base_model=model(run, env["bi"]))
 
     run_a = Run(str(tmp_path / "a"), "r")
-    full = train_cross_encoder.run(run_a, params, **inputs_for(run_a))
+    with caplog.at_level(logging.INFO, logger="irflow.train"):
+        full = train_cross_encoder.run(run_a, params, **inputs_for(run_a))
+    assert "has no relevance head; a fresh one is trained at lr 0.001" in caplog.text  # and head_lr is unset
+    caplog.clear()
 
     def crash(step):
         if step == 3:
@@ -460,6 +463,41 @@ def test_train_cross_encoder_from_a_bi_encoder_and_resume(env, tmp_path, monkeyp
     assert a.keys() == b.keys() and a["classifier.weight"].shape == (1, 32)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_head_lr_is_the_rate_of_the_parameters_outside_the_pretrained_body(env, tmp_path, caplog):
+    """A fresh 1-logit head moves by about lr per AdamW step: at a body's lr (3e-5) it barely leaves its
+    initialisation in a few hundred steps (the offline M_C learnt only the label prior). ``head_lr``
+    gives the classifier its own rate; the body keeps ``lr``."""
+    from transformers import AutoModelForSequenceClassification
+
+    m = AutoModelForSequenceClassification.from_pretrained(env["ce"])
+    lr_of = {id(p): g["lr"] for g in training.make_optimizer(m, 1e-5, 0.01, head_lr=1e-3).param_groups
+             for p in g["params"]}
+    assert len(lr_of) == len(list(m.parameters()))
+    for name, p in m.named_parameters():
+        assert lr_of[id(p)] == (1e-3 if name.startswith("classifier.") else 1e-5), name
+    assert {g["lr"] for g in training.make_optimizer(m, 1e-5, 0.01).param_groups} == {1e-5}
+
+    base = m.state_dict()
+    inputs = dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], base_model=env["ce_ref"])
+
+    def moved(**kw) -> tuple[float, float]:
+        """(largest change of a body weight, of a head weight) after 3 steps at a negligible body lr."""
+        out = train_cross_encoder.fn(_ce_params(steps=3, warmup_steps=0, lr=1e-9, weight_decay=0, **kw),
+                                     StageRuntime(workdir=tmp_path / str(kw)), **inputs)
+        after = AutoModelForSequenceClassification.from_pretrained(out).state_dict()
+        delta = {k: (after[k].float() - base[k].float()).abs().max().item() for k in base}
+        return (max(v for k, v in delta.items() if not k.startswith("classifier.")),
+                max(v for k, v in delta.items() if k.startswith("classifier.")))
+
+    with caplog.at_level(logging.INFO, logger="irflow.train"):
+        body, head = moved(head_lr=1e-2)
+    assert "no relevance head" not in caplog.text  # the tiny cross-encoder has one
+
+    assert body < 1e-6 and head > 1e-2, (body, head)
+    body, head = moved()
+    assert body < 1e-6 and head < 1e-6, (body, head)
 
 
 def test_runtime_precision_reaches_cross_encoder_training(env, tmp_path):

@@ -50,6 +50,8 @@ class TrainCrossEncoderParams(LoopParams):
     batch_size: PositiveInt = Field(16, description="(query, passage) pairs per step")
     max_length: PositiveInt = Field(256, description="tokens of (query, passage) the model reads")
     warmup_steps: int = Field(100, ge=0, description="linear warm-up steps, then linear decay to 0")
+    head_lr: float | None = Field(None, gt=0, description="peak learning rate of the classification head (the "
+                                                          "parameters outside the pretrained body); null: lr")
 
 
 def training_pairs(qrels: pa.Table, corpus_ids: list[str], p: TrainCrossEncoderParams,
@@ -80,30 +82,24 @@ def training_pairs(qrels: pa.Table, corpus_ids: list[str], p: TrainCrossEncoderP
     return ex
 
 
-@stage("train_cross_encoder", version="2", outputs=Output("cross_encoder", kind="model", check=_check_cross_encoder),
-       work="train", resumable=True)
-def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
-                        qrels: DatasetRef, base_model: DatasetRef, negatives: DatasetRef | None = None) -> Path:
-    """A cross-encoder fine-tuned from ``base_model`` (a fresh 1-logit head where it has none) on the
-    positives of ``qrels`` and negatives (from ``negatives``, else random passages)."""
+def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], base_path, p: TrainCrossEncoderParams,
+                      rt: StageRuntime, desc: str = "train_cross_encoder", show_progress: bool = True):
+    """(model, tokenizer, loss history): ``base_path``'s weights (a fresh 1-logit head where it has none)
+    trained on the ``{q, d, label}`` pairs of ``ex`` with binary cross-entropy."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     device = rt.device
-    corpus_t = corpus.table()
-    ex = training_pairs(qrels.table(), corpus_t.column("doc_id").to_pylist(), p,
-                        negatives.table() if negatives is not None else None)
-    qtext = query_texts(queries.table(), set(ex["q"]))
-    dtext = doc_texts(corpus_t, set(ex["d"]))
-    keep = [i for i in range(len(ex["q"])) if ex["q"][i] in qtext and ex["d"][i] in dtext]
-    ex = {k: [v[i] for i in keep] for k, v in ex.items()}
-    if not ex["q"]:
-        raise DataError("no training pairs")
-
     seed_everything(p.seed)  # the fresh head's initialisation
-    tok = AutoTokenizer.from_pretrained(base_model.path)
-    model = AutoModelForSequenceClassification.from_pretrained(base_model.path, num_labels=1,
-                                                               ignore_mismatched_sizes=True)
+    tok = AutoTokenizer.from_pretrained(base_path)
+    model, info = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1, ignore_mismatched_sizes=True,
+                                                                     output_loading_info=True)
+    fresh = [k for k in [*(info.get("missing_keys") or ()),
+                         *(m if isinstance(m, str) else m[0] for m in info.get("mismatched_keys") or ())]
+             if not k.startswith(model.base_model_prefix + ".")]
+    if fresh and p.head_lr is None:
+        log.warning("train_cross_encoder: %s has no relevance head; a fresh one is trained at lr %g, where it barely "
+                    "leaves its initialisation in a few hundred steps (set head_lr, e.g. 1e-3)", base_path, p.lr)
     model.to(device)
     bce = torch.nn.BCEWithLogitsLoss()
     labels = torch.tensor(ex["label"], dtype=torch.float32)
@@ -115,11 +111,33 @@ def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries
         return bce(logits, labels[idx].to(device))
 
     plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed)
-    log.info("train_cross_encoder: %d pairs (%d positive), %d steps (%s, %s)", len(ex["q"]), int(sum(ex["label"])),
-             plan.total_steps(p), device, rt.precision)
-    history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, "train_cross_encoder")
-    out = Path(rt.workdir) / "cross_encoder"
+    history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, desc, show_progress=show_progress,
+                         head_lr=p.head_lr)
     model.eval()
+    return model, tok, history
+
+
+@stage("train_cross_encoder", version="2", outputs=Output("cross_encoder", kind="model", check=_check_cross_encoder),
+       work="train", resumable=True)
+def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
+                        qrels: DatasetRef, base_model: DatasetRef, negatives: DatasetRef | None = None) -> Path:
+    """A cross-encoder fine-tuned from ``base_model`` (a fresh 1-logit head where it has none) on the
+    positives of ``qrels`` and negatives (from ``negatives``, else random passages)."""
+    corpus_t = corpus.table()
+    ex = training_pairs(qrels.table(), corpus_t.column("doc_id").to_pylist(), p,
+                        negatives.table() if negatives is not None else None)
+    qtext = query_texts(queries.table(), set(ex["q"]))
+    dtext = doc_texts(corpus_t, set(ex["d"]))
+    keep = [i for i in range(len(ex["q"])) if ex["q"][i] in qtext and ex["d"][i] in dtext]
+    ex = {k: [v[i] for i in keep] for k, v in ex.items()}
+    if not ex["q"]:
+        raise DataError("no training pairs")
+
+    plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed)
+    log.info("train_cross_encoder: %d pairs (%d positive), %d steps (%s, %s)", len(ex["q"]), int(sum(ex["label"])),
+             plan.total_steps(p), rt.device, rt.precision)
+    model, tok, history = fit_cross_encoder(ex, qtext, dtext, base_model.path, p, rt)
+    out = Path(rt.workdir) / "cross_encoder"
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "irflow_training.json").write_text(json.dumps(
