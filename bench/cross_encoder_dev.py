@@ -146,7 +146,9 @@ def main() -> None:
         over = {}
         for item in filter(None, kv.split(",")):
             k, _, v = item.partition("=")
-            over[k] = float(v) if k.endswith("lr") else yaml.safe_load(v)  # YAML 1.1 reads 1e-4 as text
+            over[k] = yaml.safe_load(v)
+            if isinstance(over[k], str) and k.endswith("lr"):
+                over[k] = float(v)  # YAML 1.1 reads 1e-4 as text
         p = TrainCrossEncoderParams(**{**ce_cfg, **over})
         ex = training_pairs(fit_qrels, tables["corpus"].column("doc_id").to_pylist(), p, negatives)
         t0 = time.perf_counter()
