@@ -51,21 +51,6 @@ def ingest_ids(con) -> dict[str, str]:
     return {kind: next(i for i in ids if i.startswith(kind + "-")) for kind in ("corpus", "queries", "qrels")}
 
 
-def auc(pos: np.ndarray, neg: np.ndarray) -> float:
-    """P(a positive outscores a negative), ties counted half (Mann-Whitney)."""
-    if len(pos) == 0 or len(neg) == 0:
-        return float("nan")
-    allv = np.concatenate([pos, neg])
-    order = allv.argsort(kind="mergesort")
-    ranks = np.empty(len(allv))
-    ranks[order] = np.arange(1, len(allv) + 1)
-    for v in np.unique(allv):  # average ranks of ties
-        m = allv == v
-        if m.sum() > 1:
-            ranks[m] = ranks[m].mean()
-    return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True)
@@ -83,7 +68,10 @@ def main() -> None:
 
     import duckdb
 
+    from sklearn.metrics import roc_auc_score
+
     from irflow.models import resolve
+    from irflow.qrels import positives
     from irflow.runtime import StageRuntime, resolve_precision
     from irflow.scoring import cross_encoder_scores
     from irflow.tasks.evaluate import evaluate_run
@@ -104,17 +92,14 @@ def main() -> None:
 
     qrels = tables["qrels"]
     train = qrels.filter(pc.equal(qrels.column("split"), "train"))
-    labelled = sorted(set(train.filter(pc.greater(train.column("score"), 0)).column("query_id").to_pylist()))
+    train_pos = positives(train)
+    labelled = sorted(train_pos)
     rng = np.random.default_rng(args.seed)
     perm = rng.permutation(len(labelled))
     n_dev = min(int(round(args.dev_share * len(labelled))), args.max_dev_queries)
     dev = {labelled[i] for i in perm[:n_dev]}
     fit_qrels = train.filter(pc.invert(pc.is_in(train.column("query_id"), pa.array(sorted(dev)))))
-    dev_pos: dict[str, set[str]] = {}
-    for q, d, s in zip(train.column("query_id").to_pylist(), train.column("doc_id").to_pylist(),
-                       train.column("score").to_pylist()):
-        if q in dev and s > 0:
-            dev_pos.setdefault(q, set()).add(d)
+    dev_pos = {q: ds for q, ds in train_pos.items() if q in dev}
 
     run = md0_run.filter(pc.is_in(md0_run.column("query_id"), pa.array(sorted(dev))))
     run = run.filter(pc.less_equal(run.column("rank"), args.depth))
@@ -164,7 +149,7 @@ def main() -> None:
         tail = history[-max(1, len(history) // 10):]
         row = {"name": vname, "overrides": over, "pairs": len(ex["q"]), "steps": len(history),
                "final_loss": round(float(np.mean([h["loss"] for h in tail])), 4),
-               "rerank_ndcg10": round(ndcg(logits), 4), "auc": round(auc(logits[is_pos], logits[~is_pos]), 4),
+               "rerank_ndcg10": round(ndcg(logits), 4), "auc": round(float(roc_auc_score(is_pos, logits)), 4),
                "logit_std": round(float(logits.std()), 4),
                "logit_range": [round(float(logits.min()), 3), round(float(logits.max()), 3)],
                "positives_dropped": round(float((prob[is_pos] < 0.1).mean()), 4),

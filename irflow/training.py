@@ -131,15 +131,19 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.01, head_lr: float 
 
     no_decay = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm", "norm.weight")
     body = getattr(model, "base_model_prefix", "") or ""
+
+    def group_of(name: str) -> tuple[bool, bool]:
+        """(decayed, in the head)"""
+        return (not any(k in name for k in no_decay),
+                head_lr is not None and bool(body) and not name.startswith(body + "."))
+
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = []
-    for decay in (True, False):
-        for is_head in (False, True):
-            params = [p for n, p in named if (not any(k in n for k in no_decay)) == decay
-                      and (head_lr is not None and bool(body) and not n.startswith(body + ".")) == is_head]
-            if params:
-                groups.append({"params": params, "weight_decay": weight_decay if decay else 0.0,
-                               "lr": head_lr if is_head else lr})
+    for decay, head in ((True, False), (True, True), (False, False), (False, True)):
+        params = [p for n, p in named if group_of(n) == (decay, head)]
+        if params:
+            groups.append({"params": params, "weight_decay": weight_decay if decay else 0.0,
+                           "lr": head_lr if head else lr})
     return torch.optim.AdamW(groups, lr=lr)
 
 

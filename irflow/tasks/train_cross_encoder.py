@@ -111,6 +111,8 @@ def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], ba
         return bce(logits, labels[idx].to(device))
 
     plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed)
+    log.info("%s: %d pairs (%d positive), %d steps (%s, %s)", desc, len(ex["q"]), int(sum(ex["label"])),
+             plan.total_steps(p), device, rt.precision)
     history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, desc, show_progress=show_progress,
                          head_lr=p.head_lr)
     model.eval()
@@ -133,9 +135,6 @@ def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries
     if not ex["q"]:
         raise DataError("no training pairs")
 
-    plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed)
-    log.info("train_cross_encoder: %d pairs (%d positive), %d steps (%s, %s)", len(ex["q"]), int(sum(ex["label"])),
-             plan.total_steps(p), rt.device, rt.precision)
     model, tok, history = fit_cross_encoder(ex, qtext, dtext, base_model.path, p, rt)
     out = Path(rt.workdir) / "cross_encoder"
     model.save_pretrained(out)
