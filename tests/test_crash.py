@@ -103,6 +103,15 @@ def computing(stage: str, after: float = 0.0):
     return ready
 
 
+def progress_bar_of(stage: str, desc: str):
+    """Ready once the stage has started and its progress bar (``desc``) has been drawn after that."""
+    def ready(lines, pid):
+        start = next((i for i, ln in enumerate(lines) if f"{stage}: computing" in ln), None)
+        return start is not None and any(ln.lstrip("\r").startswith(desc) and "%|" in ln for ln in lines[start:])
+
+    return ready
+
+
 def java_indexing(lines, pid) -> bool:
     return any("IndexCollection" in cmdline(c) for c in descendants(pid))
 
@@ -179,7 +188,10 @@ def test_ctrl_c_is_one_line_and_leaves_nothing_running(setup):
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(p.stderr.readline, "")), daemon=True)
     reader.start()
-    ready = computing("encode_corpus[miner-bi]", after=0.5)  # after BM25 search: the JVM is in the process
+    # Interrupts are cooperative (checked between batches), so a SIGINT landing while the stage still loads
+    # its model lets that model's log line out first. Wait for the encode bar itself: the model is loaded,
+    # the JVM too (BM25 search ran before), and the next thing the run does is check for the interrupt.
+    ready = progress_bar_of("encode_corpus[miner-bi]", "encode corpus")
     deadline = time.monotonic() + 300
     while not ready(lines, p.pid):
         assert p.poll() is None and time.monotonic() < deadline, "".join(lines[-30:])
