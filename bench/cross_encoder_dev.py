@@ -123,8 +123,10 @@ def main() -> None:
           f"base {base_model}; precision {precision}")
     out = {"dataset": dataset, "store": str(store), "fit_queries": len(labelled) - n_dev, "dev_queries": n_dev,
            "depth": args.depth, "candidates": len(cand), "candidate_positives": int(is_pos.sum()),
-           "precision": precision, "base": ce_cfg, "first_stage_ndcg10": round(ndcg(first), 4), "variants": []}
-    print(f"M_D0 order on the dev candidates: nDCG@10 {out['first_stage_ndcg10']}")
+           "precision": precision, "base": ce_cfg, "first_stage_ndcg10": round(ndcg(first), 4),
+           # what separating judged from unjudged candidates asks of M_C, read on M_D0's own scores
+           "first_stage_auc": round(float(roc_auc_score(is_pos, first)), 4), "variants": []}
+    print(f"M_D0 order on the dev candidates: nDCG@10 {out['first_stage_ndcg10']}, AUC {out['first_stage_auc']}")
 
     for spec in args.variant or ["base:"]:
         vname, _, kv = spec.partition(":")
@@ -160,7 +162,7 @@ def main() -> None:
 
     print(f"\n{'variant':<16} {'steps':>5} {'loss':>6} {'nDCG@10':>8} {'AUC':>6} {'std':>6} {'pos<0.1':>8} "
           f"{'unj<0.1':>8} {'train s':>8}")
-    print(f"{'(M_D0 order)':<16} {'':>5} {'':>6} {out['first_stage_ndcg10']:>8}")
+    print(f"{'(M_D0 order)':<16} {'':>5} {'':>6} {out['first_stage_ndcg10']:>8} {out['first_stage_auc']:>6}")
     for r in out["variants"]:
         print(f"{r['name']:<16} {r['steps']:>5} {r['final_loss']:>6} {r['rerank_ndcg10']:>8} {r['auc']:>6} "
               f"{r['logit_std']:>6} {r['positives_dropped']:>8} {r['unjudged_dropped']:>8} {r['train_s']:>8}")
