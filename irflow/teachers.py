@@ -14,7 +14,8 @@ own settings):
 scores as probabilities (RocketQA's denoising and augmentation: "negative if < 0.1", "positive if
 > 0.9") use ``Calibration``: ``sigmoid`` reads a cross-encoder's logit as its probability (what
 RocketQA does); ``platt`` fits ``sigmoid(a * score + b)`` on labelled pairs (Platt, 1999), which a
-fusion score needs -- a weighted sum of z-scores is not a probability.
+fusion score needs -- a weighted sum of z-scores is not a probability. It is fitted on the lists the
+thresholds are applied to (``read_candidates``), not on the judged positives outside them.
 """
 
 from __future__ import annotations
@@ -124,13 +125,31 @@ def fit_platt(scores: np.ndarray, labels: np.ndarray, iterations: int = 50) -> t
     return float(a), float(b)
 
 
+def read_candidates(ranks: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Mask of the rows of a teacher-scores table that are the retriever's top candidates (rank 1 to
+    the deepest rank of an unjudged row, i.e. the ``depth`` the teacher read).
+
+    Such a table also holds each query's judged positives outside those lists (rank 0 where the run
+    missed them, or their deeper rank), which calibration must leave out: thresholds are applied to
+    the lists, and a fusion teacher scores a passage its runs missed or buried at their floor. On
+    NFCorpus (43 judged positives per query, ~6 of them in M_D0's top 50) those low-scored positives
+    outnumbered the listed ones and turned the fitted slope negative (a = -1.28; on the lists alone,
+    a = 0.81): the fit then dropped low ranks as likely positives and kept the top ones as negatives."""
+    ranks = np.asarray(ranks)
+    labels = np.asarray(labels)
+    unjudged = ranks[(labels == 0) & (ranks > 0)]
+    depth = int(unjudged.max()) if unjudged.size else int(ranks.max(initial=0))
+    return (ranks >= 1) & (ranks <= depth)
+
+
 class Calibration(Params):
     """How teacher scores become probabilities, for thresholds that are probabilities."""
 
     method: Literal["sigmoid", "platt"] = Field(
         "sigmoid", description="sigmoid: the score is a logit (a cross-encoder's; RocketQA); platt: "
-                               "sigmoid(a * score + b) fitted on the labelled queries' candidates (their "
-                               "judged positives as 1, the rest as 0) -- needed for a fusion teacher")
+                               "sigmoid(a * score + b) fitted on the labelled queries' retrieved candidates "
+                               "(judged positives among them as 1, the rest as 0; judged positives outside the "
+                               "lists left out) -- needed for a fusion teacher")
 
 
 def probabilities(scores: np.ndarray, method: str, labels: np.ndarray | None = None,

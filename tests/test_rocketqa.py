@@ -210,6 +210,68 @@ def test_platt_converges_where_plain_newton_diverged():
     assert nll(a, b) <= best_on_grid + 1e-6 * best_on_grid
 
 
+def _table_ref(root: Path, name: str, table) -> "DatasetRef":
+    import pyarrow.parquet as pq
+
+    from irflow.store import DatasetRef
+
+    (root / name).mkdir(parents=True)
+    pq.write_table(table, root / name / "data.parquet")
+    return DatasetRef(id=name, name=name, kind="table", contract=None, path=str(root / name))
+
+
+def test_platt_denoising_is_fitted_on_the_lists_not_on_the_positives_outside_them(tmp_path):
+    """NFCorpus's shape: many judged positives per query, most of them outside the retriever's top 50,
+    where a fusion teacher gives them its floor score. Fitted on every row, the slope turned negative
+    (low ranks dropped as likely positives, the top kept as negatives); fitted on the lists, the
+    probability rises with the score, and the audit drops fewer unjudged candidates the lower the rank."""
+    import pyarrow as pa
+
+    from irflow.runtime import StageRuntime
+    from irflow.tasks.denoise import denoise
+
+    rng = np.random.default_rng(3)
+    qrels, run, scored = [], [], []
+    for q in range(120):
+        qid = f"q{q}"
+        for r in range(1, 201):
+            d, score = f"{qid}-d{r}", 4.0 - 0.05 * r + rng.normal(0, 0.7)
+            run.append((qid, d, r, score))
+            positive = r <= 50 and rng.random() < 0.4 * np.exp(-r / 15)  # judged more often near the top
+            if positive:
+                qrels.append((qid, d))
+            if r <= 50 or positive:
+                scored.append((qid, d, r, score, positive))
+        for k in range(30):  # judged positives the run missed: rank 0, the fusion's floor
+            qrels.append((qid, f"{qid}-missed{k}"))
+            scored.append((qid, f"{qid}-missed{k}", 0, -4.0 + rng.normal(0, 0.3), True))
+    cols = lambda rows, names: {n: [r[i] for r in rows] for i, n in enumerate(names)}  # noqa: E731
+    refs = {
+        "qrels": _table_ref(tmp_path, "qrels", pa.table({**cols(qrels, ["query_id", "doc_id"]),
+                                                         "score": pa.array([1] * len(qrels), pa.int32()),
+                                                         "split": ["train"] * len(qrels)})),
+        "run": _table_ref(tmp_path, "run", pa.table({**cols(run, ["query_id", "doc_id", "rank", "score"]),
+                                                     "system": ["md0"] * len(run)})),
+        "scores": _table_ref(tmp_path, "scores", pa.table(cols(scored, ["query_id", "doc_id", "rank", "score",
+                                                                        "positive"]))),
+    }
+    p = DenoiseParams(calibration={"method": "platt"}, fill_ranks=(51, 200))
+    out = denoise.fn(p, StageRuntime(workdir=tmp_path / "work"), **refs)
+
+    # the probability rises with the teacher's score (a > 0)
+    score, prob = (out["scores"].column(c).to_numpy() for c in ("score", "prob"))
+    by_score = prob[np.argsort(score, kind="stable")]
+    assert np.all(np.diff(by_score) >= -1e-6) and by_score[-1] > by_score[0] + 0.5  # (float32 ties)
+    audit = out["audit"].to_pylist()
+    share = {}
+    for row in audit:
+        b = share.setdefault(row["bucket"], [0, 0])
+        b[0] += row["dropped"]
+        b[1] += row["candidates"] - row["known_positives"]
+    shares = [share[b][0] / share[b][1] for b in ("1-5", "6-10", "11-20", "21-50")]
+    assert shares == sorted(shares, reverse=True) and shares[0] > shares[-1], shares
+
+
 # ---- refusals ---------------------------------------------------------------------------------------
 def _cfg(setup, flow="rocketqa", **update):
     cfg = yaml.safe_load(Path(setup[flow]).read_text())

@@ -33,7 +33,7 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Calibration, Teacher, fit_platt, probabilities, teacher_scores
+from irflow.teachers import Calibration, Teacher, fit_platt, probabilities, read_candidates, teacher_scores
 from irflow.text import doc_texts, query_texts
 
 log = logging.getLogger("irflow.augment")
@@ -86,7 +86,7 @@ def augment_tables(p: AugmentSettings, pairs: list[tuple[str, str, int]], prob: 
             "negatives": pa.table({**neg, "rank": pa.array(neg["rank"], pa.int32())})}
 
 
-@stage("augment", version="1", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")], work="score")
+@stage("augment", version="2", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")], work="score")
 def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, run: DatasetRef, corpus: DatasetRef,
             teacher: DatasetRef | None = None, teacher_runs: list[DatasetRef] | None = None,
             calibration: DatasetRef | None = None):
@@ -108,9 +108,10 @@ def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, run: Dat
         if calibration is None:
             raise ValueError("augment: calibration platt needs the calibration input (a teacher_scores table of "
                              "labelled queries, e.g. denoise's scores)")
-        c = calibration.table(columns=["score", "positive"])
-        fitted = fit_platt(c.column("score").to_numpy().astype(np.float64),
-                           np.array(c.column("positive").to_pylist(), dtype=np.float64))
+        c = calibration.table(columns=["score", "positive", "rank"])
+        labels = np.array(c.column("positive").to_pylist(), dtype=np.float64)
+        on = read_candidates(c.column("rank").to_numpy(), labels)
+        fitted = fit_platt(c.column("score").to_numpy().astype(np.float64)[on], labels[on])
     log.info("augment: the %s teacher scores %d pairs (%d unlabelled queries x top %d)", p.teacher.type, len(pairs),
              len(qtext), p.depth)
     raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],

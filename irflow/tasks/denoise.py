@@ -8,8 +8,9 @@ stage decides from its scores, without a model:
 
 1. scores become probabilities: a cross-encoder's logit through a sigmoid (``calibration.method:
    sigmoid``, what RocketQA does), or any teacher's score through a sigmoid fitted on the labelled
-   candidates (``platt``: judged positives 1, others 0) -- which a fusion teacher (BM25 + dense, no
-   training, works offline) needs;
+   queries' retrieved candidates (``platt``: judged positives 1, others 0; the judged positives the
+   run missed or ranked below ``depth`` are left out, see ``teachers.read_candidates``) -- which a
+   fusion teacher (BM25 + dense, no training, works offline) needs;
 2. walking the ranks, a passage is kept as a negative if its probability is below
    ``negative_threshold`` and it is not a judged positive, up to ``negatives_per_positive`` per
    positive; a passage at or above the threshold is dropped as a likely false negative;
@@ -41,7 +42,7 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Calibration, probabilities
+from irflow.teachers import Calibration, fit_platt, probabilities, read_candidates
 
 log = logging.getLogger("irflow.denoise")
 
@@ -138,7 +139,7 @@ def denoise_tables(p: DenoiseParams, triples: list[tuple[str, str, int]], prob: 
                                                                        "kept")}})}
 
 
-@stage("denoise", version="3",
+@stage("denoise", version="4",
        outputs=[Output("negatives", "negatives"), Output("scores", "teacher_scores"), Output("audit", "denoise_audit"),
                 Output("histogram", kind="figure")])
 def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, run: DatasetRef, qrels: DatasetRef):
@@ -162,7 +163,11 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, run: Data
             ranks[q][d] = rk
     raw = cand.column("score").to_numpy().astype(np.float64)
     labels = np.array([d in judged.get(q, ()) for q, d, _ in triples], dtype=np.float64)
-    prob, (a, b) = probabilities(raw, p.calibration.method, labels)
+    fitted = None
+    if p.calibration.method == "platt":
+        on = read_candidates(np.array([r for _, _, r in triples]), labels)
+        fitted = fit_platt(raw[on], labels[on])
+    prob, (a, b) = probabilities(raw, p.calibration.method, fitted=fitted)
     out = denoise_tables(p, triples, prob, raw, pos_by_q, judged, ranks)
     audit = out["audit"]
     n_cand = pc.sum(audit.column("candidates")).as_py() or 0
