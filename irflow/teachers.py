@@ -142,6 +142,17 @@ def read_candidates(ranks: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return (ranks >= 1) & (ranks <= depth)
 
 
+def fit_platt_on_lists(scores: np.ndarray, labels: np.ndarray, ranks: np.ndarray) -> tuple[float, float]:
+    """``fit_platt`` on the rows ``read_candidates`` keeps, refusing lists without a judged positive."""
+    on = read_candidates(ranks, labels)
+    n_pos = int(np.asarray(labels)[on].sum())
+    if n_pos == 0 or n_pos == int(on.sum()):
+        raise ValueError(f"platt calibration: the retrieved lists hold {n_pos} judged positive(s) among "
+                         f"{int(on.sum())} candidates; it needs both (score deeper lists, or a cross-encoder "
+                         f"teacher with calibration: sigmoid)")
+    return fit_platt(np.asarray(scores, dtype=np.float64)[on], np.asarray(labels, dtype=np.float64)[on])
+
+
 class Calibration(Params):
     """How teacher scores become probabilities, for thresholds that are probabilities."""
 

@@ -15,7 +15,7 @@ from irflow.scoring import NotACrossEncoder
 from irflow.tasks.augment import AugmentSettings, augment_tables
 from irflow.tasks.denoise import DenoiseParams, denoise_tables
 from irflow.tasks.score_candidates import candidate_pairs
-from irflow.teachers import fit_platt, sigmoid
+from irflow.teachers import fit_platt, fit_platt_on_lists, sigmoid
 from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
 from irflow.testing import run_cli as cli
 
@@ -270,6 +270,13 @@ def test_platt_denoising_is_fitted_on_the_lists_not_on_the_positives_outside_the
         b[1] += row["candidates"] - row["known_positives"]
     shares = [share[b][0] / share[b][1] for b in ("1-5", "6-10", "11-20", "21-50")]
     assert shares == sorted(shares, reverse=True) and shares[0] > shares[-1], shares
+
+
+def test_platt_on_lists_refuses_lists_without_a_judged_positive():
+    ranks = np.array([1, 2, 3, 0, 0])
+    labels = np.array([0.0, 0.0, 0.0, 1.0, 1.0])  # the judged positives are all outside the lists
+    with pytest.raises(ValueError, match="0 judged positive"):
+        fit_platt_on_lists(np.array([3.0, 2.0, 1.0, -5.0, -5.0]), labels, ranks)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------

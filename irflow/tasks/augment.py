@@ -33,7 +33,7 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Calibration, Teacher, fit_platt, probabilities, read_candidates, teacher_scores
+from irflow.teachers import Calibration, Teacher, fit_platt_on_lists, probabilities, teacher_scores
 from irflow.text import doc_texts, query_texts
 
 log = logging.getLogger("irflow.augment")
@@ -109,9 +109,8 @@ def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, run: Dat
             raise ValueError("augment: calibration platt needs the calibration input (a teacher_scores table of "
                              "labelled queries, e.g. denoise's scores)")
         c = calibration.table(columns=["score", "positive", "rank"])
-        labels = np.array(c.column("positive").to_pylist(), dtype=np.float64)
-        on = read_candidates(c.column("rank").to_numpy(), labels)
-        fitted = fit_platt(c.column("score").to_numpy().astype(np.float64)[on], labels[on])
+        fitted = fit_platt_on_lists(c.column("score").to_numpy(), np.array(c.column("positive").to_pylist(), float),
+                                    c.column("rank").to_numpy())
     log.info("augment: the %s teacher scores %d pairs (%d unlabelled queries x top %d)", p.teacher.type, len(pairs),
              len(qtext), p.depth)
     raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],

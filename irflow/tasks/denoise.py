@@ -42,7 +42,7 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Calibration, fit_platt, probabilities, read_candidates
+from irflow.teachers import Calibration, fit_platt_on_lists, probabilities
 
 log = logging.getLogger("irflow.denoise")
 
@@ -165,8 +165,7 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, run: Data
     labels = np.array([d in judged.get(q, ()) for q, d, _ in triples], dtype=np.float64)
     fitted = None
     if p.calibration.method == "platt":
-        on = read_candidates(np.array([r for _, _, r in triples]), labels)
-        fitted = fit_platt(raw[on], labels[on])
+        fitted = fit_platt_on_lists(raw, labels, np.array([r for _, _, r in triples]))
     prob, (a, b) = probabilities(raw, p.calibration.method, fitted=fitted)
     out = denoise_tables(p, triples, prob, raw, pos_by_q, judged, ranks)
     audit = out["audit"]
