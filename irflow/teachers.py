@@ -163,16 +163,15 @@ class Calibration(Params):
                                "lists left out) -- needed for a fusion teacher")
 
 
-def probabilities(scores: np.ndarray, method: str, labels: np.ndarray | None = None,
+def probabilities(scores: np.ndarray, method: str,
                   fitted: tuple[float, float] | None = None) -> tuple[np.ndarray, tuple[float, float]]:
     """(probabilities, (a, b)) of raw teacher scores: ``sigmoid(a * score + b)``; (1, 0) for
-    ``sigmoid``; for ``platt``, (a, b) are ``fitted`` or fitted here on ``labels`` (1: judged positive)."""
+    ``sigmoid``; for ``platt``, (a, b) are ``fitted`` (by ``fit_platt_on_lists``: a fit on every
+    scored row would read the judged positives outside the lists)."""
     if method == "sigmoid":
         a, b = 1.0, 0.0
     elif fitted is not None:
         a, b = fitted
     else:
-        if labels is None:
-            raise ValueError("platt calibration needs labelled pairs")
-        a, b = fit_platt(scores, labels)
+        raise ValueError("platt calibration needs its fitted (a, b): fit_platt_on_lists")
     return sigmoid(a * np.asarray(scores, dtype=np.float64) + b), (a, b)
