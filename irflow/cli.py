@@ -75,9 +75,7 @@ def cmd_config(args) -> int:
 
     c = api.load_config(args.config, args.set)
     if args.explain:
-        from irflow.params import explain
-
-        rows = explain(type(c))
+        rows = type(c).explain()
         width = max(len(k) for k, _, _ in rows)
         for key, default, doc in rows:
             print(f"{key:<{width}}  {default:<24} {doc}")

@@ -44,10 +44,10 @@ class TrainDualEncoderParams(LoopParams):
     mini_batch: PositiveInt | None = Field(None, description="GradCache: embed at most this many texts at once "
                                                              "(null: the whole batch in one graph); same "
                                                              "gradients, bounded memory, so batch_size can be large")
-    negatives_per_query: NonNegativeInt = Field(0, description="hard negatives per query in each batch, from the "
+    negatives_per_line: NonNegativeInt = Field(0, description="hard negatives on each training line, from the "
                                                                "negatives input (0: in-batch negatives only)")
     negative_lines: PositiveInt = Field(1, description="training lines per (query, positive), each with its own "
-                                                       "negatives_per_query negatives (RocketQA: 4 lines of 1 "
+                                                       "negatives_per_line negatives (RocketQA: 4 lines of 1 "
                                                        "negative); lines of one query never share a batch")
     splits: tuple[str, ...] = Field(("train",), min_length=1, description="the qrels splits whose positives are "
                                                                           "the training pairs")
@@ -67,11 +67,11 @@ class TrainDualEncoderParams(LoopParams):
                                  "them with infonce")
             if self.list_size < 2:
                 raise ValueError("list_size: a list needs the positive and at least one other candidate")
-            if self.negatives_per_query:
-                raise ValueError("negatives_per_query: listwise_kl takes its candidates from the teacher's "
+            if self.negatives_per_line:
+                raise ValueError("negatives_per_line: listwise_kl takes its candidates from the teacher's "
                                  "scores, not from negatives")
-        if self.negative_lines > 1 and self.negatives_per_query == 0:
-            raise ValueError("negative_lines: more than one line per positive needs negatives_per_query >= 1")
+        if self.negative_lines > 1 and self.negatives_per_line == 0:
+            raise ValueError("negative_lines: more than one line per positive needs negatives_per_line >= 1")
         return self
 
 
@@ -133,7 +133,7 @@ def train(job: Job) -> list[dict]:
 
     if p.loss == "infonce":
         loss_fn = CrossBatchInfoNCE(similarity=p.similarity, scale=p.scale)
-        n_neg = p.negatives_per_query
+        n_neg = p.negatives_per_line
 
         def texts_of(idx):
             qs = [job.queries[i] for i in idx]

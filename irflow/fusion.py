@@ -44,7 +44,8 @@ class FusionSettings(Params):
                                                                             "run's scores per query, then a weighted "
                                                                             "sum; rrf: reciprocal rank fusion")
     rrf_k: float = Field(60.0, gt=0, description="rrf: the k in 1 / (k + rank)")
-    depth: PositiveInt | None = Field(None, description="use only each run's top n (null: all it returned)")
+    input_depth: PositiveInt | None = Field(None, description="read only each input ranking's top n (null: all "
+                                                                 "of it)")
 
 
 def split_systems(tables: Sequence[pa.Table]) -> list[tuple[str, pa.Table]]:
@@ -76,13 +77,13 @@ def run_weights(systems: list[str], weights: Mapping[str, float] | None, method:
 
 
 def fuse_runs(tables: Sequence[pa.Table], *, method: str = "zscore", weights: Mapping[str, float] | None = None,
-              rrf_k: float = 60.0, depth: int | None = None, pairs: pa.Table | None = None,
-              hits: int | None = None, system: str = "fused") -> pa.Table:
+              rrf_k: float = 60.0, input_depth: int | None = None, pairs: pa.Table | None = None,
+              depth: int | None = None, system: str = "fused") -> pa.Table:
     """Fused run (query_id, doc_id, rank, score float64, system) of the systems in ``tables``.
 
-    ``depth``: use only each run's top ``depth``. ``pairs`` (query_id, doc_id): score exactly these
+    ``input_depth``: use only each run's top ``input_depth``. ``pairs`` (query_id, doc_id): score exactly these
     (a teacher scoring candidates); default: every (query, doc) any run returned. Ranks are 1..n per
-    query by fused score descending, ties by doc_id; ``hits`` keeps the best ``hits`` per query.
+    query by fused score descending, ties by doc_id; ``depth`` keeps the best ``depth`` per query.
     """
     if method not in METHODS:
         raise ValueError(f"fusion: unknown method {method!r} (known: {list(METHODS)})")
@@ -90,8 +91,8 @@ def fuse_runs(tables: Sequence[pa.Table], *, method: str = "zscore", weights: Ma
     w = run_weights([s for s, _ in runs], weights, method)
     parts = []
     for i, (_, t) in enumerate(runs):
-        if depth:
-            t = t.filter(pc.less_equal(t.column("rank"), int(depth)))
+        if input_depth:
+            t = t.filter(pc.less_equal(t.column("rank"), int(input_depth)))
         parts.append(pa.table({
             "r": pa.array([i] * t.num_rows, pa.int32()),
             "query_id": t.column("query_id").cast(pa.string()),
@@ -115,7 +116,7 @@ def fuse_runs(tables: Sequence[pa.Table], *, method: str = "zscore", weights: Ma
         else:
             norm = f"1.0 / ({float(rrf_k)} + rank)"
         missing = "coalesce(m.floor, 0)" if method != "rrf" else "0"
-        limit = f"WHERE pos <= {int(hits)}" if hits else ""
+        limit = f"WHERE pos <= {int(depth)}" if depth else ""
         return con.sql(f"""
             WITH runs AS (  -- one row per (run, query, doc) even if a run repeats a document
                      SELECT r, query_id, doc_id, max(score) AS score, min(rank) AS rank

@@ -20,11 +20,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from irflow.params import Params
+from irflow.follows import Follow, resolve
+from irflow.params import Params, explain
 from irflow.processes import check_interrupted
 from irflow.runtime import RuntimeConfig
 from irflow.stage import Run
@@ -42,10 +43,25 @@ _REGISTRY: dict[str, "Recipe"] = {}
 
 
 class RecipeConfig(Params):
-    """Base of every recipe's config: ``flow`` picks the recipe, ``runtime`` is never keyed."""
+    """Base of every recipe's config: ``flow`` picks the recipe, ``runtime`` is never keyed.
+
+    ``follows`` declares the keys whose default is another key's value (see ``irflow.follows``)."""
+
+    follows: ClassVar[tuple[Follow, ...]] = ()
 
     flow: str = Field(description="which recipe this config is for")
     runtime: RuntimeConfig = Field(RuntimeConfig(), description="where and how stages run (never part of a key)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_follows(cls, data):
+        return resolve(cls, data, cls.follows) if isinstance(data, dict) else data
+
+    @classmethod
+    def explain(cls) -> list[tuple[str, str, str]]:
+        """(dotted key, default, description) of every key; a follower's default names what it follows."""
+        follows = {f.target: f.explain() for f in cls.follows}
+        return [(key, follows.get(key, default), doc) for key, default, doc in explain(cls)]
 
     def required_cross_encoders(self) -> list[tuple[str, str]]:
         """(config key, model) of models that must already be cross-encoders: checked before any stage
@@ -147,6 +163,18 @@ def recipe(name: str, config_cls: type[RecipeConfig]) -> Callable[[Callable], Re
         return r
 
     return wrap
+
+
+def flow_getattr(r: Recipe) -> Callable[[str], Any]:
+    """A recipe module's ``__getattr__``: ``<name>_flow`` is the recipe's Prefect flow (prefect.yaml's
+    entrypoints), built on first use so that importing a recipe does not import Prefect."""
+
+    def module_getattr(name: str):
+        if name == f"{r.name}_flow":
+            return r.flow
+        raise AttributeError(name)
+
+    return module_getattr
 
 
 def recipe_names() -> list[str]:

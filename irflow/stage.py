@@ -21,7 +21,7 @@ A hit whose files no longer match their digest is set aside and recomputed (see 
 so is never used; one process at a time computes a key (a file lock per key), so identical runs
 started together compute each stage once.
 
-Calling a stage inside a recipe, ``bm25_search(run, params, label="flat", bm25_index=..., queries=...)``,
+Calling a stage inside a recipe, ``bm25_search(run, params, tag="flat", bm25_index=..., queries=...)``,
 runs it as a Prefect task; ``stage.run(run, params, ...)`` runs it without Prefect (same caching);
 ``stage.fn(params, StageRuntime(), ...)`` is the plain function.
 """
@@ -69,7 +69,7 @@ PENDING = "pending"  # kind of a placeholder ref in a dry run: "this would be re
 class Run:
     """One execution of a recipe: where (store), which (run id), how (runtime), what to force.
 
-    ``force`` holds stage names or labels to recompute even if cached (``irflow run --from STAGE``);
+    ``force`` holds stage names (``mine_negatives``, or one call of it: ``mine_negatives[bm25]``) to recompute even if cached (``irflow run --from STAGE``);
     everything downstream of a forced stage is forced too (tracked through its output ids in the
     catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
     """
@@ -82,6 +82,10 @@ class Run:
         self.force = set(force)
         self.dry_run = dry_run
         self.plan: list[dict] = []  # dry-run results, in stage order
+        # (stage call name, cache key) -> outputs of the stage calls made in this run: a building block
+        # that makes the same call twice (same tag, params, inputs) gets the first one's outputs, and
+        # the run shows one stage run. A call under another tag is recorded apart (a cache hit).
+        self.done: dict[tuple[str, str], Any] = {}
 
     @cached_property
     def store(self) -> Store:
@@ -190,8 +194,9 @@ class Stage:
         self.required_inputs = {p.name for p in kw if p.default is inspect.Parameter.empty}
         self.optional_inputs = {p.name for p in kw if p.default is not inspect.Parameter.empty}
 
-    def label(self, label: str | None) -> str:
-        return f"{self.name}[{label}]" if label else self.name
+    def run_name(self, tag: str | None) -> str:
+        """The name of one call in a run: ``bm25_search[flat]`` (the tag tells calls apart)."""
+        return f"{self.name}[{tag}]" if tag else self.name
 
     def _check(self, params, inputs: dict) -> tuple[Params, dict]:
         # Exactly a member class: a config section that subclasses one (and adds recipe-level fields,
@@ -216,14 +221,21 @@ class Stage:
         return cache_key(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
 
     # -- execution ------------------------------------------------------------------------
-    def run(self, run: Run, params: Params | dict, /, *, label: str | None = None, **inputs) -> Any:
+    def run(self, run: Run, params: Params | dict, /, *, tag: str | None = None, **inputs) -> Any:
         check_interrupted()
         params, inputs = self._check(params, inputs)
         store, catalog = run.store, run.catalog
-        stage_label = self.label(label)
+        stage_label = self.run_name(tag)
         input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
         detail = key_payload(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
         key = hash_payload(detail)  # = self.key(params, inputs), without dumping the params twice
+        if (stage_label, key) not in run.done:
+            run.done[stage_label, key] = self._run(run, store, catalog, key, detail, params, inputs, input_ids,
+                                                   stage_label)
+        return run.done[stage_label, key]
+
+    def _run(self, run: Run, store: Store, catalog: Catalog, key: str, detail: dict, params: Params, inputs: dict,
+             input_ids: list[str], stage_label: str) -> Any:
         started, t0 = now(), time.perf_counter()
 
         forced = bool({self.name, stage_label} & run.force) or catalog.tainted(run.run_id, input_ids)
@@ -399,16 +411,19 @@ class Stage:
             # Prefect's own result caching is off: irflow's key is the cache (see module doc).
             @task(name=self.name, cache_policy=NO_CACHE, persist_result=False,
                   task_run_name="{name}", retries=0)
-            def run_stage(run: Run, params, label: str | None, inputs: dict, name: str):
-                return stage.run(run, params, label=label, **inputs)
+            def run_stage(run: Run, params, tag: str | None, inputs: dict, name: str):
+                return stage.run(run, params, tag=tag, **inputs)
 
             self._task = run_stage
         return self._task
 
-    def __call__(self, run: Run, params: Params | dict, /, *, label: str | None = None, **inputs):
+    def __call__(self, run: Run, params: Params | dict, /, *, tag: str | None = None, **inputs):
         if run.dry_run:  # planning needs no Prefect task runs
-            return self.run(run, params, label=label, **inputs)
-        return self.task(run, params, label, inputs, name=self.label(label))
+            return self.run(run, params, tag=tag, **inputs)
+        done = run.done.get((self.run_name(tag), self.key(*self._check(params, inputs))))
+        if done is not None:  # asked for again in this run: no second task run
+            return done
+        return self.task(run, params, tag, inputs, name=self.run_name(tag))
 
 
 def _params_members(ann) -> tuple[type, ...]:

@@ -49,11 +49,11 @@ def fusion_scores(runs: Sequence[pa.Table], teacher: FusionTeacher, pairs: list[
                   stage: str = "pseudo_label") -> np.ndarray:
     """The fusion teacher's score of each (query, doc) pair."""
     if not runs:
-        raise ValueError(f"{stage}: teacher.type fusion needs the teacher_runs input")
+        raise ValueError(f"{stage}: teacher.type fusion needs the teacher_rankings input")
     want = pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs]},
                     schema=pa.schema([("query_id", pa.string()), ("doc_id", pa.string())]))
     fused = fuse_runs(runs, method=teacher.method, weights=teacher.weights, rrf_k=teacher.rrf_k,
-                      depth=teacher.depth, pairs=want)
+                      input_depth=teacher.input_depth, pairs=want)
     lookup = dict(zip(zip(fused.column("query_id").to_pylist(), fused.column("doc_id").to_pylist()),
                       fused.column("score").to_pylist()))
     return np.array([lookup[p] for p in pairs], dtype=np.float64)

@@ -20,6 +20,8 @@ from irflow.testing import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
+ROCKETQA = str(REPO / "configs" / "rocketqa_demo.yaml")
+ANCE = str(REPO / "configs" / "ance_demo.yaml")
 BASELINES = str(REPO / "configs" / "demo_baselines.yaml")
 
 # (config, --set overrides, fragments every one of which the message must contain)
@@ -32,7 +34,7 @@ BAD = [
     (DEMO, ["dataset.splt=dev"], ["dataset.splt: unknown key", "did you mean 'split'"]),
     (DEMO, ["mine.miners.0.nmae=x"], ["mine.miners.0.nmae: unknown key", "did you mean 'name'"]),
     (DEMO, ["bm25.k1=abc"], ["bm25.k1: 'abc'", "valid number"]),
-    (DEMO, ["bm25.hits=0"], ["bm25.hits: 0", "greater than 0"]),
+    (DEMO, ["bm25.depth=0"], ["bm25.depth: 0", "greater than 0"]),
     (DEMO, ["bm25.variants=[multifeld]"], ["bm25.variants.0: 'multifeld'", "'flat' or 'multifield'"]),
     (DEMO, ["bm25=5"], ["bm25: expected a section", "got 5"]),
     (DEMO, ["train.steps=-5"], ["train.steps: -5", "greater than 0"]),
@@ -46,7 +48,18 @@ BAD = [
     # renamed / moved keys say where they went
     (DEMO, ["train.bf16_autocast=true"], ["train.bf16_autocast: unknown key", "runtime.precision"]),
     (DEMO, ["mine.top_k=10"], ["mine.top_k: unknown key", "depth"]),
-    (DEMO, ["bm25.top_k=10"], ["bm25.top_k: unknown key", "hits"]),
+    (DEMO, ["bm25.top_k=10"], ["bm25.top_k: unknown key", "depth"]),
+    (DEMO, ["bm25.hits=100"], ["bm25.hits: unknown key", "renamed: depth"]),
+    (DEMO, ["mine.num_negatives=3"], ["mine.num_negatives: unknown key", "renamed: negatives_per_miner"]),
+    (DEMO, ["teacher.type=fusion", "teacher.depth=20"], ["teacher.depth: unknown key", "renamed: input_depth"]),
+    (ROCKETQA, ["student.negatives_per_query=2"], ["student.negatives_per_query: unknown key",
+                                                   "renamed: negatives_per_line"]),
+    (ROCKETQA, ["cross_encoder.negatives_depth=50"], ["cross_encoder.negatives_depth: unknown key", "renamed: depth"]),
+    (ANCE, ["round.mined_per_query=5"], ["round.mined_per_query: unknown key", "renamed: negatives_per_query"]),
+    (ANCE, ["warmup.negatives_per_query=2"], ["warmup.negatives_per_query: unknown key", "negatives_per_line"]),
+    # the denoising fill lies below what the teacher judged and within M_D0's list
+    (ROCKETQA, ["denoise.fill_ranks=[11,200]"], ["denoise.fill_ranks: [11, 200] must lie below the teacher's top 20"]),
+    (ROCKETQA, ["denoise.fill_ranks=[21,500]"], ["denoise.fill_ranks: [21, 500]", "M_D0's list of 200"]),
     # cross-stage rules of the GPL recipe
     (DEMO, ["generate.split=test"], ["generate.split", "test queries must not be used for training"]),
     (DEMO, ["generate.split=dev"], ["generate.split: 'dev' is not a split", "test, train"]),
@@ -122,6 +135,36 @@ def test_defaults_are_filled_in_and_overrides_typed():
     # the config is frozen: a recipe cannot be changed behind the cache key's back
     with pytest.raises(Exception):
         c.train.lr = 1.0
+
+
+def test_follows_take_the_key_they_follow_unless_set():
+    """Declared once per recipe (RecipeConfig.follows): resolved before validation, shown by --explain."""
+    rq = api.load_config(ROCKETQA, ["train_split=train", "dual_encoder.similarity=dot", "student.similarity=dot"])
+    assert rq.denoise.split == rq.cross_encoder.split == "train" and rq.student.splits == ("train",)
+    assert rq.dense.similarity == "dot"  # follows dual_encoder.similarity
+    assert rq.cross_encoder.rerank.max_length == rq.cross_encoder.max_length == 128
+    assert rq.ablations.list_size == rq.student.list_size == 8
+    # the fill follows denoise.depth and retrieve.depth where the config leaves it out; null is kept (no fill)
+    assert api.load_config(ROCKETQA, ["denoise.fill_ranks=null"]).denoise.fill_ranks is None
+    import yaml
+
+    raw = yaml.safe_load(Path(ROCKETQA).read_text())
+    del raw["denoise"]["fill_ranks"]
+    assert api.load_config(raw, ["retrieve.depth=300"]).denoise.fill_ranks == (21, 300)
+    # what the config sets wins (and the recipe's rules then judge it)
+    assert api.load_config(ROCKETQA, ["cross_encoder.rerank.max_length=64"]).cross_encoder.rerank.max_length == 64
+    # defaults written once: the students' hard negatives and lines come from their own sections' models
+    assert (rq.student.negatives_per_line, rq.student.negative_lines) == (1, 1)  # the demo sets 1 line
+    ance = api.load_config(ANCE, ["warmup.similarity=dot", "round.similarity=dot"])
+    assert ance.dense.similarity == "dot" and ance.round.splits == ("train",)
+    gpl = api.load_config(DEMO, ["label.scale=auto", "train.max_seq_length=100"])
+    assert gpl.label.scale.max_seq_length == 100 and gpl.label.positive == "teacher_top1"  # unlabelled queries
+    ict = api.load_config(DEMO, ["generate={source: ict}"])
+    assert ict.label.positive == "qrels" and ict.doc2query.enabled is False
+    explained = {key: default for key, default, _ in type(rq).explain()}
+    assert explained["denoise.split"] == "= train_split"
+    assert explained["denoise.fill_ranks"] == "= [denoise.depth + 1, retrieve.depth]"
+    assert explained["student.negative_lines"] == "4"
 
 
 def test_every_field_of_every_params_model_is_described():

@@ -130,7 +130,7 @@ def setup(tmp_path_factory, shared_datasets):
            "label": {"negatives_per_positive": 2, "rank_range": [2, 20]},
            "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 64,
                      "warmup_steps": 1, "steps": 80, "checkpoint_every": 20, "qgen": {"steps": 2}},
-           "bm25": {"variants": ["flat"], "hits": 100}, "dense": {"batch_size": 64, "hits": 100},
+           "bm25": {"variants": ["flat"], "depth": 100}, "dense": {"batch_size": 64, "depth": 100},
            "runtime": {"threads": 1}}
     config = root / "gpl.yaml"
     config.write_text(yaml.safe_dump(cfg))

@@ -116,7 +116,7 @@ def test_examples_lines_negatives_and_random_fill(slice_run):
     corpus_ids = slice_run["corpus"].table().column("doc_id").to_pylist()
     judged = judged_positives(qrels)
     # No negatives input: every line gets random passages (DPR), never a judged positive of its query.
-    p = TrainDualEncoderParams(negatives_per_query=2, negative_lines=3)
+    p = TrainDualEncoderParams(negatives_per_line=2, negative_lines=3)
     ex = training_examples(p, [qrels], corpus_ids)
     pairs = {(q, d) for q, d in zip(ex["q"], ex["p"])}
     assert len(ex["q"]) == 3 * len(pairs)
@@ -139,13 +139,13 @@ def test_two_processes_see_world_times_batch_passages_and_step_like_one_big_batc
     batch of 8."""
     run, root = slice_run["run"], slice_run["root"]
     bi = model(run, make_tiny_bi_encoder(root / "bi0", dropout=0.0))
-    common = dict(negatives_per_query=1, steps=2, lr=1e-3, warmup_ratio=0.0, query_max_length=16,
+    common = dict(negatives_per_line=1, steps=2, lr=1e-3, warmup_ratio=0.0, query_max_length=16,
                   passage_max_length=32, checkpoint_every=0)
     inputs = dict(queries=[slice_run["queries"]], corpus=slice_run["corpus"], base_model=bi,
                   qrels=[slice_run["qrels"]])
-    ddp = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=4, processes=2, **common), label="ddp",
+    ddp = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=4, processes=2, **common), tag="ddp",
                                  **inputs)
-    one = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=8, **common), label="one", **inputs)
+    one = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=8, **common), tag="one", **inputs)
     assert ddp.id != one.id  # different params, different keys and bytes
     info = json.loads((Path(ddp.path) / "irflow_training.json").read_text())
     assert info["processes"] == 2 and info["global_batch"] == 8

@@ -26,8 +26,8 @@ def setup(tmp_path_factory, shared_datasets, prefect_harness):
     cfg = {
         "flow": "baselines",
         "dataset": {"name": "scifact-slice", "source": str(data), "split": "test"},
-        "bm25": {"variants": ["flat", "multifield"], "hits": 100},
-        "dense": {"model": str(model_a), "batch_size": 32, "hits": 100},
+        "bm25": {"variants": ["flat", "multifield"], "depth": 100},
+        "dense": {"model": str(model_a), "batch_size": 32, "depth": 100},
         "runtime": {"threads": 2},
     }
     config = root / "baselines.yaml"

@@ -67,7 +67,7 @@ def run_gq(data, store: str, params, run_id: str = "r", runtime=RUNTIME, **input
         inputs = {"corpus": data["t5_corpus"], "model": model(ctx, data["t5"]), **inputs}
     else:
         inputs = {"corpus": data["refs"]["corpus"], **inputs}
-    out = generate_queries.run(ctx, params, label=source, **inputs)
+    out = generate_queries.run(ctx, params, tag=source, **inputs)
     return ctx, out
 
 
@@ -113,7 +113,7 @@ def test_t5_deterministic_for_a_seed(data, baseline):
 
 def test_t5_second_run_is_cached(data, baseline, tmp_path):
     ctx = baseline["ctx"]
-    out = generate_queries.run(ctx, t5_params(), label="t5", corpus=data["t5_corpus"], model=model(ctx, data["t5"]))
+    out = generate_queries.run(ctx, t5_params(), tag="t5", corpus=data["t5_corpus"], model=model(ctx, data["t5"]))
     assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "cached"
     assert out["queries"].id == baseline["refs"]["queries"].id
     # params given as a dict (as a config gives them) validate into the same params: same key

@@ -43,8 +43,8 @@ def setup(tmp_path_factory, shared_datasets, prefect_harness):
         "label": {"negatives_per_positive": 1},
         "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 48, "warmup_steps": 1,
                   "steps": 3, "checkpoint_every": 2, "qgen": {"steps": 2}},
-        "bm25": {"variants": ["flat"], "hits": 100},
-        "dense": {"batch_size": 32, "hits": 100},
+        "bm25": {"variants": ["flat"], "depth": 100},
+        "dense": {"batch_size": 32, "depth": 100},
         "runtime": {"threads": 1},
     }
     config = root / "gpl.yaml"

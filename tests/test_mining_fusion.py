@@ -179,7 +179,7 @@ def test_duplicates_are_removed_before_normalising():
 
 
 def test_depth_uses_only_each_runs_top_n():
-    out = fuse_runs([RUN_A, RUN_B], method="zscore", weights={"bm25": 0.5, "dense": 0.5}, depth=2)
+    out = fuse_runs([RUN_A, RUN_B], method="zscore", weights={"bm25": 0.5, "dense": 0.5}, input_depth=2)
     top2 = lambda lists: {q: hits[:2] for q, hits in lists.items()}  # noqa: E731
     want = reference_fusion([(top2(LISTS_A), 0.5), (top2(LISTS_B), 0.5)], "zscore")
     got = scores_of(out)
@@ -189,7 +189,7 @@ def test_depth_uses_only_each_runs_top_n():
 
 
 def test_fusion_hits_weights_and_errors():
-    out = fuse_runs([RUN_A, RUN_B], method="zscore", hits=2)
+    out = fuse_runs([RUN_A, RUN_B], method="zscore", depth=2)
     assert {q: [r for _, r, _ in h] for q, h in by_query(out).items()} == {"q1": [1, 2], "q2": [1, 2]}
     # weights are by system name; null: 1/n for score fusion (a convex combination), 1 for rrf
     assert run_weights(["bm25", "dense"], None, "zscore") == [0.5, 0.5]
@@ -217,17 +217,17 @@ def test_fusion_hits_weights_and_errors():
 
 
 def test_fusion_params_are_validated():
-    assert FuseParams(system="hybrid").model_dump() == {"method": "zscore", "rrf_k": 60.0, "depth": None,
-                                                        "hits": 1000, "weights": None, "system": "hybrid"}
+    assert FuseParams(system="hybrid").model_dump() == {"method": "zscore", "rrf_k": 60.0, "input_depth": None,
+                                                        "depth": 1000, "weights": None, "system": "hybrid"}
     bad = [
         {"method": "combmnz", "system": "x"},
         {"rrf_k": 0, "system": "x"},
-        {"hits": 0, "system": "x"},
+        {"input_depth": 0, "system": "x"},
         {"depth": 0, "system": "x"},
         {"system": ""},
         {},  # system is required
         {"alpha": 0.3, "system": "x"},  # the old alpha: weights are by system name now
-        {"top_k": 10, "system": "x"},  # the old name of hits
+        {"top_k": 10, "system": "x"},  # an old name of depth
     ]
     for kw in bad:
         with pytest.raises(ValidationError):
@@ -241,16 +241,16 @@ def test_fuse_stage_on_hand_made_runs(tmp_path):
     a, _ = run.store.publish_table("run", "run", RUN_A)
     b, _ = run.store.publish_table("run", "run", RUN_B)
     params = FuseParams(method="zscore", weights={"bm25": 0.3, "dense": 0.7}, system="hybrid")
-    out = fuse.run(run, params, runs=[a, b]).table()
+    out = fuse.run(run, params, rankings=[a, b]).table()
     assert out.schema.field("score").type == pa.float32()  # the run contract
     want = fuse_runs([RUN_A, RUN_B], method="zscore", weights={"bm25": 0.3, "dense": 0.7}, system="hybrid")
     assert out.select(["query_id", "doc_id", "rank", "system"]).equals(want.select(["query_id", "doc_id", "rank",
                                                                                      "system"]))
     assert out.column("score").to_pylist() == pytest.approx(want.column("score").to_pylist(), rel=1e-6)
     # a dict is validated into the params model; a bad one fails before anything runs
-    assert fuse.run(run, params.model_dump(), runs=[a, b]).table().equals(out)
+    assert fuse.run(run, params.model_dump(), rankings=[a, b]).table().equals(out)
     with pytest.raises(ValidationError):
-        fuse.run(run, {**params.model_dump(), "method": "combmnz"}, runs=[a, b])
+        fuse.run(run, {**params.model_dump(), "method": "combmnz"}, rankings=[a, b])
 
 
 # ---- mining on hand-made runs -------------------------------------------------------------------
@@ -296,8 +296,8 @@ def test_topk_takes_every_non_positive_of_each_top_k():
     assert set(rows(neg)) == want
     assert ("q1", "d8", "bm25", 9) in want  # judged non-relevant (score 0) is a valid negative
     assert not any((q, d) in POSITIVES for q, d, _, _ in rows(neg))
-    # sampled: num_negatives per (query, miner), a subset
-    sampled = mine(runs, strategy="topk", depth=10, num_negatives=3, seed=4)
+    # sampled: negatives_per_miner per (query, miner), a subset
+    sampled = mine(runs, strategy="topk", depth=10, negatives_per_miner=3, seed=4)
     assert sorted((q, m) for q, _, m, _ in rows(sampled)) == sorted(
         [(q, m) for q in ("q1", "q2") for m in ("bm25", "dense")] * 3)
     assert set(rows(sampled)) <= want
@@ -311,17 +311,17 @@ def test_range_and_sampling_respect_the_ranks():
     ranks = rank_of(runs)
     assert set(rows(neg)) == {(q, d, m, r) for (m, q, d), r in ranks.items()
                               if 10 <= r <= 100 and (q, d) not in POSITIVES}
-    sampled = mine(runs, strategy="range", rank_range=(10, 100), depth=100, num_negatives=5, seed=1)
+    sampled = mine(runs, strategy="range", rank_range=(10, 100), depth=100, negatives_per_miner=5, seed=1)
     counts: dict[tuple, int] = {}
     for q, _, m, _ in rows(sampled):
         counts[(q, m)] = counts.get((q, m), 0) + 1
     assert counts == {(q, m): 5 for q in ("q1", "q2") for m in ("bm25", "dense")}
     assert set(rows(sampled)) <= set(rows(neg))
-    assert rows(mine(runs, strategy="range", rank_range=(10, 100), depth=100, num_negatives=5, seed=1)) == rows(sampled)
-    assert rows(mine(runs, strategy="range", rank_range=(10, 100), depth=100, num_negatives=5, seed=2)) != rows(sampled)
+    assert rows(mine(runs, strategy="range", rank_range=(10, 100), depth=100, negatives_per_miner=5, seed=1)) == rows(sampled)
+    assert rows(mine(runs, strategy="range", rank_range=(10, 100), depth=100, negatives_per_miner=5, seed=2)) != rows(sampled)
     # sampling does not depend on row order
     shuffled = [t.take(pa.array(random.Random(9).sample(range(t.num_rows), t.num_rows))) for t in runs]
-    assert rows(mine(shuffled, strategy="range", rank_range=(10, 100), depth=100, num_negatives=5, seed=1)) == \
+    assert rows(mine(shuffled, strategy="range", rank_range=(10, 100), depth=100, negatives_per_miner=5, seed=1)) == \
         rows(sampled)
     with pytest.raises(ValidationError, match="rank_range"):
         MineParams(strategy="range", rank_range=(50, 10))
@@ -357,13 +357,13 @@ def test_mix_without_corpus_takes_easy_ones_from_the_tail():
 def test_random_corpus_draws_never_return_positives():
     small_corpus = [f"d{i}" for i in range(10)]  # q1 has 2 positives in it, q2 one
     runs = mining_runs()
-    neg = mine(runs, small_corpus, strategy="random", num_random=9, seed=5)
+    neg = mine(runs, small_corpus, strategy="random", negatives_per_query=9, seed=5)
     per_q = {q: [d for qq, d, _, _ in rows(neg) if qq == q] for q in ("q1", "q2")}
     assert sorted(per_q["q1"]) == sorted(set(small_corpus) - {"d3", "d7"})  # all that is left
     assert sorted(per_q["q2"]) == sorted(set(small_corpus) - {"d0"})
     assert {m for _, _, m, _ in rows(neg)} == {"random"}
-    # without a corpus: num_random per query and miner, from below depth
-    tail = mine(runs, strategy="random", num_random=4, depth=30, seed=5)
+    # without a corpus: negatives_per_query per query and miner, from below depth
+    tail = mine(runs, strategy="random", negatives_per_query=4, depth=30, seed=5)
     assert sorted((q, m) for q, _, m, _ in rows(tail)) == sorted(
         [(q, m) for q in ("q1", "q2") for m in ("bm25", "dense")] * 4)
     assert all(r > 30 for *_, r in rows(tail))
@@ -381,13 +381,13 @@ def test_mine_params_are_validated():
     assert MineParams().strategy == "topk" and MineParams().depth == 50
     cases = {
         "rank_range: required with strategy range": {"strategy": "range"},
-        "num_random: required with strategy random": {"strategy": "random"},
+        "negatives_per_query: required with strategy random": {"strategy": "random"},
         "mix: required with strategy mix": {"strategy": "mix"},
         "rank_range: only used with strategy range": {"strategy": "topk", "rank_range": (2, 5)},
         "mix: only used with strategy mix": {"mix": {"hard": 1, "easy": 1}},
-        "num_random: only used with strategy random": {"strategy": "topk", "num_random": 3},
-        "num_negatives: only used with strategy topk or range": {"strategy": "random", "num_random": 3,
-                                                                 "num_negatives": 2},
+        "negatives_per_query: only used with strategy random": {"strategy": "topk", "negatives_per_query": 3},
+        "negatives_per_miner: only used with strategy topk or range": {"strategy": "random", "negatives_per_query": 3,
+                                                                 "negatives_per_miner": 2},
         "rank_range: reaches rank 60, below the mined depth 50": {"strategy": "range", "rank_range": (10, 60)},
         "lo <= hi": {"strategy": "range", "rank_range": (20, 10)},
         "strategy": {"strategy": "hardest"},
@@ -415,8 +415,8 @@ def bm25_setup(tmp_path_factory):
     data = ingest_folder(run, folder)
     gen = generate_queries.run(run, ICTSource(source="ict", queries_per_passage=1, seed=0), corpus=data["corpus"])
     index = bm25_index.run(run, BM25IndexParams(variant="flat"), corpus=data["corpus"])
-    runs = [bm25_search.run(run, BM25SearchParams(system=system, variant="flat", k1=k1, b=b, hits=30),
-                            label=system, bm25_index=index, queries=gen["queries"])
+    runs = [bm25_search.run(run, BM25SearchParams(system=system, variant="flat", k1=k1, b=b, depth=30),
+                            tag=system, bm25_index=index, queries=gen["queries"])
             for system, k1, b in (("bm25", 0.9, 0.4), ("bm25-okapi", 1.2, 0.75))]
     return {"run": run, "data": data, "gen": gen, "runs": runs}
 
@@ -431,7 +431,7 @@ def test_mine_negatives_stage_on_bm25_runs(bm25_setup):
     assert sum(top1.get(q) == d for q, d in source.items()) / len(source) > 0.8
 
     params = {"strategy": "topk", "depth": 10, "seed": 0}
-    ref = mine_negatives.run(run, params, runs=runs, qrels=gen["qrels"])
+    ref = mine_negatives.run(run, params, rankings=runs, qrels=gen["qrels"])
     neg = ref.table()
     assert neg.num_rows > 0
     assert not any(source[q] == d for q, d in zip(neg.column("query_id").to_pylist(), neg.column("doc_id").to_pylist()))
@@ -440,22 +440,22 @@ def test_mine_negatives_stage_on_bm25_runs(bm25_setup):
     # the stage is the plain function over the stored tables
     want = mine_tables([r.table() for r in runs], qrels, None, MineParams(**params))
     assert neg.equals(want.cast(neg.schema))
-    assert mine_negatives.run(run, MineParams(**params), runs=runs, qrels=gen["qrels"]).id == ref.id
+    assert mine_negatives.run(run, MineParams(**params), rankings=runs, qrels=gen["qrels"]).id == ref.id
     assert run.catalog.stage_runs(run.run_id)[-1]["status"] == "cached"
 
     mixed = mine_negatives.run(run, {"strategy": "mix", "depth": 10, "mix": {"hard": 2, "easy": 3}, "seed": 0},
-                               runs=runs, qrels=gen["qrels"], corpus=bm25_setup["data"]["corpus"]).table()
+                               rankings=runs, qrels=gen["qrels"], corpus=bm25_setup["data"]["corpus"]).table()
     easy = [(q, d) for q, d, m in zip(*(mixed.column(c).to_pylist() for c in ("query_id", "doc_id", "miner")))
             if m == "random"]
     assert len(easy) == 3 * len(source) and not any(source[q] == d for q, d in easy)
     with pytest.raises(ValidationError):
-        mine_negatives.run(run, {"strategy": "range", "depth": 10}, runs=runs, qrels=gen["qrels"])
+        mine_negatives.run(run, {"strategy": "range", "depth": 10}, rankings=runs, qrels=gen["qrels"])
 
 
 def test_fuse_stage_on_bm25_runs(bm25_setup):
     run, runs = bm25_setup["run"], bm25_setup["runs"]
-    params = FuseParams(method="rrf", rrf_k=60, hits=20, system="bm25-rrf")
-    ref = fuse.run(run, params, runs=runs)
+    params = FuseParams(method="rrf", rrf_k=60, depth=20, system="bm25-rrf")
+    ref = fuse.run(run, params, rankings=runs)
     fused = ref.table()
     per_q = by_query(fused)
     assert per_q and set(fused.column("system").to_pylist()) == {"bm25-rrf"}
@@ -467,14 +467,14 @@ def test_fuse_stage_on_bm25_runs(bm25_setup):
         for d, _, s in hits:
             want = sum(1 / (60 + rk[(q, d)]) for rk in ranks if (q, d) in rk)
             assert s == pytest.approx(want, rel=1e-6)
-    assert fuse.run(run, params, runs=runs).id == ref.id
+    assert fuse.run(run, params, rankings=runs).id == ref.id
     assert run.catalog.stage_runs(run.run_id)[-1]["status"] == "cached"
     # Weights are by system name, so the order of the runs does not change the fused run; the cache
     # key still follows the input list as given (a conservative miss, never a wrong hit).
-    assert fuse.run(run, params, runs=runs[::-1]).table().equals(fused)
+    assert fuse.run(run, params, rankings=runs[::-1]).table().equals(fused)
     assert fuse.key(params, {"runs": runs}) != fuse.key(params, {"runs": runs[::-1]})
     # named weights reach the stage: all weight on one system reproduces that system's rrf scores
-    only = fuse.run(run, params.model_copy(update={"weights": {"bm25": 1.0, "bm25-okapi": 0.0}}), runs=runs).table()
+    only = fuse.run(run, params.model_copy(update={"weights": {"bm25": 1.0, "bm25-okapi": 0.0}}), rankings=runs).table()
     for q, hits in by_query(only).items():
         for d, _, s in hits:
             assert s == pytest.approx(1 / (60 + ranks[0][(q, d)]) if (q, d) in ranks[0] else 0.0, abs=1e-7)

@@ -153,7 +153,7 @@ def test_cross_encoder_scores_are_raw_logits(env):
 def test_cross_encoder_teacher_stage(env):
     run = env["run"]
     inputs = _qrels_inputs(env)
-    ref = pseudo_label.run(run, _ce_params(), label="ce", teacher=env["ce_ref"], **inputs)
+    ref = pseudo_label.run(run, _ce_params(), tag="ce", teacher=env["ce_ref"], **inputs)
     t = ref.table()
     assert t.num_rows > 0
     margin = t.column("margin").to_numpy()
@@ -203,11 +203,11 @@ def test_cross_encoder_teacher_stage(env):
 
     # The second call is a cache hit: same dataset, nothing recomputed.
     run2 = Run(run.store_root, "run-2")
-    assert pseudo_label.run(run2, _ce_params(), label="ce", teacher=env["ce_ref"], **inputs).id == ref.id
+    assert pseudo_label.run(run2, _ce_params(), tag="ce", teacher=env["ce_ref"], **inputs).id == ref.id
     assert _statuses(run2) == ["cached"]
     # the teacher's max_length is part of what is computed (and keyed)
     shorter = pseudo_label.run(run2, _ce_params(teacher={"type": "cross_encoder", "batch_size": 4, "max_length": 16}),
-                               label="ce", teacher=env["ce_ref"], **inputs)
+                               tag="ce", teacher=env["ce_ref"], **inputs)
     assert shorter.id != ref.id and _statuses(run2) == ["cached", "computed"]
 
 
@@ -215,13 +215,13 @@ def test_teacher_inputs_are_checked(env):
     inputs = _qrels_inputs(env)
     with pytest.raises(ValueError, match="needs the teacher input"):
         pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params()), StageRuntime(), **inputs)
-    with pytest.raises(ValueError, match="needs the teacher_runs input"):
+    with pytest.raises(ValueError, match="needs the teacher_rankings input"):
         pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"})), StageRuntime(),
                         **inputs)
     with pytest.raises(ValueError, match="needs the student input"):
         pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"},
                                                                     scale={"similarity": "cos"})),
-                        StageRuntime(), teacher_runs=[env["lex_run"]], **inputs)
+                        StageRuntime(), teacher_rankings=[env["lex_run"]], **inputs)
     with pytest.raises(ValueError, match="needs the qrels and negatives"):
         pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params()), StageRuntime(), queries=env["queries"],
                         corpus=env["corpus"], teacher=env["ce_ref"])
@@ -301,7 +301,7 @@ def test_fusion_scores_by_hand():
         fuse_runs([a, b], weights={"bm25": 1.0})
     with pytest.raises(ValueError, match="no weight"):
         fusion_scores([a, b], FusionTeacher(type="fusion", weights={"bm25": 1.0}), [("q1", "d1")])
-    with pytest.raises(ValueError, match="teacher_runs"):
+    with pytest.raises(ValueError, match="teacher_rankings"):
         fusion_scores([], FusionTeacher(type="fusion"), [("q1", "d1")])
 
 
@@ -311,7 +311,7 @@ def test_teacher_top1_on_unlabelled_queries(env):
     params = {"teacher": {"type": "fusion", "method": "zscore", "weights": weights},
               "positive": "teacher_top1", "rank_range": [3, 6], "negatives_per_positive": 2, "seed": 1, "scale": None}
     runs = [env["lex_run"], env["dense_run"]]
-    ref = pseudo_label.run(run, params, label="top1", queries=env["queries"], corpus=env["corpus"], teacher_runs=runs)
+    ref = pseudo_label.run(run, params, tag="top1", queries=env["queries"], corpus=env["corpus"], teacher_rankings=runs)
     t = ref.table()
     fused = fuse_runs([r.table() for r in runs], weights=weights)
     ranked = {}
@@ -330,7 +330,7 @@ def test_teacher_top1_on_unlabelled_queries(env):
     assert all(len(ns) == 2 for ns in per_q.values())
     with pytest.raises(ValueError, match="reads no qrels"):
         pseudo_label.fn(PseudoLabelParams.model_validate(params), StageRuntime(), queries=env["queries"],
-                        corpus=env["corpus"], qrels=env["qrels"], teacher_runs=runs)
+                        corpus=env["corpus"], qrels=env["qrels"], teacher_rankings=runs)
     # label_positives: the teacher's (query, top-1) pairs as qrels of split "generated"
     qrels = label_positives.run(run, {}, pseudo_labels=ref).table()
     assert sorted(zip(qrels.column("query_id").to_pylist(), qrels.column("doc_id").to_pylist())) == sorted(
@@ -344,15 +344,15 @@ def test_fuse_stage_and_fusion_teacher_give_identical_scores(env, method, depth)
     run = env["run"]
     weights = {"lex": 0.4, "dense": 0.6}
     runs = [env["lex_run"], env["dense_run"]]
-    fused = fuse.run(run, FuseParams(method=method, depth=depth, weights=weights, system="teacher"),
-                     label=f"teacher-{method}", runs=runs).table()
+    fused = fuse.run(run, FuseParams(method=method, input_depth=depth, weights=weights, system="teacher"),
+                     tag=f"teacher-{method}", rankings=runs).table()
     score = {(q, d): s for q, d, s in zip(*(fused.column(c).to_pylist() for c in ("query_id", "doc_id", "score")))}
     top1 = {q: d for q, d, r in zip(*(fused.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))) if r == 1}
-    teacher = {"type": "fusion", "method": method, "depth": depth, "weights": weights}
+    teacher = {"type": "fusion", "method": method, "input_depth": depth, "weights": weights}
     labels = pseudo_label.run(run, {"teacher": teacher, "positive": "teacher_top1", "rank_range": [2, 12],
                                     "negatives_per_positive": 6, "seed": 0},
-                              label=f"top1-{method}", queries=env["queries"], corpus=env["corpus"],
-                              teacher_runs=runs).table().to_pylist()
+                              tag=f"top1-{method}", queries=env["queries"], corpus=env["corpus"],
+                              teacher_rankings=runs).table().to_pylist()
     assert {r["query_id"] for r in labels} == set(top1)
     for r in labels:
         q = r["query_id"]
@@ -361,7 +361,7 @@ def test_fuse_stage_and_fusion_teacher_give_identical_scores(env, method, depth)
         assert r["neg_score"] == score[(q, r["neg_doc_id"])]
     # positive=qrels scores the same pairs the same way (the pairs the fused run holds)
     qlabels = pseudo_label.run(run, {"teacher": teacher, "negatives_per_positive": 4, "seed": 0},
-                               label=f"qrels-{method}", teacher_runs=runs, **_qrels_inputs(env)).table().to_pylist()
+                               tag=f"qrels-{method}", teacher_rankings=runs, **_qrels_inputs(env)).table().to_pylist()
     compared = 0
     for r in qlabels:
         for d, s in ((r["pos_doc_id"], r["pos_score"]), (r["neg_doc_id"], r["neg_score"])):
@@ -386,14 +386,14 @@ def test_scale_auto_matches_student_units(env):
     from irflow.tasks.pseudo_label import student_margins
 
     run = env["run"]
-    inputs = dict(**_qrels_inputs(env), teacher_runs=[env["lex_run"], env["dense_run"]])
+    inputs = dict(**_qrels_inputs(env), teacher_rankings=[env["lex_run"], env["dense_run"]])
     base = {"teacher": {"type": "fusion", "method": "zscore", "weights": {"lex": 0.2, "dense": 0.8}},
             "positive": "qrels", "negatives_per_positive": 4, "seed": 3}
-    raw = pseudo_label.run(run, {**base, "scale": None}, label="raw", **inputs).table()
-    fixed = pseudo_label.run(run, {**base, "scale": 0.5}, label="fixed", **inputs).table()
+    raw = pseudo_label.run(run, {**base, "scale": None}, tag="raw", **inputs).table()
+    fixed = pseudo_label.run(run, {**base, "scale": 0.5}, tag="fixed", **inputs).table()
     np.testing.assert_allclose(fixed.column("margin").to_numpy(), 0.5 * raw.column("margin").to_numpy(), rtol=1e-5,
                                atol=1e-6)
-    auto = pseudo_label.run(run, {**base, "scale": {"similarity": "cos"}}, label="auto", student=env["bi_ref"],
+    auto = pseudo_label.run(run, {**base, "scale": {"similarity": "cos"}}, tag="auto", student=env["bi_ref"],
                             **inputs).table()
     teacher = auto.column("margin").to_numpy().astype(np.float64)
     docs, qt = env["docs"], env["queries_text"]
@@ -423,15 +423,15 @@ def test_runtime_device_reaches_every_model_load(env):
     with pytest.raises(Exception, match="meta"):
         pseudo_label.fn(ce, meta, teacher=env["ce_ref"], **inputs)
     with pytest.raises(Exception, match="meta"):  # the fusion teacher loads nothing; the student does
-        pseudo_label.fn(auto, meta, teacher_runs=runs, student=env["bi_ref"], **inputs)
+        pseudo_label.fn(auto, meta, teacher_rankings=runs, student=env["bi_ref"], **inputs)
     # the very same calls on the CPU work: the device is what failed them
     assert pseudo_label.fn(ce, StageRuntime(device="cpu"), teacher=env["ce_ref"], **inputs).num_rows > 0
-    assert pseudo_label.fn(auto, StageRuntime(device="cpu"), teacher_runs=runs, student=env["bi_ref"],
+    assert pseudo_label.fn(auto, StageRuntime(device="cpu"), teacher_rankings=runs, student=env["bi_ref"],
                            **inputs).num_rows > 0
     # through the runner: pseudo_label is "score" work, and the config's score device reaches it
     run = Run(env["run"].store_root, "run-meta", runtime=RuntimeConfig(device={"default": "cpu", "score": "meta"}))
     with pytest.raises(StageFailed, match="meta") as e:
-        pseudo_label.run(run, _ce_params(seed=99), label="meta", teacher=env["ce_ref"], **inputs)
+        pseudo_label.run(run, _ce_params(seed=99), tag="meta", teacher=env["ce_ref"], **inputs)
     assert e.value.stage == "pseudo_label[meta]"
 
 

@@ -94,9 +94,9 @@ def test_dense_search_is_exact_top_k_and_removes_query_ids(dense_env, tiny):
     q = dense_env["queries"].table()
     q_emb = encode_texts(model_, q.column("text").to_pylist(), batch_size=8, normalize=True)
     inputs = dict(embeddings=dense_env["embeddings"], queries=dense_env["queries"], model=dense_env["model"])
-    kept = dense_search.run(run, DenseSearchParams(system="d", hits=5, remove_query=False), label="keep",
+    kept = dense_search.run(run, DenseSearchParams(system="d", depth=5, remove_query=False), tag="keep",
                             **inputs).table()
-    dropped = dense_search.run(run, DenseSearchParams(system="d", hits=5), label="drop", **inputs).table()
+    dropped = dense_search.run(run, DenseSearchParams(system="d", depth=5), tag="drop", **inputs).table()
     for i, qid in enumerate(q.column("query_id").to_pylist()):
         exact = [doc_ids[j] for j in np.argsort(-(emb @ q_emb[i]), kind="stable")[:5]]
         got = kept.filter(pa.compute.equal(kept.column("query_id"), qid))
@@ -132,17 +132,17 @@ def test_runtime_device_reaches_every_dense_model_load(dense_env):
     with pytest.raises(Exception, match="meta"):
         encode_corpus.fn(EncodeParams(), meta, corpus=dense_env["corpus"], model=dense_env["model"])
     with pytest.raises(Exception, match="meta"):
-        dense_search.fn(DenseSearchParams(system="d", hits=5), meta, embeddings=dense_env["embeddings"],
+        dense_search.fn(DenseSearchParams(system="d", depth=5), meta, embeddings=dense_env["embeddings"],
                         queries=dense_env["queries"], model=dense_env["model"])
     # through the runner: both are "encode" work, and the config's encode device reaches them
     run = Run(dense_env["run"].store_root, "run-meta", runtime=RuntimeConfig(device={"default": "cpu",
                                                                                       "encode": "meta"}))
     with pytest.raises(StageFailed, match="meta") as e:
-        encode_corpus.run(run, EncodeParams(batch_size=7), label="meta", corpus=dense_env["corpus"],
+        encode_corpus.run(run, EncodeParams(batch_size=7), tag="meta", corpus=dense_env["corpus"],
                           model=dense_env["model"])
     assert e.value.stage == "encode_corpus[meta]"
     with pytest.raises(StageFailed, match="meta") as e:
-        dense_search.run(run, DenseSearchParams(system="meta", hits=5), embeddings=dense_env["embeddings"],
+        dense_search.run(run, DenseSearchParams(system="meta", depth=5), embeddings=dense_env["embeddings"],
                          queries=dense_env["queries"], model=dense_env["model"])
     assert e.value.stage == "dense_search"
 
@@ -154,7 +154,7 @@ def test_retrieval_params_are_validated():
         DenseSearchParams(system="d", index="ivf")
     with pytest.raises(ValidationError, match="system"):
         DenseSearchParams()  # the system name written into the run is required
-    with pytest.raises(ValidationError, match="hits"):
+    with pytest.raises(ValidationError, match="depth"):
         DenseSearchParams(system="d", hits=0)
     with pytest.raises(ValidationError, match="top_k"):
         DenseSearchParams(system="d", top_k=10)  # the old key: an error, never a silent default
@@ -200,7 +200,7 @@ def test_evaluate_stage_averages_over_the_asked_queries(tmp_path):
                                          "score": pa.array([2.0, 1.0], pa.float32()), "system": ["s", "s"]}))
     queries = pub("queries", "queries", pa.table({"query_id": ["q1", "q2"], "text": ["a", "b"]}))
     p = EvaluateParams(dataset="toy", split="test", metrics=("mrr@1", "ndcg@10"))
-    out = evaluate.run(run, p, run=ranked, qrels=qrels, queries=queries)
+    out = evaluate.run(run, p, ranking=ranked, qrels=qrels, queries=queries)
     metrics = {r["metric"]: r for r in out["metrics"].table().to_pylist()}
     assert metrics["mrr@1"]["value"] == 0.5 and metrics["mrr@1"]["num_queries"] == 2
     assert metrics["ndcg@10"]["value"] == 0.5 and metrics["mrr@1"]["dataset"] == "toy"
@@ -208,10 +208,10 @@ def test_evaluate_stage_averages_over_the_asked_queries(tmp_path):
     per_query = out["per_query"].table()
     assert sorted(set(per_query.column("query_id").to_pylist())) == ["q1", "q2"]
     # without the queries input: every judged query of the split counts
-    everyone = evaluate.fn(p, StageRuntime(), run=ranked, qrels=qrels).get("metrics").to_pylist()
+    everyone = evaluate.fn(p, StageRuntime(), ranking=ranked, qrels=qrels).get("metrics").to_pylist()
     assert {r["metric"]: r["num_queries"] for r in everyone} == {"mrr@1": 3, "ndcg@10": 3}
     # the own-id hit counts only when asked not to ignore identical ids
-    strict = evaluate.fn(p.model_copy(update={"ignore_identical_ids": False}), StageRuntime(), run=ranked,
+    strict = evaluate.fn(p.model_copy(update={"ignore_identical_ids": False}), StageRuntime(), ranking=ranked,
                          qrels=qrels, queries=queries)["metrics"].to_pylist()
     assert {r["metric"]: r["value"] for r in strict}["mrr@1"] == 0.0
 
@@ -246,10 +246,10 @@ def test_bm25_search_removes_query_id_hits_and_the_jvm_heap_is_the_runtimes(tmp_
     import jnius_config
 
     jvm_was_running = jnius_config.vm_running
-    kept = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", hits=10, remove_query=False),
-                           label="keep", bm25_index=index, queries=queries).table()
-    removed = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", hits=10, remove_query=True),
-                              label="drop", bm25_index=index, queries=queries).table()
+    kept = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", depth=10, remove_query=False),
+                           tag="keep", bm25_index=index, queries=queries).table()
+    removed = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", depth=10, remove_query=True),
+                              tag="drop", bm25_index=index, queries=queries).table()
     assert kept.column("doc_id")[0].as_py() == doc["doc_id"]  # its own title finds it first
     assert doc["doc_id"] not in removed.column("doc_id").to_pylist()
     assert removed.column("rank").to_pylist() == list(range(1, removed.num_rows + 1))
@@ -371,11 +371,11 @@ def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
 
     calls = []
 
-    def plain(run_, p, label=None, **inputs):
+    def plain(run_, p, tag=None, **inputs):
         calls.append(set(inputs))
-        return evaluate.run(run_, p, label=label, **inputs)
+        return evaluate.run(run_, p, tag=tag, **inputs)
 
     monkeypatch.setattr(common, "evaluate", plain)
     out = common.evaluate_runs(run, c, data, runs)
-    assert calls == [{"run", "qrels", "queries", "corpus"}]  # the recipes give evaluate the corpus
+    assert calls == [{"ranking", "qrels", "queries", "corpus"}]  # the recipes give evaluate the corpus
     return out

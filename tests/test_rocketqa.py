@@ -30,18 +30,18 @@ def setup(tmp_path_factory, shared_datasets, prefect_harness):
     bi = make_tiny_bi_encoder(root / "bi", normalize=True)
     ce = make_tiny_cross_encoder(root / "ce")
     common = {"dataset": {"name": "slice", "source": str(data), "split": "test"}, "base_model": str(bi),
-              "bm25": {"variants": ["flat"], "hits": 100}, "dense": {"batch_size": 32, "hits": 100},
+              "bm25": {"variants": ["flat"], "depth": 100}, "dense": {"batch_size": 32, "depth": 100},
               "runtime": {"threads": 1}}
     rocketqa = {"flow": "rocketqa", **common, "dual_encoder": dict(TRAIN), "retrieve": {"depth": 60},
                 "cross_encoder": {"model": str(bi), "steps": 2, "batch_size": 8, "max_length": 64,
-                                  "negatives_depth": 30, "rerank": {"depth": 20, "batch_size": 16}},
+                                  "depth": 30, "rerank": {"depth": 20, "batch_size": 16}},
                 "denoise": {"teachers": ["cross_encoder", "fusion"], "depth": 10, "fill_ranks": [11, 60]},
                 "augment": {"enabled": True, "queries": {"source": "ict"}, "limit": 15, "depth": 10,
                             "positive_threshold": 0.5, "negative_threshold": 0.49},
                 "student": dict(TRAIN, negative_lines=2),
                 "ablations": {"bm25_negatives": True, "undenoised": True, "listwise": True, "list_size": 4}}
     ance = {"flow": "ance", **common, "warmup": dict(TRAIN, bm25_depth=30), "rounds": 2,
-            "round": dict(TRAIN, depth=30, mined_per_query=5)}
+            "round": dict(TRAIN, depth=30, negatives_per_query=5)}
     paths = {}
     for name, cfg in (("rocketqa", rocketqa), ("ance", ance)):
         paths[name] = root / f"{name}.yaml"

@@ -255,7 +255,7 @@ def test_a_failing_stage_is_named(ctx, docs):
         raise DataError("no queries are judged in split 'train'")
 
     with pytest.raises(StageFailed) as e:
-        picky.run(ctx, NoParams(), label="x", docs=src)
+        picky.run(ctx, NoParams(), tag="x", docs=src)
     assert e.value.stage == "picky[x]" and e.value.user_error
     assert e.value.one_line() == "stage picky[x]: no queries are judged in split 'train'"
 
@@ -264,8 +264,8 @@ def test_stage_label_and_cache_key_are_per_label(ctx, docs):
     src, _ = ctx.store.publish_table("corpus", "corpus", docs)
     calls: list = []
     toy = make_toy(calls)
-    toy.run(ctx, ToyParams(suffix="!"), docs=src, label="a")
-    toy.run(ctx, ToyParams(suffix="!"), docs=src, label="b")  # same key: shared result
+    toy.run(ctx, ToyParams(suffix="!"), docs=src, tag="a")
+    toy.run(ctx, ToyParams(suffix="!"), docs=src, tag="b")  # same key: shared result
     runs = ctx.catalog.stage_runs(ctx.run_id)
     assert [r["name"] for r in runs] == ["toy_upper[a]", "toy_upper[b]"]
     assert [r["status"] for r in runs] == ["computed", "cached"] and len(calls) == 1

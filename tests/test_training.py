@@ -281,7 +281,7 @@ def test_train_student_margin_mse_saves_a_loadable_model_and_caches(env):
 
     run = env["run"]
     inputs = _mm_inputs(env)
-    ref = train_student.run(run, _student_params(), label="mm", **inputs)
+    ref = train_student.run(run, _student_params(), tag="mm", **inputs)
     assert ref.kind == "model"
     m = SentenceTransformer(ref.path, device="cpu")
     emb = m.encode(["a query about cells", "another one"])
@@ -295,7 +295,7 @@ def test_train_student_margin_mse_saves_a_loadable_model_and_caches(env):
     run2 = Run(run.store_root, "run-2")
     # a dict is validated into the same params: same key, same model
     as_dict = _student_params().model_dump()
-    assert train_student.run(run2, as_dict, label="mm", **inputs).id == ref.id
+    assert train_student.run(run2, as_dict, tag="mm", **inputs).id == ref.id
     assert [s["status"] for s in run2.catalog.stage_runs("run-2")] == ["cached"]
     # the base model is an input: another base model is another key
     other = dict(inputs, base_model=env["ce_ref"])
@@ -352,7 +352,7 @@ def test_train_student_mnrl_with_hard_negatives(env, tmp_path):
     params = _student_params(loss="mnrl", similarity="cos", steps=3, checkpoint_every=0)
     # bf16 autocast (what the old `bf16_autocast: true` asked for) now comes from the runtime
     run = Run(env["run"].store_root, "run-mnrl", runtime=RuntimeConfig(device="cpu", precision="bf16"))
-    ref = train_student.run(run, params, label="mnrl", queries=env["queries"], corpus=env["corpus"],
+    ref = train_student.run(run, params, tag="mnrl", queries=env["queries"], corpus=env["corpus"],
                             qrels=env["qrels"], negatives=env["negatives"], base_model=env["bi_ref"])
     assert SentenceTransformer(ref.path, device="cpu").encode(["x"]).shape == (1, 32)
     [row] = run.catalog.stage_runs("run-mnrl")
@@ -532,9 +532,9 @@ def test_runtime_device_reaches_every_training_model_load(env, tmp_path):
     # through the runner: both are "train" work, and the config's train device reaches them
     run = Run(env["run"].store_root, "run-meta", runtime=RuntimeConfig(device={"default": "cpu", "train": "meta"}))
     with pytest.raises(StageFailed, match="meta") as e:
-        train_student.run(run, _student_params(steps=1, seed=99), label="meta", **_mm_inputs(env))
+        train_student.run(run, _student_params(steps=1, seed=99), tag="meta", **_mm_inputs(env))
     assert e.value.stage == "train_student[meta]"
     with pytest.raises(StageFailed, match="meta") as e:
-        train_cross_encoder.run(run, _ce_params(steps=1, seed=99), label="meta", queries=env["queries"],
+        train_cross_encoder.run(run, _ce_params(steps=1, seed=99), tag="meta", queries=env["queries"],
                                 corpus=env["corpus"], qrels=env["qrels"], base_model=env["ce_ref"])
     assert e.value.stage == "train_cross_encoder[meta]"

@@ -15,55 +15,45 @@ round 3 and its evaluation only.
 
 # No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
 # is not in sys.modules, where pydantic could not resolve string annotations of the config models.
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (SupervisedConfig, bm25_train_run, evaluate_runs, ingest, labelled_queries,
-                                 raw_section, retrieve, test_runs)
-from irflow.recipe import recipe
+from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, as_list, bm25_train_run, evaluate_runs,
+                                 ingest, labelled_queries, retrieve, test_runs)
+from irflow.follows import Follow
+from irflow.recipe import flow_getattr, recipe
 from irflow.stage import Run
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.train_dual_encoder import train_dual_encoder
 
 
-class WarmupConfig(TrainDualEncoderParams):
+class WarmupConfig(HardNegativeTraining):
     bm25_depth: PositiveInt = Field(100, description="warm-up negatives come from BM25's top n, positives excluded")
 
 
-class RoundConfig(TrainDualEncoderParams):
+class RoundConfig(HardNegativeTraining):
     depth: PositiveInt = Field(200, description="the current model's top n per train query (ANCE: 200; 500 was "
                                                 "worse in the paper)")
-    mined_per_query: PositiveInt = Field(20, description="negatives sampled per query from that top n (ANCE: 20)")
+    negatives_per_query: PositiveInt = Field(20, description="negatives sampled per query from that top n (ANCE: "
+                                                             "20); each training line takes negatives_per_line")
     init: Literal["previous", "base"] = Field("previous", description="previous: continue from the last round's "
                                                                       "model (ANCE); base: retrain from base_model "
                                                                       "(Tevatron's cheap reproduction)")
 
 
 class ANCEConfig(SupervisedConfig):
-    flow: Literal["ance"] = Field(description="this recipe: ance")
-    warmup: WarmupConfig = Field(WarmupConfig(negatives_per_query=1), description="round 0: BM25 negatives")
-    rounds: NonNegativeInt = Field(2, description="index refreshes after the warm-up")
-    round: RoundConfig = Field(RoundConfig(negatives_per_query=1), description="each refresh's retrieval, mining "
-                                                                               "and training")
+    follows: ClassVar = (
+        Follow("warmup.splits", "train_split", as_list),
+        Follow("round.splits", "train_split", as_list),
+        Follow("dense.similarity", "warmup.similarity"),
+    )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _follow(cls, data):
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        split = data.get("train_split", "train")
-        for key in ("warmup", "round"):
-            section = raw_section(data, key)
-            if section is not None:
-                section.setdefault("splits", [split])
-                section.setdefault("negatives_per_query", 1)
-        warm, dense = raw_section(data, "warmup") or {}, raw_section(data, "dense")
-        if dense is not None:
-            dense.setdefault("similarity", warm.get("similarity", TrainDualEncoderParams.model_fields["similarity"].default))
-        return data
+    flow: Literal["ance"] = Field(description="this recipe: ance")
+    warmup: WarmupConfig = Field(WarmupConfig(), description="round 0: BM25 negatives")
+    rounds: NonNegativeInt = Field(2, description="index refreshes after the warm-up")
+    round: RoundConfig = Field(RoundConfig(), description="each refresh's retrieval, mining and training")
 
     @model_validator(mode="after")
     def _rules(self):
@@ -72,12 +62,13 @@ class ANCEConfig(SupervisedConfig):
             section = getattr(self, key)
             if tuple(section.splits) != (split,):
                 raise ValueError(f"{key}.splits: {list(section.splits)}, but the labelled split is train_split '{split}'")
-            if section.loss != "infonce" or section.negatives_per_query < 1:
+            if section.loss != "infonce" or section.negatives_per_line < 1:
                 raise ValueError(f"{key}: ANCE trains with infonce on at least one hard negative per line "
-                                 "(negatives_per_query >= 1)")
-        if self.round.mined_per_query < self.round.negatives_per_query * self.round.negative_lines:
-            raise ValueError(f"round.mined_per_query: {self.round.mined_per_query} is fewer than the negatives a "
-                             f"query's lines take ({self.round.negatives_per_query} x {self.round.negative_lines})")
+                                 "(negatives_per_line >= 1)")
+        if self.round.negatives_per_query < self.round.negatives_per_line * self.round.negative_lines:
+            raise ValueError(f"round.negatives_per_query: {self.round.negatives_per_query} is fewer than the "
+                             f"negatives a query's lines take ({self.round.negatives_per_line} x "
+                             f"{self.round.negative_lines})")
         if self.dense.similarity != self.warmup.similarity or self.round.similarity != self.warmup.similarity:
             raise ValueError(f"dense.similarity / round.similarity: one similarity throughout (warmup.similarity: "
                              f"{self.warmup.similarity})")
@@ -92,19 +83,20 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
 
     # Warm start (round 0): labelled pairs + BM25 negatives.
     bm25 = bm25_train_run(run, c.bm25, data, train_q, c.warmup.bm25_depth)
-    bm25_negatives = mine_negatives(run, MineParams(strategy="topk", depth=c.warmup.bm25_depth), label="bm25",
-                                    runs=[bm25], qrels=data.qrels)
-    model = train_dual_encoder(run, c.warmup.to(TrainDualEncoderParams), label="ance-warmup", queries=[train_q],
+    bm25_negatives = mine_negatives(run, MineParams(strategy="topk", depth=c.warmup.bm25_depth), tag="bm25",
+                                    rankings=[bm25], qrels=data.qrels)
+    model = train_dual_encoder(run, c.warmup.to(TrainDualEncoderParams), tag="ance-warmup", queries=[train_q],
                                corpus=data.corpus, base_model=base, qrels=[data.qrels], negatives=[bm25_negatives])
     systems = {"ance-warmup": model}
 
     # Rounds: the current model's own top 200 become the next negatives.
     for r in range(1, c.rounds + 1):
-        top = retrieve(run, c.dense, data, model, train_q, c.round.depth, label=f"ance-r{r}-train")
+        top = retrieve(run, c.dense, data, model, train_q, c.round.depth, tag=f"ance-r{r}-train")
         negatives = mine_negatives(run, MineParams(strategy="topk", depth=c.round.depth,
-                                                   num_negatives=c.round.mined_per_query, seed=c.round.seed + r),
-                                   label=f"ance-r{r}", runs=[top], qrels=data.qrels)
-        model = train_dual_encoder(run, c.round.to(TrainDualEncoderParams), label=f"ance-round{r}",
+                                                   negatives_per_miner=c.round.negatives_per_query,
+                                                   seed=c.round.seed + r),
+                                   tag=f"ance-r{r}", rankings=[top], qrels=data.qrels)
+        model = train_dual_encoder(run, c.round.to(TrainDualEncoderParams), tag=f"ance-round{r}",
                                    queries=[train_q], corpus=data.corpus,
                                    base_model=model if c.round.init == "previous" else base, qrels=[data.qrels],
                                    negatives=[negatives])
@@ -113,8 +105,4 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
     return evaluate_runs(run, c.evaluate, data, test_runs(run, c, data, base, systems))
 
 
-def __getattr__(name: str):
-    # `ance_flow`: the Prefect flow (prefect.yaml's entrypoint), built on first use.
-    if name == "ance_flow":
-        return ance.flow
-    raise AttributeError(name)
+__getattr__ = flow_getattr(ance)  # `ance_flow`: the Prefect flow (prefect.yaml's entrypoint)

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from irflow.flows.common import (BM25Config, DatasetConfig, ZeroShotDense, bm25_runs, dense_run, evaluate_runs,
                                  ingest, system_name)
-from irflow.recipe import RecipeConfig, recipe
+from irflow.recipe import RecipeConfig, flow_getattr, recipe
 from irflow.stage import Run
 from irflow.tasks.evaluate import EvaluationParams
 
@@ -37,13 +37,9 @@ def baselines(c: BaselinesConfig, run: Run) -> list[dict]:
     runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
     if c.dense.enabled:
         system = c.dense.system or system_name(c.dense.model)
-        runs[system] = dense_run(run, c.dense, data.corpus, data.test_queries, system=system, label="zero-shot",
+        runs[system] = dense_run(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
                                  model=run.model(c.dense.model, "dense.model"))
     return evaluate_runs(run, c.evaluate, data, runs)
 
 
-def __getattr__(name: str):
-    # `baselines_flow`: the Prefect flow (prefect.yaml's entrypoint), built on first use.
-    if name == "baselines_flow":
-        return baselines.flow
-    raise AttributeError(name)
+__getattr__ = flow_getattr(baselines)  # `baselines_flow`: the Prefect flow (prefect.yaml's entrypoint)

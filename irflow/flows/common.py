@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
+from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.params import ModelName
 from irflow.recipe import RecipeConfig
 from irflow.stage import Run
@@ -107,30 +108,30 @@ def ingest(run: Run, d: DatasetConfig) -> Dataset:
     """The dataset (fetched once if a URL) and the judged queries of its evaluated split."""
     source = run.external(source_ref(d.source, d.md5, run.store.root / "downloads"), {"source": d.source})
     beir = ingest_beir(run, d.to(IngestParams), source=source)
-    test = select_queries(run, SelectQueriesParams(split=d.split, limit=d.limit_queries), label=d.split,
+    test = select_queries(run, SelectQueriesParams(split=d.split, limit=d.limit_queries), tag=d.split,
                           queries=beir["queries"], qrels=beir["qrels"])
     return Dataset(d.display_name, d.split, beir["corpus"], beir["queries"], beir["qrels"], test)
 
 
 def bm25_runs(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, *, prefix: str = "bm25",
-              label_suffix: str = "") -> dict[str, DatasetRef]:
+              tag_suffix: str = "") -> dict[str, DatasetRef]:
     """System name -> run, one per BM25 variant (an index each, cached apart from the search)."""
     runs = {}
     for variant in c.variants:
-        label = variant + label_suffix
-        index = bm25_index(run, BM25IndexParams(variant=variant), label=label, corpus=corpus)
+        tag = variant + tag_suffix
+        index = bm25_index(run, BM25IndexParams(variant=variant), tag=tag, corpus=corpus)
         system = f"{prefix}-{variant}"
-        runs[system] = bm25_search(run, c.to(BM25SearchParams, variant=variant, system=system), label=label,
+        runs[system] = bm25_search(run, c.to(BM25SearchParams, variant=variant, system=system), tag=tag,
                                    bm25_index=index, queries=queries)
     return runs
 
 
 def dense_run(run: Run, c: DenseRetrieval, corpus: DatasetRef, queries: DatasetRef, *, model: DatasetRef,
-              system: str, label: str) -> DatasetRef:
+              system: str, tag: str) -> DatasetRef:
     """Encode the corpus (cached on corpus + model + encoding settings: shared by every query set),
     then search it."""
-    embeddings = encode_corpus(run, c.to(EncodeParams), label=label, corpus=corpus, model=model)
-    return dense_search(run, c.to(DenseSearchParams, system=system), label=label, embeddings=embeddings,
+    embeddings = encode_corpus(run, c.to(EncodeParams), tag=tag, corpus=corpus, model=model)
+    return dense_search(run, c.to(DenseSearchParams, system=system), tag=tag, embeddings=embeddings,
                         queries=queries, model=model)
 
 
@@ -142,44 +143,44 @@ def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, 
     """One evaluate stage per system (a changed system re-evaluates alone), on the test queries; the
     corpus lets it count the judged queries with no judged document in it."""
     p = c.to(EvaluateParams, dataset=data.name, split=data.split)
-    return [evaluate(run, p, label=system, run=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
+    return [evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
             for system, ref in runs.items()]
 
 
 # ---- supervised recipes: their training queries' lists ------------------------------------------
 def labelled_queries(run: Run, data: Dataset, split: str) -> DatasetRef:
     """The queries judged in a labelled ``split`` (what RocketQA and ANCE train on)."""
-    return select_queries(run, SelectQueriesParams(split=split), label=split, queries=data.queries, qrels=data.qrels)
+    return select_queries(run, SelectQueriesParams(split=split), tag=split, queries=data.queries, qrels=data.qrels)
 
 
 def bm25_train_run(run: Run, c: BM25Config, data: Dataset, queries: DatasetRef, depth: int,
-                   label: str = "bm25-train") -> DatasetRef:
+                   tag: str = "bm25-train") -> DatasetRef:
     """BM25's top ``depth`` for training queries (system 'bm25': a fusion teacher's weight key; the
     index is the first variant's, shared with the evaluated BM25 system)."""
     variant = c.variants[0]
-    index = bm25_index(run, BM25IndexParams(variant=variant), label=variant, corpus=data.corpus)
-    return bm25_search(run, c.to(BM25SearchParams, variant=variant, system="bm25", hits=depth, remove_query=False),
-                       label=label, bm25_index=index, queries=queries)
+    index = bm25_index(run, BM25IndexParams(variant=variant), tag=variant, corpus=data.corpus)
+    return bm25_search(run, c.to(BM25SearchParams, variant=variant, system="bm25", depth=depth, remove_query=False),
+                       tag=tag, bm25_index=index, queries=queries)
 
 
 def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, queries: DatasetRef, depth: int,
-             label: str, system: str = "dense") -> DatasetRef:
+             tag: str, system: str = "dense") -> DatasetRef:
     """A dual encoder's top ``depth`` for training queries. Its corpus embeddings are the ones its test
     evaluation uses (same model, same encoding settings: one encode_corpus)."""
-    return dense_run(run, c.to(type(c), hits=depth, remove_query=False), data.corpus, queries, model=model,
-                     system=system, label=label)
+    return dense_run(run, c.to(type(c), depth=depth, remove_query=False), data.corpus, queries, model=model,
+                     system=system, tag=tag)
 
 
-def raw_section(data: dict, key: str) -> dict | None:
-    """A section of a raw config as a mutable copy, created empty if absent (None if it is not a
-    mapping: validation says why). For recipes' `mode="before"` validators that fill what follows."""
-    value = data.get(key)
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        return None
-    data[key] = dict(value)
-    return data[key]
+def as_list(value):
+    """A follow rule (``irflow.follows``): a key that holds a list of what another key holds once."""
+    return [value]
+
+
+class HardNegativeTraining(TrainDualEncoderParams):
+    """A dual encoder trained on mined hard negatives (ANCE's rounds, RocketQA's students)."""
+
+    negatives_per_line: NonNegativeInt = Field(1, description="hard negatives on each training line, from the "
+                                                              "mined or denoised negatives")
 
 
 class SupervisedConfig(RecipeConfig):
@@ -208,13 +209,14 @@ class SupervisedConfig(RecipeConfig):
         return self
 
 
-def test_runs(run: Run, c: SupervisedConfig, data: Dataset, base: DatasetRef,
-              models: dict[str, DatasetRef]) -> dict[str, DatasetRef]:
-    """System name -> test run: BM25, the zero-shot base model, and each trained model."""
+def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
+              models: dict[str, DatasetRef], base_model: str | None = None) -> dict[str, DatasetRef]:
+    """System name -> test run: BM25 (``c.bm25``), the zero-shot base model (``base_model``: its config
+    value, by default ``c.base_model``), and each trained model, encoded and searched as ``c.dense``."""
     runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
-    zero_shot = system_name(c.base_model)
+    zero_shot = system_name(base_model or c.base_model)
     runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
-                                label="zero-shot")
+                                tag="zero-shot")
     for name, model in models.items():
-        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, label=name)
+        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, tag=name)
     return runs

@@ -25,14 +25,15 @@ teacher weights and label miners name miners.
 
 # No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
 # is not in sys.modules, where pydantic could not resolve string annotations of the config models.
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, PositiveInt, model_validator
 
 from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig, bm25_runs, dense_run,
-                                 evaluate_runs, ingest, system_name)
+                                 evaluate_runs, ingest, system_name, test_runs)
+from irflow.follows import Follow
 from irflow.params import CrossEncoderName, ModelName, NoParams, Params
-from irflow.recipe import RecipeConfig, recipe
+from irflow.recipe import RecipeConfig, flow_getattr, recipe
 from irflow.stage import Run
 from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams, BM25Weights, Variant, bm25_index, bm25_search
@@ -131,7 +132,24 @@ class Doc2QueryConfig(Doc2QueryParams):
                                                    "generate.source is t5; needs a generator)")
 
 
+def _positive(source: str) -> str:
+    return "teacher_top1" if source == "unlabelled" else "qrels"
+
+
+def _fit_to_student(similarity: str, max_seq_length: int) -> dict:
+    return {"similarity": similarity, "max_seq_length": max_seq_length}
+
+
 class GPLConfig(RecipeConfig):
+    follows: ClassVar = (
+        Follow("label.positive", "generate.source", _positive,
+               says="teacher_top1 if generate.source is unlabelled, else qrels"),
+        Follow("label.scale", ("train.similarity", "train.max_seq_length"), _fit_to_student, unset=("auto",),
+               says="null; auto: fitted to train.similarity and train.max_seq_length"),
+        Follow("dense.similarity", "train.similarity"),
+        Follow("doc2query.enabled", "generate.source", lambda source: source == "t5", says="generate.source is t5"),
+    )
+
     flow: Literal["gpl"] = Field(description="this recipe: gpl")
     dataset: DatasetConfig = Field(description="the BEIR dataset and the split to evaluate")
     generate: GenerateConfig = Field(T5Generate(source="t5"), description="where training queries come from")
@@ -145,33 +163,6 @@ class GPLConfig(RecipeConfig):
     hybrid: HybridConfig = Field(HybridConfig(), description="BM25 + zero-shot fusion")
     doc2query: Doc2QueryConfig = Field(Doc2QueryConfig(), description="the docT5query baseline")
     evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _follow(cls, data):
-        """Fill what follows another section, before validation (so `irflow config` shows it)."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        gen, train = _raw(data, "generate"), _raw(data, "train", create=True)
-        source = gen.get("source", "t5") if gen is not None else "t5"
-        if train is None:  # not a mapping: validation reports it
-            return data
-        fields = TrainStudentParams.model_fields
-        similarity = train.get("similarity", fields["similarity"].default)
-        label = _raw(data, "label", create=True)
-        if label is not None:
-            label.setdefault("positive", "teacher_top1" if source == "unlabelled" else "qrels")
-            if label.get("scale") == "auto":
-                label["scale"] = {"similarity": similarity,
-                                  "max_seq_length": train.get("max_seq_length", fields["max_seq_length"].default)}
-        dense = _raw(data, "dense", create=True)
-        if dense is not None:
-            dense.setdefault("similarity", similarity)
-        doc2query = _raw(data, "doc2query", create=True)
-        if doc2query is not None and doc2query.get("enabled") is None:
-            doc2query["enabled"] = source == "t5"
-        return data
 
     @model_validator(mode="after")
     def _rules(self):
@@ -216,26 +207,15 @@ class GPLConfig(RecipeConfig):
         return self
 
 
-def _raw(data: dict, key: str, create: bool = False) -> dict | None:
-    """A section of the raw config as a mutable copy (None if it is not a mapping: validation says why)."""
-    value = data.get(key)
-    if value is None and create:
-        value = {}
-    if not isinstance(value, dict):
-        return None
-    data[key] = dict(value)
-    return data[key]
-
-
 # ---- building blocks ------------------------------------------------------------------------------
 def query_generation(run: Run, g, data: Dataset) -> dict[str, DatasetRef]:
     """Generated (or unlabelled real) queries and their qrels (the source passage; none if unlabelled)."""
     if isinstance(g, T5Generate):
-        return generate_queries(run, g.to(T5Source), label="t5", corpus=data.corpus,
+        return generate_queries(run, g.to(T5Source), tag="t5", corpus=data.corpus,
                                 model=run.model(g.model, "generate.model"))
     if isinstance(g, UnlabelledSource):
-        return generate_queries(run, g, label=g.source, corpus=data.corpus, queries=data.queries, qrels=data.qrels)
-    return generate_queries(run, g, label=g.source, corpus=data.corpus)
+        return generate_queries(run, g, tag=g.source, corpus=data.corpus, queries=data.queries, qrels=data.qrels)
+    return generate_queries(run, g, tag=g.source, corpus=data.corpus)
 
 
 def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef
@@ -243,15 +223,15 @@ def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: Dataset
     """A miner's top `mine.depth` for the generated queries; the run's system is the miner's name."""
     name = miner_name(m)
     if isinstance(m, BM25Miner):
-        index = bm25_index(run, BM25IndexParams(variant=m.variant), label=m.variant, corpus=corpus)
-        return bm25_search(run, m.to(BM25SearchParams, hits=c.mine.depth, remove_query=False, system=name),
-                           label=f"miner-{name}", bm25_index=index, queries=queries)
+        index = bm25_index(run, BM25IndexParams(variant=m.variant), tag=m.variant, corpus=corpus)
+        return bm25_search(run, m.to(BM25SearchParams, depth=c.mine.depth, remove_query=False, system=name),
+                           tag=f"miner-{name}", bm25_index=index, queries=queries)
     # Same model and encoding as an evaluated system: its corpus embeddings are reused (cached).
-    settings = c.dense.to(DenseRetrieval, hits=c.mine.depth, remove_query=False,
+    settings = c.dense.to(DenseRetrieval, depth=c.mine.depth, remove_query=False,
                           similarity=m.similarity or c.dense.similarity)
     where = f"mine.miners.{c.mine.miners.index(m)}.model"
     return dense_run(run, settings, corpus, queries, model=run.model(m.model, where), system=name,
-                     label=f"miner-{name}")
+                     tag=f"miner-{name}")
 
 
 def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined: list[DatasetRef],
@@ -262,7 +242,7 @@ def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined: l
                    isinstance(teacher, CrossEncoderTeacherConfig) else teacher)
     return pseudo_label(run, p, queries=gen["queries"], corpus=corpus, negatives=negatives,
                         qrels=gen["qrels"] if p.positive == "qrels" else None,
-                        teacher_runs=mined if isinstance(teacher, FusionTeacher) else None,
+                        teacher_rankings=mined if isinstance(teacher, FusionTeacher) else None,
                         teacher=run.model(teacher.model, "teacher.model") if
                         isinstance(teacher, CrossEncoderTeacherConfig) else None,
                         student=student if isinstance(p.scale, AutoScale) else None)
@@ -277,38 +257,29 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     # 1. Query generation; 2. negative mining with every miner; 3. pseudo labels from the teacher.
     gen = query_generation(run, c.generate, data)
     mined = [miner_run(run, m, c, data.corpus, gen["queries"]) for m in c.mine.miners]
-    negatives = mine_negatives(run, c.mine.to(MineParams), runs=mined, qrels=gen["qrels"], corpus=data.corpus)
+    negatives = mine_negatives(run, c.mine.to(MineParams), rankings=mined, qrels=gen["qrels"], corpus=data.corpus)
     labels = labelling(run, c, gen, negatives, mined, base, data.corpus)
 
     # 4. Students: GPL (Margin-MSE on the teacher's margins) and the QGen baseline (MNRL on (q, pos)).
-    students = {"gpl-student": train_student(run, c.train.gpl_params(), label="gpl", queries=gen["queries"],
+    students = {"gpl-student": train_student(run, c.train.gpl_params(), tag="gpl", queries=gen["queries"],
                                              corpus=data.corpus, base_model=base, pseudo_labels=labels)}
     if c.train.qgen.enabled:
         positives = label_positives(run, NoParams(), pseudo_labels=labels)
-        students["qgen-student"] = train_student(run, c.train.qgen_params(), label="qgen", queries=gen["queries"],
+        students["qgen-student"] = train_student(run, c.train.qgen_params(), tag="qgen", queries=gen["queries"],
                                                  corpus=data.corpus, base_model=base, qrels=positives)
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
-    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
-    zero_shot = system_name(c.train.model)
-    runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
-                                label="zero-shot")
+    runs = test_runs(run, c, data, base, students, base_model=c.train.model)
+    sparse, zero_shot = next(iter(runs)), system_name(c.train.model)
     if c.hybrid.enabled:
-        sparse = next(iter(runs))
-        runs["hybrid"] = fuse(run, c.hybrid.params(sparse, zero_shot), label="hybrid",
-                              runs=[runs[sparse], runs[zero_shot]])
+        runs["hybrid"] = fuse(run, c.hybrid.params(sparse, zero_shot), tag="hybrid",
+                              rankings=[runs[sparse], runs[zero_shot]])
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                     queries=gen["queries"], qrels=gen["qrels"])
         runs.update(bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
-                              prefix="bm25-doc2query", label_suffix="-doc2query"))
-    for name, model in students.items():
-        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, label=name)
+                              prefix="bm25-doc2query", tag_suffix="-doc2query"))
     return evaluate_runs(run, c.evaluate, data, runs)
 
 
-def __getattr__(name: str):
-    # `gpl_flow`: the Prefect flow (prefect.yaml's entrypoint), built on first use.
-    if name == "gpl_flow":
-        return gpl.flow
-    raise AttributeError(name)
+__getattr__ = flow_getattr(gpl)  # `gpl_flow`: the Prefect flow (prefect.yaml's entrypoint)

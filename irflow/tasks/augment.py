@@ -87,12 +87,12 @@ def augment_tables(p: AugmentSettings, pairs: list[tuple[str, str, int]], prob: 
 
 
 @stage("augment", version="2", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")], work="score")
-def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, run: DatasetRef, corpus: DatasetRef,
-            teacher: DatasetRef | None = None, teacher_runs: list[DatasetRef] | None = None,
+def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, ranking: DatasetRef, corpus: DatasetRef,
+            teacher: DatasetRef | None = None, teacher_rankings: list[DatasetRef] | None = None,
             calibration: DatasetRef | None = None):
     """Teacher-labelled (query, positive) pairs and negatives for the unlabelled ``queries``, from
-    ``run`` (the dual encoder's list for them)."""
-    r = run.table(columns=["query_id", "doc_id", "rank"])
+    ``ranking`` (the dual encoder's list for them)."""
+    r = ranking.table(columns=["query_id", "doc_id", "rank"])
     r = r.filter(pc.less_equal(r.column("rank"), p.depth))
     triples = list(zip(*(r.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))))
     qtext = query_texts(queries.table(), {t[0] for t in triples})
@@ -113,7 +113,7 @@ def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, run: Dat
                                     c.column("rank").to_numpy())
     log.info("augment: the %s teacher scores %d pairs (%d unlabelled queries x top %d)", p.teacher.type, len(pairs),
              len(qtext), p.depth)
-    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],
+    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_rankings or []],
                          model=teacher, rt=rt, stage="augment")
     prob, _ = probabilities(raw, p.calibration.method, fitted=fitted)
     out = augment_tables(p, triples, prob)

@@ -51,7 +51,7 @@ class BM25Weights(Params):
 
 
 class BM25Retrieval(BM25Weights):
-    hits: PositiveInt = Field(1000, description="hits per query")
+    depth: PositiveInt = Field(1000, description="how many passages per query the ranking holds")
     remove_query: bool = Field(True, description="drop a hit whose doc id equals the query id (Pyserini's "
                                                   "--remove-query, BEIR's ignore_identical_ids)")
 
@@ -132,10 +132,10 @@ def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: f
 
 @stage("bm25_search", version="2", outputs=Output("run", "run"))
 def bm25_search(p: BM25SearchParams, rt: StageRuntime, *, bm25_index: DatasetRef, queries: DatasetRef) -> pa.Table:
-    """BM25 top ``hits`` per query from a ``bm25_index`` of ``p.variant``."""
+    """BM25 top ``depth`` per query from a ``bm25_index`` of ``p.variant``."""
     q = queries.table()
     cols = search(bm25_index.path, q.column("query_id").to_pylist(), q.column("text").to_pylist(),
-                  k1=p.k1, b=p.b, top_k=p.hits, fields=SEARCH_FIELDS[p.variant], remove_query=p.remove_query,
+                  k1=p.k1, b=p.b, top_k=p.depth, fields=SEARCH_FIELDS[p.variant], remove_query=p.remove_query,
                   threads=rt.threads, heap=rt.jvm_heap)
     n = len(cols["query_id"])
     return pa.table({**cols, "rank": pa.array(cols["rank"], pa.int32()), "score": pa.array(cols["score"], pa.float32()),

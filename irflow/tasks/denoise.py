@@ -142,9 +142,9 @@ def denoise_tables(p: DenoiseParams, triples: list[tuple[str, str, int]], prob: 
 @stage("denoise", version="4",
        outputs=[Output("negatives", "negatives"), Output("scores", "teacher_scores"), Output("audit", "denoise_audit"),
                 Output("histogram", kind="figure")])
-def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, run: DatasetRef, qrels: DatasetRef):
+def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, ranking: DatasetRef, qrels: DatasetRef):
     """Denoised hard negatives for the queries with positives in ``split``, from a teacher's
-    ``scores`` (candidate_scores) of ``run``'s top candidates; ``run``'s deeper ranks are the fill."""
+    ``scores`` (candidate_scores) of ``ranking``'s top candidates; ``ranking``'s deeper ranks are the fill."""
     qrels_t = qrels.table()
     pos_by_q = positives(qrels_t, p.split)
     if not pos_by_q:
@@ -157,7 +157,7 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, run: Data
     if not pos_by_q:
         raise DataError(f"denoise: the scores have no query of split '{p.split}'")
     ranks: dict[str, dict[str, int]] = defaultdict(dict)
-    r = run.table(columns=["query_id", "doc_id", "rank"])
+    r = ranking.table(columns=["query_id", "doc_id", "rank"])
     for q, d, rk in zip(*(r.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))):
         if q in pos_by_q:
             ranks[q][d] = rk

@@ -43,8 +43,8 @@ class DenseRetrieval(EncodeParams):
                                                                "graph (approximate, faster on big corpora)")
     hnsw_m: PositiveInt = Field(32, description="HNSW: neighbours per node")
     ef_search: PositiveInt | None = Field(None, description="HNSW: search breadth (null: faiss's default; at "
-                                                            "least `hits`)")
-    hits: PositiveInt = Field(1000, description="hits per query")
+                                                            "least `depth`)")
+    depth: PositiveInt = Field(1000, description="how many passages per query the ranking holds")
     remove_query: bool = Field(True, description="drop a hit whose doc id equals the query id (BEIR's "
                                                  "ignore_identical_ids)")
 
@@ -94,7 +94,7 @@ def search_index(index, query_emb: np.ndarray, top_k: int, ef_search: int | None
 @stage("dense_search", version="2", outputs=Output("run", "run"), work="encode")
 def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetRef, queries: DatasetRef,
                  model: DatasetRef) -> pa.Table:
-    """Top ``hits`` passages per query: queries encoded with ``model``, searched in ``embeddings``."""
+    """Top ``depth`` passages per query: queries encoded with ``model``, searched in ``embeddings``."""
     import faiss
 
     faiss.omp_set_num_threads(rt.threads)
@@ -106,7 +106,7 @@ def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetR
     e = embeddings.table()
     doc_ids = e.column("doc_id").to_pylist()
     index = build_index(embeddings_to_numpy(e), p.index, p.hnsw_m)
-    top_k = min(p.hits, len(doc_ids))
+    top_k = min(p.depth, len(doc_ids))
     scores, idx = search_index(index, q_emb, top_k, p.ef_search)
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
     for qi, qid in enumerate(qids):

@@ -130,12 +130,12 @@ def no_judged_doc(qrels: pa.Table, corpus: pa.Table, split: str, evaluated: set[
 
 # version 4: the corpus input and the metrics' no_judged_doc column
 @stage("evaluate", version="4", outputs=[Output("per_query", "per_query_metrics"), Output("metrics", "metrics")])
-def evaluate(p: EvaluateParams, rt: StageRuntime, *, run: DatasetRef, qrels: DatasetRef,
+def evaluate(p: EvaluateParams, rt: StageRuntime, *, ranking: DatasetRef, qrels: DatasetRef,
              queries: DatasetRef | None = None, corpus: DatasetRef | None = None):
-    """Metrics of ``run`` against the ``p.split`` qrels, over the queries the system was asked
+    """Metrics of ``ranking`` against the ``p.split`` qrels, over the queries the system was asked
     (``queries``; without them: every judged query of the split). With the ``corpus``, each metrics
     row says how many of those queries have no judged document in it (``no_judged_doc``)."""
-    r = run.table()
+    r = ranking.table()
     asked = set(queries.table(columns=["query_id"]).column("query_id").to_pylist()) if queries is not None else None
     systems = sorted(set(r.column("system").to_pylist()))
     qrels_t = qrels.table()

@@ -16,7 +16,7 @@ from irflow.store import DatasetRef
 
 
 class FuseSettings(FusionSettings):
-    hits: PositiveInt = Field(1000, description="hits per query kept in the fused run")
+    depth: PositiveInt = Field(1000, description="how many passages per query the fused ranking holds")
 
 
 class FuseParams(FuseSettings):
@@ -25,8 +25,8 @@ class FuseParams(FuseSettings):
 
 
 @stage("fuse", version="2", outputs=Output("run", "run"))
-def fuse(p: FuseParams, rt: StageRuntime, *, runs: list[DatasetRef]) -> pa.Table:
-    """The fused run of ``runs`` (each holding one or more systems)."""
-    fused = fuse_runs([r.table() for r in runs], method=p.method, weights=p.weights, rrf_k=p.rrf_k, depth=p.depth,
-                      hits=p.hits, system=p.system)
+def fuse(p: FuseParams, rt: StageRuntime, *, rankings: list[DatasetRef]) -> pa.Table:
+    """The fused run of ``rankings`` (each holding one or more systems)."""
+    fused = fuse_runs([r.table() for r in rankings], method=p.method, weights=p.weights, rrf_k=p.rrf_k,
+                      input_depth=p.input_depth, depth=p.depth, system=p.system)
     return fused.set_column(fused.schema.get_field_index("score"), "score", fused.column("score").cast(pa.float32()))

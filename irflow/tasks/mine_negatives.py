@@ -7,8 +7,8 @@ Which negatives a dense retriever trains on decides much of what it learns:
 - ``range``: ranks ``[lo, hi]`` of each miner's list (e.g. [10, 100]), skipping the very top, where
   unlabelled positives (false negatives) are most likely (RocketQA, Qu et al., 2021, denoise those;
   ANCE, Xiong et al., 2021, and Karpukhin et al., 2020, DPR, sample from the top of the list).
-- ``random``: ``num_random`` easy negatives per query, uniformly from the corpus (DPR's "random"
-  negatives), or -- without a corpus input -- ``num_random`` per query and miner from that miner's
+- ``random``: ``negatives_per_query`` easy negatives per query, uniformly from the corpus (DPR's "random"
+  negatives), or -- without a corpus input -- ``negatives_per_query`` per query and miner from that miner's
   list below ``depth``.
 - ``mix``: ``hard`` negatives per query and miner, sampled from the miner's top ``depth``, plus
   ``easy`` ones drawn as in ``random`` (never a document already picked as hard for the query).
@@ -55,27 +55,27 @@ class MixCounts(Params):
 class MineParams(Params):
     strategy: Literal["topk", "range", "random", "mix"] = Field(
         "topk", description="topk: every non-positive of each miner's top `depth`; range: ranks `rank_range`; "
-                            "random: `num_random` easy negatives; mix: `mix.hard` hard + `mix.easy` easy")
+                            "random: `negatives_per_query` easy negatives; mix: `mix.hard` hard + `mix.easy` easy")
     depth: PositiveInt = Field(50, description="how deep each miner's ranked list is mined (miners retrieve this "
                                                "many hits per query)")
     rank_range: tuple[PositiveInt, PositiveInt] | None = Field(
         None, description="range: the ranks [lo, hi] (inclusive) negatives come from")
-    num_negatives: PositiveInt | None = Field(
+    negatives_per_miner: PositiveInt | None = Field(
         None, description="topk/range: sample this many per query and miner (null: all)")
-    num_random: PositiveInt | None = Field(None, description="random: negatives per query")
+    negatives_per_query: PositiveInt | None = Field(None, description="random: negatives per query")
     mix: MixCounts | None = Field(None, description="mix: how many hard and easy negatives")
     seed: int = Field(42, description="sampling seed")
 
     @model_validator(mode="after")
     def _strategy_fields(self):
-        needs = {"range": "rank_range", "random": "num_random", "mix": "mix"}
+        needs = {"range": "rank_range", "random": "negatives_per_query", "mix": "mix"}
         for strategy, name in needs.items():
             if getattr(self, name) is not None and self.strategy != strategy:
                 raise ValueError(f"{name}: only used with strategy {strategy} (strategy is {self.strategy})")
         if self.strategy in needs and getattr(self, needs[self.strategy]) is None:
             raise ValueError(f"{needs[self.strategy]}: required with strategy {self.strategy}")
-        if self.num_negatives is not None and self.strategy not in ("topk", "range"):
-            raise ValueError(f"num_negatives: only used with strategy topk or range (strategy is {self.strategy})")
+        if self.negatives_per_miner is not None and self.strategy not in ("topk", "range"):
+            raise ValueError(f"negatives_per_miner: only used with strategy topk or range (strategy is {self.strategy})")
         if self.rank_range is not None:
             lo, hi = self.rank_range
             if lo > hi:
@@ -148,12 +148,12 @@ def _mine(con, runs, qrels, corpus_doc_ids, p: MineParams) -> pa.Table:
         return corpus_draws([q for (q,) in query_ids], corpus_doc_ids, positives, hard, m, seed)
 
     if strategy == "topk":
-        out = [from_lists(f"rank <= {top_k}", p.num_negatives, "topk")]
+        out = [from_lists(f"rank <= {top_k}", p.negatives_per_miner, "topk")]
     elif strategy == "range":
         lo, hi = p.rank_range
-        out = [from_lists(f"rank BETWEEN {lo} AND {hi}", p.num_negatives, "range")]
+        out = [from_lists(f"rank BETWEEN {lo} AND {hi}", p.negatives_per_miner, "range")]
     elif strategy == "random":
-        out = [easy(p.num_random, None)]
+        out = [easy(p.negatives_per_query, None)]
     else:
         hard = from_lists(f"rank <= {top_k}", p.mix.hard, "hard")
         out = [hard, easy(p.mix.easy, hard)]
@@ -189,9 +189,9 @@ def corpus_draws(query_ids: list[str], doc_ids: list[str], positives: pa.Table, 
 
 
 @stage("mine_negatives", version="2", outputs=Output("negatives", "negatives"))
-def mine_negatives(p: MineParams, rt: StageRuntime, *, runs: list[DatasetRef], qrels: DatasetRef,
+def mine_negatives(p: MineParams, rt: StageRuntime, *, rankings: list[DatasetRef], qrels: DatasetRef,
                    corpus: DatasetRef | None = None) -> pa.Table:
-    """Negatives per query from ``runs`` (one system per miner), never a positive in ``qrels``;
+    """Negatives per query from ``rankings`` (one system per miner), never a positive in ``qrels``;
     ``corpus`` (optional) is where random/easy negatives are drawn from."""
     doc_ids = corpus.table(columns=["doc_id"]).column("doc_id").to_pylist() if corpus is not None else None
-    return mine_tables([r.table() for r in runs], qrels.table(), doc_ids, p)
+    return mine_tables([r.table() for r in rankings], qrels.table(), doc_ids, p)

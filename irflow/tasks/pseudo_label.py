@@ -7,7 +7,7 @@ and labels the triple with a cross-encoder's margin ``CE(q, pos) - CE(q, neg)`` 
 - ``teacher.type: cross_encoder``: any Hugging Face sequence-classification checkpoint with one
   logit (the ``teacher`` input: ``cross-encoder/ms-marco-*``, or one made by the
   ``train_cross_encoder`` stage); raw logits, as GPL uses them (``irflow.scoring``).
-- ``teacher.type: fusion``: a training-free hybrid of ranked runs (the ``teacher_runs`` input, e.g.
+- ``teacher.type: fusion``: a training-free hybrid of ranked runs (the ``teacher_rankings`` input, e.g.
   BM25 + the zero-shot dense model), scored by ``irflow.fusion`` -- the same code as the ``fuse``
   stage. Measured offline on SciFact this is the strongest teacher available without a hub (see
   shared/notes/offline-adaptation-findings.md).
@@ -180,7 +180,7 @@ def build_triples(p: PseudoLabelParams, rt: StageRuntime, queries: pa.Table, cor
                              "do not pass the qrels input")
         lo, hi = p.rank_range
         cand: dict[str, set[str]] = defaultdict(set)
-        depth = getattr(p.teacher, "depth", None)
+        depth = getattr(p.teacher, "input_depth", None)
         for t in runs:
             if depth:
                 t = t.filter(pc.less_equal(t.column("rank"), int(depth)))
@@ -191,7 +191,7 @@ def build_triples(p: PseudoLabelParams, rt: StageRuntime, queries: pa.Table, cor
                 cand[q] |= ds
         cand = {q: {d for d in ds if d in all_d and d != q} for q, ds in cand.items() if q in all_q}
         if not cand:
-            raise DataError("positive=teacher_top1 found no candidates (give teacher_runs or negatives)")
+            raise DataError("positive=teacher_top1 found no candidates (give teacher_rankings or negatives)")
         qtext = query_texts(queries, set(cand))
         dtext = doc_texts(corpus, {d for ds in cand.values() for d in ds})
         scores = _teacher_scores(p, rt, [(q, d) for q, ds in cand.items() for d in ds], qtext, dtext, runs,
@@ -246,16 +246,16 @@ def to_table(triples, pos_score: np.ndarray, neg_score: np.ndarray, scale: float
 @stage("pseudo_label", version="2", outputs=Output("pseudo_labels", "pseudo_labels"), work="score")
 def pseudo_label(p: PseudoLabelParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
                  qrels: DatasetRef | None = None, negatives: DatasetRef | None = None,
-                 teacher_runs: list[DatasetRef] | None = None, teacher: DatasetRef | None = None,
+                 teacher_rankings: list[DatasetRef] | None = None, teacher: DatasetRef | None = None,
                  student: DatasetRef | None = None) -> pa.Table:
     """(query, positive, negative, teacher scores, margin) triples.
 
-    Inputs: queries, corpus; qrels (positive=qrels); negatives; teacher_runs (fusion teacher: the runs
+    Inputs: queries, corpus; qrels (positive=qrels); negatives; teacher_rankings (fusion teacher: the runs
     it fuses); teacher (cross-encoder teacher: the model); student (scale=auto: the student model).
     """
     out = build_triples(p, rt, queries.table(), corpus.table(), qrels=qrels.table() if qrels is not None else None,
                         negatives=negatives.table() if negatives is not None else None,
-                        runs=[r.table() for r in teacher_runs or []], teacher_model=teacher, student_model=student)
+                        runs=[r.table() for r in teacher_rankings or []], teacher_model=teacher, student_model=student)
     return to_table(out["triples"], out["pos_score"], out["neg_score"], out["scale"])
 
 

@@ -1,4 +1,5 @@
-"""The end of every flow: record the run's metrics in the catalog and show them.
+"""The end of every flow: record the run's metrics in the catalog and show them (and, in Prefect,
+the metrics table and every denoising histogram of the run as artifacts).
 
 Not a cached stage: it costs nothing and must happen in every run, cached or not, so that
 `SELECT * FROM metrics WHERE run_id = ...` always answers for the run.
@@ -10,6 +11,8 @@ score 0, as in the numbers BEIR, Pyserini and MTEB publish.
 """
 
 from __future__ import annotations
+
+import json
 
 from irflow.stage import Run
 
@@ -67,12 +70,31 @@ def format_table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
     return "\n".join(lines)
 
 
+def histogram_markdown(data: dict, png: str, dataset_id: str) -> str:
+    """A denoise histogram (its histogram.json) as a markdown table: probability bins x counts."""
+    groups = list(data["counts"])
+    lines = [f"**{data['title']}** (thresholds: {data['thresholds']})", "",
+             "| probability | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+    for i, lo in enumerate(data["edges"][:-1]):
+        lines.append(f"| {lo:.2f}-{data['edges'][i + 1]:.2f} | " + " | ".join(str(data["counts"][g][i]) for g in groups)
+                     + " |")
+    return "\n".join(lines + ["", f"PNG: `{png}` (dataset {dataset_id})"])
+
+
 def report(run: Run, evals: list[dict]) -> list[dict]:
     rows = record_metrics(run, evals)
     try:
-        from prefect.artifacts import create_table_artifact
+        from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-        create_table_artifact(key="metrics", table=rows, description=f"irflow run {run.run_id}")
+        description = f"irflow run {run.run_id}"
+        create_table_artifact(key="metrics", table=rows, description=description)
+        for s in run.catalog.stage_runs(run.run_id):  # denoise[ce] -> artifact denoise-ce
+            if "histogram" in s["outputs"]:
+                where = run.store.object_dir(s["outputs"]["histogram"])
+                markdown = histogram_markdown(json.loads((where / "histogram.json").read_text()),
+                                              str(where / "histogram.png"), s["outputs"]["histogram"])
+                create_markdown_artifact(key=s["name"].replace("[", "-").rstrip("]").replace("_", "-"),
+                                         markdown=markdown, description=description)
     except Exception:  # noqa: BLE001 -- outside a Prefect run (tests, dry runs) there is no artifact store
         pass
     return rows

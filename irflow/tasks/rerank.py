@@ -53,10 +53,10 @@ def rerank_table(run: pa.Table, scores: np.ndarray, system: str) -> pa.Table:
 
 
 @stage("rerank", version="1", outputs=Output("run", "run"), work="score")
-def rerank(p: RerankParams, rt: StageRuntime, *, run: DatasetRef, queries: DatasetRef, corpus: DatasetRef,
+def rerank(p: RerankParams, rt: StageRuntime, *, ranking: DatasetRef, queries: DatasetRef, corpus: DatasetRef,
            model: DatasetRef) -> pa.Table:
-    """``run``'s top ``depth`` per query of ``queries``, re-ordered by the cross-encoder ``model``."""
-    r = run.table()
+    """``ranking``'s top ``depth`` per query of ``queries``, re-ordered by the cross-encoder ``model``."""
+    r = ranking.table()
     asked = queries.table(columns=["query_id"]).column("query_id")
     r = r.filter(pc.and_(pc.less_equal(r.column("rank"), p.depth), pc.is_in(r.column("query_id"), asked)))
     qids, dids = r.column("query_id").to_pylist(), r.column("doc_id").to_pylist()

@@ -31,10 +31,13 @@ from irflow.text import doc_texts, query_texts
 log = logging.getLogger("irflow.score_candidates")
 
 
-class ScoreCandidatesParams(Params):
-    teacher: Teacher = Field(description="who reads the candidates: a cross-encoder or a fusion of runs")
+class ScoreCandidatesSettings(Params):
     depth: PositiveInt = Field(50, description="the teacher reads the retriever's top n per query (RocketQA: 50)")
     split: str = Field("train", min_length=1, description="the qrels split whose queries and positives are scored")
+
+
+class ScoreCandidatesParams(ScoreCandidatesSettings):
+    teacher: Teacher = Field(description="who reads the candidates: a cross-encoder or a fusion of runs")
 
 
 def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) -> tuple[list, dict]:
@@ -54,16 +57,16 @@ def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) ->
 
 
 @stage("score_candidates", version="1", outputs=Output("out", "candidate_scores"), work="score")
-def score_candidates(p: ScoreCandidatesParams, rt: StageRuntime, *, run: DatasetRef, queries: DatasetRef,
+def score_candidates(p: ScoreCandidatesParams, rt: StageRuntime, *, ranking: DatasetRef, queries: DatasetRef,
                      corpus: DatasetRef, qrels: DatasetRef, teacher: DatasetRef | None = None,
-                     teacher_runs: list[DatasetRef] | None = None) -> pa.Table:
-    """Raw teacher scores of ``run``'s top ``depth`` (and the judged positives) for the queries with
-    positives in ``split``; the teacher is a cross-encoder (``teacher``) or a fusion of ``teacher_runs``."""
+                     teacher_rankings: list[DatasetRef] | None = None) -> pa.Table:
+    """Raw teacher scores of ``ranking``'s top ``depth`` (and the judged positives) for the queries with
+    positives in ``split``; the teacher is a cross-encoder (``teacher``) or a fusion of ``teacher_rankings``."""
     qrels_t = qrels.table()
     pos_by_q = positives(qrels_t, p.split)
     if not pos_by_q:
         raise DataError(f"score_candidates: no positive qrels in split '{p.split}'")
-    triples, ranks = candidate_pairs(run.table(columns=["query_id", "doc_id", "rank"]), pos_by_q, p.depth)
+    triples, ranks = candidate_pairs(ranking.table(columns=["query_id", "doc_id", "rank"]), pos_by_q, p.depth)
     if not ranks:
         raise DataError(f"score_candidates: the run has no list for any query of split '{p.split}'")
     triples = [t for t in triples if t[0] in ranks]
@@ -75,7 +78,7 @@ def score_candidates(p: ScoreCandidatesParams, rt: StageRuntime, *, run: Dataset
     pairs = [(q, d) for q, d, _ in triples]
     log.info("score_candidates: the %s teacher scores %d pairs (%d queries, top %d + judged positives)",
              p.teacher.type, len(pairs), len({q for q, _ in pairs}), p.depth)
-    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_runs or []],
+    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_rankings or []],
                          model=teacher, rt=rt, stage="score_candidates")
     judged = judged_positives(qrels_t)
     return pa.table({"query_id": [t[0] for t in triples], "doc_id": [t[1] for t in triples],

@@ -1,7 +1,7 @@
 """Train a dual encoder on labelled pairs: RocketQA's M_D0 / M_D1 / M_D2, DPR, ANCE's rounds.
 
 Examples are the positives (score > 0) of the ``splits`` of every ``qrels`` input (labelled pairs,
-and augmented ones). With ``negatives_per_query`` > 0 each example carries that many hard negatives,
+and augmented ones). With ``negatives_per_line`` > 0 each example carries that many hard negatives,
 sampled (seeded, per query and positive) from the ``negatives`` inputs (BM25's or a retriever's
 top-k, denoised or not, random passages); a judged positive of the query is never one, and a query
 whose pool runs short is filled with random corpus passages (counted in a warning); without a
@@ -51,14 +51,14 @@ def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_i
         for q, ds in judged_positives(t).items():
             judged[q] |= ds
     ex: dict[str, list] = {"q": [q for q, _ in pairs], "p": [d for _, d in pairs], "n": [], "cand": [], "teacher": []}
-    if p.loss == "infonce" and p.negatives_per_query:
-        # Each (query, positive) becomes `negative_lines` lines with `negatives_per_query` negatives each,
+    if p.loss == "infonce" and p.negatives_per_line:
+        # Each (query, positive) becomes `negative_lines` lines with `negatives_per_line` negatives each,
         # drawn without replacement from the query's pool; no negatives input: random passages (DPR).
         pools: dict[str, set[str]] = defaultdict(set)
         for t in negatives:
             for q, ds in group(t).items():
                 pools[q] |= ds
-        per_line, lines = p.negatives_per_query, p.negative_lines
+        per_line, lines = p.negatives_per_line, p.negative_lines
         want, short = per_line * lines, 0
         lines_q, lines_p = [], []
         for q, pos in pairs:
