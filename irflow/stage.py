@@ -82,10 +82,6 @@ class Run:
         self.force = set(force)
         self.dry_run = dry_run
         self.plan: list[dict] = []  # dry-run results, in stage order
-        # (stage call name, cache key) -> outputs of the stage calls made in this run: a building block
-        # that makes the same call twice (same tag, params, inputs) gets the first one's outputs, and
-        # the run shows one stage run. A call under another tag is recorded apart (a cache hit).
-        self.done: dict[tuple[str, str], Any] = {}
 
     @cached_property
     def store(self) -> Store:
@@ -229,13 +225,6 @@ class Stage:
         input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
         detail = key_payload(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
         key = hash_payload(detail)  # = self.key(params, inputs), without dumping the params twice
-        if (stage_label, key) not in run.done:
-            run.done[stage_label, key] = self._run(run, store, catalog, key, detail, params, inputs, input_ids,
-                                                   stage_label)
-        return run.done[stage_label, key]
-
-    def _run(self, run: Run, store: Store, catalog: Catalog, key: str, detail: dict, params: Params, inputs: dict,
-             input_ids: list[str], stage_label: str) -> Any:
         started, t0 = now(), time.perf_counter()
 
         forced = bool({self.name, stage_label} & run.force) or catalog.tainted(run.run_id, input_ids)
@@ -420,9 +409,6 @@ class Stage:
     def __call__(self, run: Run, params: Params | dict, /, *, tag: str | None = None, **inputs):
         if run.dry_run:  # planning needs no Prefect task runs
             return self.run(run, params, tag=tag, **inputs)
-        done = run.done.get((self.run_name(tag), self.key(*self._check(params, inputs))))
-        if done is not None:  # asked for again in this run: no second task run
-            return done
         return self.task(run, params, tag, inputs, name=self.run_name(tag))
 
 

@@ -155,7 +155,7 @@ def test_retrieval_params_are_validated():
     with pytest.raises(ValidationError, match="system"):
         DenseSearchParams()  # the system name written into the run is required
     with pytest.raises(ValidationError, match="depth"):
-        DenseSearchParams(system="d", hits=0)
+        DenseSearchParams(system="d", depth=0)
     with pytest.raises(ValidationError, match="top_k"):
         DenseSearchParams(system="d", top_k=10)  # the old key: an error, never a silent default
     from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams
