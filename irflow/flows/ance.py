@@ -20,8 +20,8 @@ from typing import ClassVar, Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, as_list, bm25_train_run, evaluate_runs,
-                                 ingest, labelled_queries, retrieve, test_runs)
+from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_train_run, evaluate_runs, ingest,
+                                 labelled_queries, retrieve, test_runs, train_split_follows)
 from irflow.follows import Follow
 from irflow.recipe import flow_getattr, recipe
 from irflow.stage import Run
@@ -45,8 +45,7 @@ class RoundConfig(HardNegativeTraining):
 
 class ANCEConfig(SupervisedConfig):
     follows: ClassVar = (
-        Follow("warmup.splits", "train_split", as_list),
-        Follow("round.splits", "train_split", as_list),
+        *train_split_follows("warmup.splits", "round.splits"),
         Follow("dense.similarity", "warmup.similarity"),
     )
 

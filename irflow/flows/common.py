@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
+from irflow.follows import Follow
 from irflow.params import ModelName
 from irflow.recipe import RecipeConfig
 from irflow.stage import Run
@@ -171,9 +172,11 @@ def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, quer
                      system=system, tag=tag)
 
 
-def as_list(value):
-    """A follow rule (``irflow.follows``): a key that holds a list of what another key holds once."""
-    return [value]
+def train_split_follows(*keys: str) -> tuple[Follow, ...]:
+    """Keys that read the labelled split unless set (``irflow.follows``): a ``splits`` key as a
+    one-item list, a ``split`` key as it is."""
+    return tuple(Follow(k, "train_split", (lambda split: [split]) if k.endswith("splits") else (lambda split: split))
+                 for k in keys)
 
 
 class HardNegativeTraining(TrainDualEncoderParams):

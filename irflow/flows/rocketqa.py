@@ -37,8 +37,8 @@ from typing import Annotated, ClassVar, Literal, Union
 from pydantic import Field, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig, as_list, bm25_train_run,
-                                 evaluate_runs, ingest, labelled_queries, retrieve, test_runs)
+from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig, bm25_train_run, evaluate_runs,
+                                 ingest, labelled_queries, retrieve, test_runs, train_split_follows)
 from irflow.follows import MISSING, Follow
 from irflow.fusion import FusionSettings
 from irflow.params import ModelName, Params
@@ -133,10 +133,7 @@ class AblationConfig(Params):
 
 class RocketQAConfig(SupervisedConfig):
     follows: ClassVar = (
-        Follow("dual_encoder.splits", "train_split", as_list),
-        Follow("student.splits", "train_split", as_list),
-        Follow("cross_encoder.split", "train_split"),
-        Follow("denoise.split", "train_split"),
+        *train_split_follows("dual_encoder.splits", "student.splits", "cross_encoder.split", "denoise.split"),
         Follow("dense.similarity", "dual_encoder.similarity"),
         Follow("cross_encoder.rerank.max_length", "cross_encoder.max_length", unset=(MISSING,)),
         Follow("ablations.list_size", "student.list_size"),
@@ -207,13 +204,20 @@ class RocketQAConfig(SupervisedConfig):
 
 # ---- teachers: who judges M_D0's candidates and labels unlabelled queries -------------------------
 @dataclass(frozen=True)
-class CrossEncoderJudge:
-    """M_C: reads each (query, passage) pair; its logits are probabilities through the configured calibration."""
+class Judge:
+    """A teacher in a run: ``score`` reads a ranking's candidates (for denoising), ``label`` labels
+    unlabelled queries from a ranking (augmentation); ``tag`` names its stages and systems (md1-<tag>)."""
 
-    tag: ClassVar[str] = "ce"
     run: Run
     c: "RocketQAConfig"
     data: Dataset
+
+
+@dataclass(frozen=True)
+class CrossEncoderJudge(Judge):
+    """M_C: reads each (query, passage) pair; its logits are probabilities through the configured calibration."""
+
+    tag: ClassVar[str] = "ce"
     model: DatasetRef
 
     def score(self, queries: DatasetRef, ranking: DatasetRef) -> DatasetRef:
@@ -230,13 +234,10 @@ class CrossEncoderJudge:
 
 
 @dataclass(frozen=True)
-class FusionJudge:
+class FusionJudge(Judge):
     """BM25 + the dual encoder, fused per query: no model of its own, so Platt-calibrated on the labelled lists."""
 
     tag: ClassVar[str] = "fusion"
-    run: Run
-    c: "RocketQAConfig"
-    data: Dataset
     platt: ClassVar[Calibration] = Calibration(method="platt")
 
     def teacher(self) -> FusionTeacher:
