@@ -26,7 +26,7 @@ from typing import Any
 from irflow import runtime
 from irflow.errors import ConfigError, UserError
 from irflow.params import model_fields
-from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, new_run_id, plan
+from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan
 from irflow.store import DEFAULT_STORE
 
 __all__ = ["run", "status", "load_config", "store_root", "RunResult", "StageResult", "StageStatus"]
@@ -44,13 +44,6 @@ class StageStatus:
 def store_root(store: str | os.PathLike | None = None) -> str:
     """``store``, else ``$IRFLOW_STORE``, else ``./store``, as an absolute path."""
     return str(Path(store or os.environ.get("IRFLOW_STORE") or DEFAULT_STORE).resolve())
-
-
-def load_config(config: Any, overrides: list[str] | tuple[str, ...] | None = None) -> RecipeConfig:
-    """The validated config (every default filled in). Raises ConfigError listing every problem."""
-    from irflow.config import load
-
-    return load(config, overrides)
 
 
 def preflight(c: RecipeConfig, store: str) -> list[str]:
