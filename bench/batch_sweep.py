@@ -62,8 +62,8 @@ def main() -> None:
 
     from prefect import flow
 
+    from irflow.orchestration import configure
     from irflow.recipe import Recipe, execute, load_config
-    from irflow.runtime import configure
 
     configure(args.store)
     c = load_config(str(ROOT / args.config), args.sets)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from irflow import runtime
+from irflow import orchestration, runtime
 from irflow.errors import ConfigError, UserError
 from irflow.params import model_fields
 from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan
@@ -110,14 +110,14 @@ def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store
     recipe = get_recipe(c.flow)
     force = set(force)
     with _no_store_left_on_error(root):
-        runtime.configure(root)
+        orchestration.configure(root)
         for w in preflight(c, root):
             log.warning(w)
         _check_force(recipe, c, root, force)
     run_id = run_id or new_run_id(c.flow)
     flow = recipe.flow.with_options(flow_run_name=run_id)
-    runtime.prefect_home()
-    runtime.start_prefect_server()
+    orchestration.prefect_home()
+    orchestration.start_prefect_server()
     if isinstance(config, (str, os.PathLike)):  # the path and overrides: what Prefect's UI shows
         return flow(config=str(config), overrides=list(overrides or []), store=root, force=sorted(force),
                     run_id=run_id)
@@ -132,7 +132,7 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     c = load_config(config, overrides)
     recipe = get_recipe(c.flow)
     with _no_store_left_on_error(root):
-        runtime.configure(root)
+        orchestration.configure(root)
         preflight(c, root)
         _check_force(recipe, c, root, set(force))
     return [StageStatus(p["name"], p["status"], p["why"]) for p in plan(recipe, c, root, set(force))]

@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 
 from irflow import config as config_files
 from irflow.errors import ConfigError
+from irflow.orchestration import configure
 from irflow.params import Params
 from irflow.processes import check_interrupted
 from irflow.runtime import RuntimeConfig
@@ -122,8 +123,6 @@ class Recipe:
             def entry(config: Any, overrides: list[str] | None = None, store: str = "store",
                       force: list[str] | None = None, run_id: str | None = None) -> RunResult:
                 """Run the recipe on a config (a YAML path or a mapping) in a store."""
-                from irflow.runtime import configure
-
                 configure(store)
                 c = load_config(config, overrides)
                 if c.flow != name:
