@@ -228,41 +228,44 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--store", help=f"store directory (default: $IRFLOW_STORE or ./{DEFAULT_STORE})")
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
+    def json_flag(sp, help=None):
+        sp.add_argument("--json", action="store_true", help=help)
+
     r = sub.add_parser("run", help="run a recipe")
     common(r)
     r.add_argument("--from", dest="from_stage", action="append", metavar="STAGE",
                    help="recompute this stage (name or name[label]) and everything downstream of it")
-    r.add_argument("--json", action="store_true", help="print the run's result as JSON (last line of stdout)")
+    json_flag(r, help="print the run's result as JSON (last line of stdout)")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="which stages of a config are cached or stale, and why")
     common(s)
     s.add_argument("--from", dest="from_stage", action="append", metavar="STAGE")
-    s.add_argument("--json", action="store_true")
+    json_flag(s)
     s.set_defaults(func=cmd_status)
 
     c = sub.add_parser("config", help="the validated config with every default filled in")
     common(c, store=False)
     c.add_argument("--explain", action="store_true", help="every key with its default and what it does")
-    c.add_argument("--json", action="store_true")
+    json_flag(c)
     c.set_defaults(func=cmd_config)
 
     lin = sub.add_parser("lineage", help="the upstream chain of a dataset or model id (a unique prefix is enough)")
     lin.add_argument("id")
     common(lin, config=False)
-    lin.add_argument("--json", action="store_true")
+    json_flag(lin)
     lin.set_defaults(func=cmd_lineage)
 
     q = sub.add_parser("sql", help="DuckDB SQL over the catalog tables and views of every stored dataset")
     q.add_argument("query")
     common(q, config=False)
-    q.add_argument("--json", action="store_true")
+    json_flag(q)
     q.add_argument("--max-rows", type=int, default=40)
     q.set_defaults(func=cmd_sql)
 
     v = sub.add_parser("verify", help="re-hash every stored object against its recorded digest")
     common(v, config=False)
-    v.add_argument("--json", action="store_true")
+    json_flag(v)
     v.set_defaults(func=cmd_verify)
 
     g = sub.add_parser("gc", help="remove unreferenced objects, staging of dead runs, finished checkpoints")
