@@ -80,7 +80,8 @@ class PrecisionMap(Params):
 
 
 class RuntimeConfig(Params):
-    """The ``runtime:`` section of a config, and what ``irflow run --device/--precision`` set."""
+    """The ``runtime:`` section of a config; on the command line ``--set runtime.device=cuda`` (or
+    ``runtime.precision=...``, ``runtime.threads=...``): the CLI has no flags of its own for them."""
 
     device: DeviceMap = Field(DeviceMap(), description="device per kind of work; a string sets all of them")
     precision: PrecisionMap = Field(PrecisionMap(), description="precision per kind of work; a string sets all")

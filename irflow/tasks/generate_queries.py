@@ -18,9 +18,9 @@ Outputs: ``queries`` and ``qrels``. For the three generating sources each query 
 (``split="generated"``, ``score=1``) pointing to the passage it came from. ``unlabelled`` queries
 have no known positive, so their qrels table is empty (but valid).
 
-Measured on SciFact (shared/notes/offline-adaptation-findings.md): ICT and cropping queries are too
-easy -- the source passage is BM25's top-1 for 99.5% (ICT) and 97.4% (cropping) of them -- and a
-student trained on them barely moves; real unlabelled in-domain queries did move it (+0.044 nDCG@10).
+Measured on SciFact: ICT and cropping queries are too easy -- the source passage is BM25's top-1 for
+99.5% (ICT) and 97.4% (cropping) of them -- and a student trained on them barely moves; real
+unlabelled in-domain queries did move it (+0.044 nDCG@10).
 Model-free sources are offered as cheap baselines and for machines without a query generator.
 """
 
