@@ -62,12 +62,11 @@ def main() -> None:
 
     from prefect import flow
 
-    from irflow.config import load
-    from irflow.recipe import Recipe, execute
-    from irflow.runtime import configure
+    from irflow.orchestration import configure
+    from irflow.recipe import Recipe, execute, load_config
 
     configure(args.store)
-    c = load(str(ROOT / args.config), args.sets)
+    c = load_config(str(ROOT / args.config), args.sets)
     recipe = Recipe("md0-batch-sweep", type(c), sweep_body(args.batches, args.mini_batch))
     t0 = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]

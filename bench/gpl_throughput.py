@@ -12,9 +12,9 @@ passages and queries read straight from the BEIR zip with json/csv.
 1. Query generation (queries/s). A randomly initialised T5 with t5-small dimensions (d_model 512,
    d_ff 2048, 6+6 layers, 8 heads; MiniLM's WordPiece vocabulary, as irflow.testing.make_tiny_t5
    builds its tiny one) saved to a temp dir: generation cost does not depend on the weights.
-   irflow: ``generate_queries.BatchGenerator`` (what the t5 source calls per shard; it runs
-   ``_generate_batch`` per batch) on a model from ``load_generator`` (given a model ref, as the stage
-   gets it), passages as ``irflow.text.passage_text``. plain: AutoTokenizer +
+   irflow: ``irflow.generation.BatchGenerator`` (what the t5 source calls per shard; it runs
+   ``_generate_batch`` per batch) on a model from ``load_generator`` (given the model's path, as the
+   stage passes its model ref's), passages as ``irflow.text.passage_text``. plain: AutoTokenizer +
    AutoModelForSeq2SeqLM.generate in batches. Both: 1 query per passage, do_sample, top_p 0.95,
    top_k 25 (the stage's ``sample_top_k``), max_length 32, inputs truncated at 350 tokens, batch 16,
    the same torch seed before each side (so both sample the same queries; ``same_outputs`` checks
@@ -178,8 +178,7 @@ def bench_generation(data: dict, n_passages: int, reps: int, tmp: Path) -> dict:
     import torch
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from irflow.store import DatasetRef
-    from irflow.tasks.generate_queries import BatchGenerator, load_generator
+    from irflow.generation import BatchGenerator, load_generator
     from irflow.text import passage_text
 
     log("query generation: building a random t5-small-sized model")
@@ -190,7 +189,7 @@ def bench_generation(data: dict, n_passages: int, reps: int, tmp: Path) -> dict:
     gen = {"max_input_length": 350, "max_length": 32, "top_p": 0.95, "sample_top_k": 25}  # the stage's keys
     bs, n = 16, 1
 
-    tok_i, model_i = load_generator(DatasetRef(f"dir:{path.name}", path.name, "model", None, str(path)), "cpu")
+    tok_i, model_i = load_generator(str(path), "cpu", path.name)
     generator = BatchGenerator(model_i, tok_i, gen, "cpu", bs)
     tok_p = AutoTokenizer.from_pretrained(str(path))
     model_p = AutoModelForSeq2SeqLM.from_pretrained(str(path)).eval()

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from irflow import runtime
+from irflow import orchestration, runtime
 from irflow.errors import ConfigError, UserError
 from irflow.params import model_fields
-from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, new_run_id, plan
+from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan
 from irflow.store import DEFAULT_STORE
 
 __all__ = ["run", "status", "load_config", "store_root", "RunResult", "StageResult", "StageStatus"]
@@ -44,13 +44,6 @@ class StageStatus:
 def store_root(store: str | os.PathLike | None = None) -> str:
     """``store``, else ``$IRFLOW_STORE``, else ``./store``, as an absolute path."""
     return str(Path(store or os.environ.get("IRFLOW_STORE") or DEFAULT_STORE).resolve())
-
-
-def load_config(config: Any, overrides: list[str] | tuple[str, ...] | None = None) -> RecipeConfig:
-    """The validated config (every default filled in). Raises ConfigError listing every problem."""
-    from irflow.config import load
-
-    return load(config, overrides)
 
 
 def preflight(c: RecipeConfig, store: str) -> list[str]:
@@ -117,14 +110,14 @@ def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store
     recipe = get_recipe(c.flow)
     force = set(force)
     with _no_store_left_on_error(root):
-        runtime.configure(root)
+        orchestration.configure(root)
         for w in preflight(c, root):
             log.warning(w)
         _check_force(recipe, c, root, force)
     run_id = run_id or new_run_id(c.flow)
     flow = recipe.flow.with_options(flow_run_name=run_id)
-    runtime.prefect_home()
-    runtime.start_prefect_server()
+    orchestration.prefect_home()
+    orchestration.start_prefect_server()
     if isinstance(config, (str, os.PathLike)):  # the path and overrides: what Prefect's UI shows
         return flow(config=str(config), overrides=list(overrides or []), store=root, force=sorted(force),
                     run_id=run_id)
@@ -139,7 +132,7 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     c = load_config(config, overrides)
     recipe = get_recipe(c.flow)
     with _no_store_left_on_error(root):
-        runtime.configure(root)
+        orchestration.configure(root)
         preflight(c, root)
         _check_force(recipe, c, root, set(force))
     return [StageStatus(p["name"], p["status"], p["why"]) for p in plan(recipe, c, root, set(force))]

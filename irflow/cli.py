@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from irflow import api
+from irflow import api, orchestration
 from irflow.errors import StageFailed, UserError
 from irflow.store import DEFAULT_STORE
 
@@ -44,7 +44,8 @@ def cmd_run(args) -> int:
     from irflow.tasks.report import format_table
 
     api.load_config(args.config, args.set)  # a bad config fails here, before Prefect or the store is touched
-    _quiet_prefect(args)
+    if not getattr(args, "debug", False):
+        orchestration.quiet_prefect(api.store_root(args.store))
     result = api.run(args.config, args.set, args.store, args.from_stage or [])
     print()
     print(format_table(result.metrics))
@@ -195,18 +196,17 @@ def cmd_gc(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from irflow import runtime
     from irflow.recipe import get_recipe
 
     store_root = api.store_root(args.store)
-    runtime.configure(store_root)
+    orchestration.configure(store_root)
     if not os.environ.get("PREFECT_API_URL"):
         raise UserError("schedules need a running Prefect server: start one with `make prefect-server` "
                         "(prefect server start --host 127.0.0.1) and set PREFECT_API_URL=http://127.0.0.1:4200/api")
     c = api.load_config(args.config, args.set)
     api.preflight(c, store_root)
     name = args.name or Path(args.config).stem
-    runtime.prefect_home()
+    orchestration.prefect_home()
     get_recipe(c.flow).flow.serve(name=name, cron=args.cron, parameters={
         "config": str(Path(args.config).resolve()), "overrides": args.set or [], "store": store_root})
     return 0
@@ -226,41 +226,44 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--store", help=f"store directory (default: $IRFLOW_STORE or ./{DEFAULT_STORE})")
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
+    def json_flag(sp, help=None):
+        sp.add_argument("--json", action="store_true", help=help)
+
     r = sub.add_parser("run", help="run a recipe")
     common(r)
     r.add_argument("--from", dest="from_stage", action="append", metavar="STAGE",
                    help="recompute this stage (name or name[label]) and everything downstream of it")
-    r.add_argument("--json", action="store_true", help="print the run's result as JSON (last line of stdout)")
+    json_flag(r, help="print the run's result as JSON (last line of stdout)")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="which stages of a config are cached or stale, and why")
     common(s)
     s.add_argument("--from", dest="from_stage", action="append", metavar="STAGE")
-    s.add_argument("--json", action="store_true")
+    json_flag(s)
     s.set_defaults(func=cmd_status)
 
     c = sub.add_parser("config", help="the validated config with every default filled in")
     common(c, store=False)
     c.add_argument("--explain", action="store_true", help="every key with its default and what it does")
-    c.add_argument("--json", action="store_true")
+    json_flag(c)
     c.set_defaults(func=cmd_config)
 
     lin = sub.add_parser("lineage", help="the upstream chain of a dataset or model id (a unique prefix is enough)")
     lin.add_argument("id")
     common(lin, config=False)
-    lin.add_argument("--json", action="store_true")
+    json_flag(lin)
     lin.set_defaults(func=cmd_lineage)
 
     q = sub.add_parser("sql", help="DuckDB SQL over the catalog tables and views of every stored dataset")
     q.add_argument("query")
     common(q, config=False)
-    q.add_argument("--json", action="store_true")
+    json_flag(q)
     q.add_argument("--max-rows", type=int, default=40)
     q.set_defaults(func=cmd_sql)
 
     v = sub.add_parser("verify", help="re-hash every stored object against its recorded digest")
     common(v, config=False)
-    v.add_argument("--json", action="store_true")
+    json_flag(v)
     v.set_defaults(func=cmd_verify)
 
     g = sub.add_parser("gc", help="remove unreferenced objects, staging of dead runs, finished checkpoints")
@@ -276,60 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ---- output hygiene -------------------------------------------------------------------------------
-_USER_ERROR_NAMES = ("StageFailed", "ConfigError", "DataError", "IngestError", "ModelNotAvailable", "UserError")
-
-
-class _QuietPrefect(logging.Filter):
-    """On the console, without --debug: a failed stage is reported once, by the CLI, in one line.
-    Prefect's own records of the same failure (task failed, flow failed, with tracebacks) are
-    dropped; tracebacks of anything else are left out of the console (the Prefect API keeps them)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, (StageFailed, UserError)):
-            return False
-        # "Finished in state Failed('... StageFailed: ...')" comes at INFO or ERROR: the CLI says it once
-        msg = record.getMessage()
-        if any(n in msg for n in _USER_ERROR_NAMES):
-            return False
-        # Ctrl-C: the CLI says "interrupted" once; Prefect's crash records of every run say it again
-        if "aborted by an interrupt signal" in msg or msg.startswith("Stopping temporary server"):
-            return False
-        return True
-
-
-class _NoTraceback(logging.Formatter):
-    def __init__(self, inner: logging.Formatter | None):
-        super().__init__()
-        self.inner = inner or logging.Formatter()
-
-    def format(self, record: logging.LogRecord) -> str:
-        saved = record.exc_info, record.exc_text
-        record.exc_info, record.exc_text = None, None
-        try:
-            return self.inner.format(record)
-        finally:
-            record.exc_info, record.exc_text = saved
-
-
-def _quiet_prefect(args) -> None:
-    if getattr(args, "debug", False):
-        return
-    from irflow import runtime
-
-    runtime.configure(api.store_root(args.store))
-    import prefect  # noqa: F401 -- its logging set-up must exist before we adjust its console handlers
-
-    loggers = [logging.getLogger()] + [lg for name, lg in logging.Logger.manager.loggerDict.items()
-                                       if name.startswith("prefect") and isinstance(lg, logging.Logger)]
-    for lg in loggers:
-        for h in lg.handlers:
-            if isinstance(h, logging.StreamHandler) and not any(isinstance(f, _QuietPrefect) for f in h.filters):
-                h.addFilter(_QuietPrefect())
-                h.setFormatter(_NoTraceback(h.formatter))
-
-
 def _error(msg: str) -> None:
     print(f"irflow: error: {msg}", file=sys.stderr)
 
@@ -339,9 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     from irflow.processes import install_interrupt_handler, interrupted
 
     install_interrupt_handler()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+    orchestration.console_logging()
     said = False
     try:
         try:

@@ -1,13 +1,16 @@
-"""Config files: YAML, one section per stage, ``--set a.b=value`` overrides, then validation.
+"""Config files: YAML, one section per stage, ``--set a.b=value`` overrides, validation messages.
 
-``flow:`` picks the recipe; the recipe's config model (a ``Params`` tree) validates everything at once:
-unknown keys at any depth, wrong types, out-of-range and unknown enum values, and the recipe's
-cross-stage rules. Overrides edit the raw YAML first, so ``--set`` is checked exactly like the file.
-Every problem is reported by dotted path, with the value and what is allowed, before any work starts.
+``read`` gives the raw mapping (a YAML file, a dict or a config model) with the overrides applied:
+they edit the raw YAML first, so ``--set`` is checked exactly like the file. ``validate`` checks it
+against a recipe's config model (a ``Params`` tree) all at once: unknown keys at any depth, wrong
+types, out-of-range and unknown enum values, and the recipe's cross-stage rules. Every problem is
+reported by dotted path, with the value and what is allowed, before any work starts. Which recipe's
+model that is (``flow:``) is decided in recipe.py (``load_config``).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 import typing
@@ -94,17 +97,13 @@ def apply_override(raw: dict, item: str) -> None:
         raise ConfigError(f"--set {key}: '{'.'.join(parts[:-1])}' is a value ({node!r}), not a section")
 
 
-def load(config: str | Path | dict | BaseModel, overrides: list[str] | tuple[str, ...] | None = None):
-    """A validated recipe config from a YAML path, a dict, or a config model, with overrides applied."""
-    from irflow.recipe import RecipeConfig, get_recipe, recipe_names
-
-    if isinstance(config, RecipeConfig) and not overrides:
-        return config
+def read(config: str | Path | dict | BaseModel, overrides: list[str] | tuple[str, ...] | None = None
+         ) -> tuple[dict, str]:
+    """The raw config (from a YAML path, a dict, or a config model) with overrides applied, and how to
+    name it in messages (the path, or "config", plus the ``--set`` items)."""
     if isinstance(config, BaseModel):
         raw, source = config.model_dump(mode="json"), "config"
     elif isinstance(config, dict):
-        import copy
-
         raw, source = copy.deepcopy(config), "config"
     else:
         raw, source = load_raw(config), str(config)
@@ -112,14 +111,11 @@ def load(config: str | Path | dict | BaseModel, overrides: list[str] | tuple[str
         apply_override(raw, item)
     if overrides:
         source += " with " + " ".join(f"--set {o}" for o in overrides)
-    flow = raw.get("flow")
-    if flow is None:
-        raise ConfigError(f"{source}: no 'flow' key; it picks the recipe: {', '.join(recipe_names())}")
-    if flow not in recipe_names():
-        close = difflib.get_close_matches(str(flow), recipe_names(), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{source}: flow: unknown recipe {flow!r}{hint}; known: {', '.join(recipe_names())}")
-    cls = get_recipe(flow).config_cls
+    return raw, source
+
+
+def validate(cls: type[BaseModel], raw: dict, source: str):
+    """``raw`` as a ``cls``; ConfigError listing every problem (by dotted path) otherwise."""
     try:
         return cls.model_validate(raw)
     except ValidationError as e:

@@ -13,6 +13,7 @@ deployments in prefect.yaml run), so Prefect's UI shows the recipe's own task ru
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import secrets
@@ -22,9 +23,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
+from irflow import config as config_files
+from irflow.errors import ConfigError
 from irflow.follows import Follow, resolve
+from irflow.orchestration import configure
 from irflow.params import Params, explain
 from irflow.processes import check_interrupted
 from irflow.runtime import RuntimeConfig
@@ -135,14 +139,9 @@ class Recipe:
             def entry(config: Any, overrides: list[str] | None = None, store: str = "store",
                       force: list[str] | None = None, run_id: str | None = None) -> RunResult:
                 """Run the recipe on a config (a YAML path or a mapping) in a store."""
-                from irflow.config import load
-                from irflow.runtime import configure
-
                 configure(store)
-                c = load(config, overrides)
+                c = load_config(config, overrides)
                 if c.flow != name:
-                    from irflow.errors import ConfigError
-
                     raise ConfigError(f"config is for flow '{c.flow}', not '{name}'")
                 # the package's recipe, even when Prefect loaded this flow from the file as a script
                 return execute(get_recipe(name), c, store, force=set(force or ()), run_id=run_id,
@@ -185,6 +184,24 @@ def get_recipe(name: str) -> Recipe:
     if name not in _REGISTRY:
         importlib.import_module(MODULES[name])
     return _REGISTRY[name]
+
+
+def load_config(config: str | Path | dict | BaseModel, overrides: list[str] | tuple[str, ...] | None = None
+                ) -> RecipeConfig:
+    """The validated config (every default filled in) from a YAML path, a dict, or a config model, with
+    overrides applied: ``flow:`` picks the recipe, whose config model checks the rest. Raises
+    ConfigError listing every problem."""
+    if isinstance(config, RecipeConfig) and not overrides:
+        return config
+    raw, source = config_files.read(config, overrides)
+    flow = raw.get("flow")
+    if flow is None:
+        raise ConfigError(f"{source}: no 'flow' key; it picks the recipe: {', '.join(recipe_names())}")
+    if flow not in recipe_names():
+        close = difflib.get_close_matches(str(flow), recipe_names(), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{source}: flow: unknown recipe {flow!r}{hint}; known: {', '.join(recipe_names())}")
+    return config_files.validate(get_recipe(flow).config_cls, raw, source)
 
 
 def new_run_id(name: str) -> str:

@@ -27,7 +27,6 @@ import logging
 import os
 import platform
 import re
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -81,7 +80,8 @@ class PrecisionMap(Params):
 
 
 class RuntimeConfig(Params):
-    """The ``runtime:`` section of a config, and what ``irflow run --device/--precision`` set."""
+    """The ``runtime:`` section of a config; on the command line ``--set runtime.device=cuda`` (or
+    ``runtime.precision=...``, ``runtime.threads=...``): the CLI has no flags of its own for them."""
 
     device: DeviceMap = Field(DeviceMap(), description="device per kind of work; a string sets all of them")
     precision: PrecisionMap = Field(PrecisionMap(), description="precision per kind of work; a string sets all")
@@ -273,45 +273,3 @@ def host_info(device: str) -> dict:
             info["gpu"] = torch.cuda.get_device_name(torch.device(device))
             info["cuda"] = torch.version.cuda
     return info
-
-
-# ---- process environment --------------------------------------------------------------------
-def configure(store_root: str | Path) -> None:
-    """Process-wide settings, applied before Prefect is imported.
-
-    Prefect runs in its local mode (a temporary API server started by the flow run itself) with a
-    project-local ``PREFECT_HOME`` inside the store, analytics off (its background writes cause
-    "database is locked" noise with the local SQLite database). Users who have a Prefect server set
-    ``PREFECT_API_URL`` and everything goes there instead. On a busy machine the temporary server
-    needs more than Prefect's default 20 s to answer; we give it 180 s
-    (``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` overrides).
-    """
-    # Created only when a flow is about to run (prefect_home): a run refused by its checks leaves no store.
-    os.environ.setdefault("PREFECT_HOME", str(Path(store_root).resolve() / "prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_UI_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("OPENAI_API_KEY", "not-used-by-irflow")  # see irflow.java
-    # Importing Prefect tries to create PREFECT_HOME (without its parents) and warns when the store
-    # does not exist yet; prefect_home() creates it before any flow runs, so the warning is noise.
-    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory", category=UserWarning)
-
-
-def prefect_home() -> None:
-    """Create Prefect's home (``configure`` set it): Prefect does not, and its temporary server
-    then never answers."""
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-
-
-def start_prefect_server() -> None:
-    """Prefect's temporary server, started by us (it dies with this process, and runs started
-    together do not race on its database: see irflow.processes), unless a Prefect API is set."""
-    from prefect.settings import PREFECT_API_URL
-
-    if PREFECT_API_URL.value():
-        return
-    from irflow.processes import start_prefect_server as start
-
-    start(Path(os.environ["PREFECT_HOME"]))

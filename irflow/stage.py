@@ -29,9 +29,7 @@ runs it as a Prefect task; ``stage.run(run, params, ...)`` runs it without Prefe
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-import json
 import logging
 import shutil
 import time
@@ -43,6 +41,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from irflow.cache import cache_key, hash_payload, key_payload, why_stale
 from irflow.catalog import Catalog, now
 from irflow.errors import DataError, StageFailed
 from irflow.params import Params
@@ -109,45 +108,8 @@ class Run:
         return ref
 
 
-def canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
 def _as_list(v) -> list[DatasetRef]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
-
-
-def key_payload(stage: str, version: str, params: dict, inputs: dict[str, list[DatasetRef]]) -> dict:
-    """What a cache key is made of: stage, declared code version, params, input dataset ids."""
-    return {
-        "stage": stage,
-        "version": version,
-        "cfg": params,
-        "inputs": {role: [r.id for r in refs] for role, refs in sorted(inputs.items())},
-    }
-
-
-def cache_key(stage: str, version: str, params: dict, inputs: dict[str, list[DatasetRef]]) -> str:
-    return hash_payload(key_payload(stage, version, params, inputs))
-
-
-def hash_payload(payload: dict) -> str:
-    return hashlib.sha256(canonical(payload).encode()).hexdigest()
-
-
-def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, old value, new value) for every leaf that differs; nested sections are walked,
-    so a changed teacher weight reads `teacher.weights.bm25: 0.3 -> 0.5`, not two whole dicts."""
-    out = []
-    for k in sorted(set(old) | set(new), key=str):
-        a, b = old.get(k), new.get(k)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, f"{prefix}{k}.")
-        else:
-            out.append((f"{prefix}{k}", a, b))
-    return out
 
 
 @contextlib.contextmanager
@@ -239,7 +201,7 @@ class Stage:
                 refs = {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
                         for o in self.outputs}
                 status = "stale"
-                detail["why"] = self._why_stale(catalog, stage_label, detail, hit, forced, pending_inputs, damage)
+                detail["why"] = why_stale(catalog, stage_label, detail, hit, forced, pending_inputs, damage)
             run.plan.append({"name": stage_label, "status": status, "why": detail.get("why", [])})
             return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
 
@@ -295,31 +257,6 @@ class Stage:
                     raise StageFailed(stage_label, DataError(
                         f"input {role} {ref.id} is {problem}; it was set aside, run again to recompute it"))
 
-    @staticmethod
-    def _why_stale(catalog: Catalog, stage_label, detail, hit, forced, pending_inputs, damage=()) -> list[str]:
-        """Human-readable reasons, from diffing this key's ingredients with the last execution's."""
-        if forced:
-            return ["forced (--from)"]
-        if pending_inputs:
-            upstream = sorted({i[1:].split(":")[0] for ids in detail["inputs"].values() for i in ids
-                               if i.startswith("<")})
-            return ["upstream is stale: " + ", ".join(upstream)]
-        if damage:
-            return [f"stored {ref.id} is {problem}" for ref, problem in damage]
-        if hit:
-            return ["its output is missing from the store"]
-        last = catalog.last_stage_detail(stage_label)
-        if last is None:
-            return ["never run"]
-        reasons = []
-        if last.get("version") != detail["version"]:
-            reasons.append(f"code version {last.get('version')} -> {detail['version']}")
-        reasons += [f"cfg.{path}: {a!r} -> {b!r}" for path, a, b in config_changes(last.get("cfg", {}), detail["cfg"])]
-        old_in, new_in = last.get("inputs", {}), detail["inputs"]
-        for role in sorted(set(old_in) | set(new_in)):
-            if old_in.get(role) != new_in.get(role):
-                reasons.append(f"input {role}: {old_in.get(role)} -> {new_in.get(role)}")
-        return reasons or ["no cached result for this key"]
 
     def _compute(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
         workdir = store.staging_dir()

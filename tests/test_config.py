@@ -276,8 +276,8 @@ def test_a_fresh_store_gives_no_prefect_home_warning(tmp_path):
     """Prefect's import tries to create PREFECT_HOME (inside a store that does not exist yet) and warns;
     irflow creates it itself before a flow runs, so an API user sees no warning."""
     store = tmp_path / "not-yet" / "store"
-    code = ("import warnings; warnings.simplefilter('error', UserWarning); from irflow import runtime; "
-            f"runtime.configure({str(store)!r}); import prefect; runtime.prefect_home(); print('ok')")
+    code = ("import warnings; warnings.simplefilter('error', UserWarning); from irflow import orchestration; "
+            f"orchestration.configure({str(store)!r}); import prefect; orchestration.prefect_home(); print('ok')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from irflow.config import load
 from irflow.errors import ConfigError
+from irflow.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_deployment_points_at_a_flow_and_a_loadable_config(dep):
     flow = _flow(dep["entrypoint"])
     params = dep["parameters"]
     inspect.signature(flow.fn).bind(**params)  # raises TypeError on an unknown/missing parameter
-    cfg = load(ROOT / params["config"], params.get("overrides"))
+    cfg = load_config(ROOT / params["config"], params.get("overrides"))
     assert cfg.flow == flow.name  # the recipe's own flow runs its config: its stages are the flow's task runs
     assert dep["work_pool"]["name"] == "irflow-local"  # the pool `make deploy` creates and `make worker` serves
     for s in dep.get("schedules") or []:

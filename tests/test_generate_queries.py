@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from irflow import data_contracts
+from irflow import data_contracts, generation
 from irflow.errors import DataError, StageFailed
 from irflow.models import ModelNotAvailable, resolve
 from irflow.params import Params
@@ -26,8 +26,9 @@ from irflow.runtime import RuntimeConfig, StageRuntime
 from irflow.stage import Run
 from irflow.tasks import generate_queries as gq
 from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand, expand_corpus
-from irflow.tasks.generate_queries import (BatchGenerator, CropSource, ICTSource, T5Source, UnlabelledSource,
-                                           generate_queries, queries_per_passage)
+from irflow.generation import BatchGenerator
+from irflow.tasks.generate_queries import (CropSource, ICTSource, T5Source, UnlabelledSource, generate_queries,
+                                           queries_per_passage)
 from irflow.testing import SHARED_DATASETS, beir_slice, ingest_folder, make_tiny_t5, model
 from irflow.text import passage_text
 
@@ -136,7 +137,7 @@ def test_t5_second_run_is_cached(data, baseline, tmp_path):
 
 def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
     params = t5_params()
-    real_write, real_generate = gq._write_shard, gq._generate_batch
+    real_write, real_generate = generation._write_shard, generation._generate_batch
     written = []
 
     def write_then_crash(resume_dir, index, rows):
@@ -144,7 +145,7 @@ def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
         written.append(index)
         raise RuntimeError("simulated crash after the first shard")
 
-    monkeypatch.setattr(gq, "_write_shard", write_then_crash)
+    monkeypatch.setattr(generation, "_write_shard", write_then_crash)
     with pytest.raises(StageFailed, match="simulated crash") as e:
         run_gq(data, "store-resume", params)
     assert e.value.stage == "generate_queries[t5]" and isinstance(e.value.cause, RuntimeError)
@@ -160,8 +161,8 @@ def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
         seen_texts.extend(texts)
         return real_generate(model, tokenizer, texts, n, gen, device)
 
-    monkeypatch.setattr(gq, "_write_shard", real_write)
-    monkeypatch.setattr(gq, "_generate_batch", recording_generate)
+    monkeypatch.setattr(generation, "_write_shard", real_write)
+    monkeypatch.setattr(generation, "_generate_batch", recording_generate)
     _, out = run_gq(data, "store-resume", params)
     corpus = data["t5_corpus"].table()
     texts = [passage_text(t, x) for t, x in zip(corpus.column("title").to_pylist(), corpus.column("text").to_pylist())]
@@ -176,7 +177,7 @@ def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
 def test_t5_oom_halves_the_batch_and_retries(data, monkeypatch):
     import torch
 
-    real_generate = gq._generate_batch
+    real_generate = generation._generate_batch
     sizes: list[int] = []
 
     def oom_above_two(model, tokenizer, texts, n, gen, device):
@@ -185,7 +186,7 @@ def test_t5_oom_halves_the_batch_and_retries(data, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_generate(model, tokenizer, texts, n, gen, device)
 
-    monkeypatch.setattr(gq, "_generate_batch", oom_above_two)
+    monkeypatch.setattr(generation, "_generate_batch", oom_above_two)
     _, out = run_gq(data, "store-oom", t5_params(batch_size=8, shard_size=100))
     assert sizes[:3] == [8, 4, 2]
     assert all(s <= 2 for s in sizes[3:])  # the halved size is kept for the rest of the run
@@ -203,7 +204,7 @@ def test_batch_generator_oom_runtime_error_and_other_errors(monkeypatch):
             raise RuntimeError("CUDA error: out of memory")
         return [[t + "?"] * n for t in texts]
 
-    monkeypatch.setattr(gq, "_generate_batch", fake)
+    monkeypatch.setattr(generation, "_generate_batch", fake)
     g = BatchGenerator(None, None, {}, "cpu", batch_size=4)
     assert g(["a", "b", "c"], 1) == [["a?"], ["b?"], ["c?"]]
     assert calls == [3, 2, 1, 1, 1] and g.batch_size == 1
@@ -211,14 +212,14 @@ def test_batch_generator_oom_runtime_error_and_other_errors(monkeypatch):
     def always_oom(*a):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(gq, "_generate_batch", always_oom)
+    monkeypatch.setattr(generation, "_generate_batch", always_oom)
     with pytest.raises(RuntimeError, match="out of memory"):  # nothing left to halve
         BatchGenerator(None, None, {}, "cpu", batch_size=2)(["a"], 1)
 
     def broken(*a):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(gq, "_generate_batch", broken)
+    monkeypatch.setattr(generation, "_generate_batch", broken)
     g = BatchGenerator(None, None, {}, "cpu", batch_size=4)
     with pytest.raises(RuntimeError, match="shape mismatch"):  # not an OOM: no retry
         g(["a", "b"], 1)
@@ -297,7 +298,7 @@ def test_ict_queries_are_sentences_of_their_source_passage(data):
     assert queries.num_rows > 0 and qrels.num_rows == queries.num_rows
     for qid, doc in zip(qrels.column("query_id").to_pylist(), qrels.column("doc_id").to_pylist()):
         assert qid.startswith(f"{doc}-ict")
-        assert q_text[qid] in gq.split_sentences(text_of[doc])
+        assert q_text[qid] in generation.split_sentences(text_of[doc])
         assert q_text[qid] != text_of[doc].strip()
     counts: dict[str, int] = {}
     for doc in qrels.column("doc_id").to_pylist():

@@ -461,7 +461,7 @@ def test_catalog_locked_too_long_is_a_clear_cli_error(tmp_path, monkeypatch):
 
 
 def test_config_changes_name_the_leaf_that_changed():
-    from irflow.stage import config_changes
+    from irflow.cache import config_changes
 
     old = {"teacher": {"type": "fusion", "weights": {"bm25": 0.3, "minilm": 0.7}}, "seed": 42, "gone": 1}
     new = {"teacher": {"weights": {"minilm": 0.5, "bm25": 0.5}, "type": "fusion"}, "seed": 42, "added": [1, 2]}
@@ -471,6 +471,20 @@ def test_config_changes_name_the_leaf_that_changed():
     assert config_changes(new, new) == []
     # a section replaced by a scalar is reported whole
     assert config_changes({"scale": {"a": 1}}, {"scale": "auto"}) == [("scale", {"a": 1}, "auto")]
+
+
+def test_cache_keys_do_not_drift():
+    """A key computed today equals the one computed when this test was written: a change to the payload
+    or its hashing would turn every stored result into a miss."""
+    from irflow.cache import cache_key
+
+    inputs = {"queries": [DatasetRef("sha256:abc", "queries", "queries", "queries", "/x")],
+              "bm25_index": [DatasetRef("sha256:def", "idx", "index", None, "/y"),
+                             DatasetRef("sha256:0", "i2", "index", None, "/z")]}
+    params = {"hits": 100, "nested": {"b": [1, 2.5, None], "a": "é"}, "path": Path("/tmp/p")}
+    assert cache_key("bm25_search", "2", params, inputs) == \
+        "45fd93d54d3fba7022b798340731e58e5c0aa5c284211667df7f2911297e0070"
+    assert cache_key("s", "1", {}, {}) == "7d0a2abf1a9f03d0b3669c390e2116fdf57b4c675fe056ee6965e341b20396ea"
 
 
 def test_a_moved_store_hits_its_cache_and_a_copy_reads_its_own_objects(tmp_path, chain):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
+from irflow.beir import IngestError, dataset_splits, is_url
 from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.follows import Follow
 from irflow.params import ModelName
@@ -23,8 +24,7 @@ from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
 from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
 from irflow.tasks.evaluate import EvaluateParams, EvaluationParams, evaluate
-from irflow.tasks.ingest import (IngestError, IngestParams, SelectQueriesParams, dataset_splits, ingest_beir,
-                                 select_queries, source_ref)
+from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
 
 
 # ---- sections ---------------------------------------------------------------------------------
@@ -46,8 +46,6 @@ class DatasetConfig(IngestParams):
 
     @model_validator(mode="after")
     def _source_and_split(self):
-        from irflow.tasks.ingest import is_url
-
         if is_url(self.source) and not self.md5:
             raise ValueError(f"md5: required for a URL source ({self.source}), so the download can be "
                              "verified")
