@@ -257,7 +257,6 @@ class Stage:
                     raise StageFailed(stage_label, DataError(
                         f"input {role} {ref.id} is {problem}; it was set aside, run again to recompute it"))
 
-
     def _compute(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
         workdir = store.staging_dir()
         resume_dir = None
