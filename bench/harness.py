@@ -132,7 +132,7 @@ def table(headers: list[str], rows: list[list]) -> None:
     """Print a markdown table with aligned columns (readable here, pasteable into a README)."""
     cells = [[str(c).replace("|", "\\|").replace("\n", "<br>") for c in [*r, *[""] * (len(headers) - len(r))]]
              for r in [headers, *rows]]
-    width = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    width = [max(len(r[i]) for r in cells) for i in range(len(headers) - 1)] + [len(cells[0][-1])]  # last: unpadded
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, width)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
     print("\n".join(lines), flush=True)
