@@ -34,8 +34,8 @@ passages and queries read straight from the BEIR zip with json/csv.
    0.01), linear warm-up schedule, grad clipping at 1.0, on SciFact train (query, positive, random
    negative) triples with random margins; 1 warm-up step then ``--train-steps`` timed steps, same
    batches on every side. Precision: ``--precision`` (default ``auto``: what the runtime picks for
-   training here -- bf16 autocast only on hardware with native bf16, else fp32; the runs before
-   typed recipes used bf16 autocast), the same on every side. irflow: ``irflow.training.train_loop``
+   training here -- bf16 autocast only on hardware with native bf16, else fp32; the results in
+   bench/results/gpl_throughput*.json used bf16 autocast), the same on every side. irflow: ``irflow.training.train_loop``
    (given ``LoopParams`` and a ``StageRuntime`` with that precision) with the compute_loss the
    ``train_student`` stage builds (``_embed`` per column +
    ``irflow.losses.MarginMSELoss.from_embeddings``), timed through ``irflow.training._on_step``. plain:

@@ -29,9 +29,9 @@ indexer (``bm25_index``), Prefect's temporary API server (uvicorn), anything els
 Cases:
 - ``sample``: configs/demo_baselines.yaml (the bundled SciFact sample).
 - ``scifact``, ``nfcorpus``: configs/baselines_<ds>.yaml as they are (runtime.jvm_heap: default 2g).
-- ``scifact-before``, ``nfcorpus-before``: the same with ``--set runtime.jvm_heap=6g``. The old code
-  passed no -Xmx, so both JVMs (the in-process one that searches, and the indexer) got the JVM's
-  default maximum heap, a quarter of physical RAM = 6 GB on this 24 GB machine; 6g emulates that.
+- ``scifact-before``, ``nfcorpus-before``: the same with ``--set runtime.jvm_heap=6g``: what both JVMs
+  (the in-process one that searches, and the indexer) get without -Xmx, the JVM's default maximum
+  heap, a quarter of physical RAM = 6 GB on this 24 GB machine.
 - ``scifact1x``, ``scifact10x``: SciFact written out as a BEIR folder in a temp dir with its corpus
   repeated ``1`` / ``--reps`` times (copy 0 keeps the original ids, copy k gets ``<id>__r<k>``; same
   queries and qrels), run as ``configs/baselines_scifact.yaml --set dataset.source=<dir> --set

@@ -7,13 +7,13 @@ re-execution stage lists on the bundled sample.
 
 Runs ``configs/rocketqa_<ds>_offline.yaml`` and ``configs/ance_<ds>_offline.yaml`` through
 ``irflow.api.run`` in one store (BM25, the zero-shot run and ingest are shared) and writes:
-- the table: nDCG@10 and R@100 per system, in the issue's column order;
+- the table: nDCG@10 and R@100 per system, in the ablation order (ORDER below);
 - wall time per stage (``RunResult.stages``) and the machine's load before/after;
 - the denoise audit per teacher: the share of M_D0's top-50 candidates the teacher calls likely
   positives (dropped), by rank bucket, read from the ``audit`` dataset;
 - where the histograms are (PNG per denoise teacher).
 ``--partial`` runs configs/rocketqa_demo.yaml and configs/ance_demo.yaml on the sample, then the
-three changes of the issue (denoise threshold, M_C's learning rate, one more ANCE round), and
+three changes (denoise threshold, M_C's learning rate, one more ANCE round), and
 records which stages each recomputed.
 """
 
