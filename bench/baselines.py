@@ -33,8 +33,6 @@ have finished, so that one heavy process runs at a time.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import platform
@@ -44,12 +42,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATASETS_DIR = (ROOT / ".." / "shared" / "datasets").resolve()
+import harness
+from harness import ROOT, log
 
 # Pyserini's BEIR regressions (2CR), nDCG@10 on the test split.
 PUBLISHED_BM25 = {
@@ -60,14 +57,6 @@ BM25_TOL = 0.001
 DENSE_TOL = 0.002
 RATIO_TARGET = 0.95
 DENSE_SYSTEM = "dense-all-MiniLM-L6-v2"
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-
-def log(msg: str) -> None:
-    print(f"[{datetime.now():%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,14 +79,6 @@ with open(out, "w") as f:
 """
 
 
-def _finish(out: dict, wall: float, how: str) -> dict:
-    out["wall_seconds"] = round(wall, 3)
-    out["computed"] = sum(s["status"] == "computed" for s in out["stages"])
-    log(f"  {wall:.1f}s wall ({how}; {out['seconds']:.1f}s in flow), {len(out['stages'])} stages, "
-        f"{out['computed']} computed")
-    return out
-
-
 def irflow_run_process(config: str, store: str, sets: list[str] = (), force: list[str] = ()) -> dict:
     """``api.run`` in a fresh Python process; wall time is the whole process (start-up, imports,
     Prefect's temporary server, the flow). Returns RunResult.to_dict() + wall_seconds + computed."""
@@ -113,17 +94,17 @@ def irflow_run_process(config: str, store: str, sets: list[str] = (), force: lis
             raise RuntimeError(f"api.run of {config} in a child process failed ({proc.returncode}):\n"
                                f"{proc.stderr[-5000:]}")
         out = json.loads(result_file.read_text())
-    return _finish(out, wall, "whole process")
+    out["wall_seconds"] = round(wall, 3)
+    out["computed"] = sum(s["status"] == "computed" for s in out["stages"])
+    log(f"  {wall:.1f}s wall (whole process; {out['seconds']:.1f}s in flow), {len(out['stages'])} stages, "
+        f"{out['computed']} computed")
+    return out
 
 
 def irflow_run(config: str, store: str, sets: list[str] = (), force: list[str] = ()) -> dict:
     """``api.run`` in this process. Returns RunResult.to_dict() + wall_seconds + computed."""
-    from irflow import api
-
-    log(f"api.run({config!r}, overrides={list(sets)}, store={store!r})")
-    t0 = time.perf_counter()
-    out = api.run(config, overrides=list(sets), store=store, force=list(force)).to_dict()
-    return _finish(out, time.perf_counter() - t0, "in process")
+    r = harness.run(config, sets, store, force)
+    return {**r.to_dict(), "wall_seconds": round(r.wall_seconds, 3), "computed": len(r.computed)}
 
 
 def catalog_sql(query: str, store: str, params: list | None = None) -> list[dict]:
@@ -154,6 +135,11 @@ def evaluated_queries(run_id: str, store: str) -> dict[str, int]:
     return {r["system"]: int(r["num_queries"]) for r in rows}
 
 
+def read_beir_zip(name: str) -> tuple[list[dict], dict[str, str], dict[str, dict[str, int]]]:
+    """The raw BEIR files of a shared dataset, read straight from the zip (no irflow code)."""
+    return harness.read_beir(harness.DATASETS / f"{name}.zip", "test")
+
+
 def judged_test_queries(name: str) -> int:
     _, queries, qrels = read_beir_zip(name)
     return sum(q in queries for q in qrels)
@@ -179,25 +165,6 @@ def run_summary(run: dict) -> dict:
             "stages": len(run["stages"]), "computed": run["computed"],
             **{k: run[k] for k in ("child_import_seconds", "child_api_run_seconds") if k in run},
             "stage_status": {s["name"]: [s["status"], s["seconds"]] for s in run["stages"]}}
-
-
-# ---------------------------------------------------------------------------------------------
-# the raw BEIR files, read straight from the zip (no irflow code)
-# ---------------------------------------------------------------------------------------------
-def read_beir_zip(name: str) -> tuple[list[dict], dict[str, str], dict[str, dict[str, int]]]:
-    with zipfile.ZipFile(DATASETS_DIR / f"{name}.zip") as z:
-        corpus = [json.loads(line) for line in z.read(f"{name}/corpus.jsonl").decode("utf-8").splitlines() if line]
-        queries = {}
-        for line in z.read(f"{name}/queries.jsonl").decode("utf-8").splitlines():
-            if line:
-                q = json.loads(line)
-                queries[q["_id"]] = q["text"]
-        qrels: dict[str, dict[str, int]] = {}
-        reader = csv.reader(io.StringIO(z.read(f"{name}/qrels/test.tsv").decode("utf-8")), delimiter="\t")
-        next(reader)  # header
-        for qid, did, score in reader:
-            qrels.setdefault(qid, {})[did] = int(score)
-    return corpus, queries, qrels
 
 
 def dense_reference(model, corpus: list[dict], queries: dict[str, str], qrels: dict) -> dict:
@@ -337,16 +304,7 @@ def environment() -> dict:
         commit, dirty = None, None
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(), "packages": pkgs,
-            "git_commit": commit or None, "git_dirty": dirty, "loadavg_start": list(os.getloadavg())}
-
-
-def fmt_table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(c) for c in r] for r in rows]
-    w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w[i]) for i, h in enumerate(headers))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in cells]
-    return "\n".join(out)
+            "git_commit": commit or None, "git_dirty": dirty, "loadavg_start": harness.loadavg()}
 
 
 def main() -> int:
@@ -460,9 +418,8 @@ def main() -> int:
                 result["throughput_bm25"][name] = r
     finally:
         result["total_seconds"] = round(time.perf_counter() - t_start, 1)
-        result["environment"]["loadavg_end"] = list(os.getloadavg())
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
+        result["environment"]["loadavg_end"] = harness.loadavg()
+        harness.write_json(out_path, result)
         if temp_store and not args.keep_store:
             shutil.rmtree(store, ignore_errors=True)
 
@@ -490,7 +447,7 @@ def print_report(r: dict, out_path: Path) -> None:
     if "nfcorpus_dense" in r:
         rows.append(["nfcorpus", DENSE_SYSTEM, f"{r['nfcorpus_dense']['ndcg@10']:.4f}", "-", "-", "-"])
     print("\nnDCG@10 (test split)")
-    print(fmt_table(["dataset", "system", "irflow", "reference", "|diff|", ""], rows))
+    harness.table(["dataset", "system", "irflow", "reference", "abs diff", ""], rows)
 
     rows = []
     for name, t in r.get("throughput_bm25", {}).items():
@@ -504,16 +461,16 @@ def print_report(r: dict, out_path: Path) -> None:
                      ok(t["pass"]) + f" (max |emb diff| {t['max_abs_diff']:.1e})"])
     if rows:
         print("\nthroughput, irflow vs direct (best of reps)")
-        print(fmt_table(["what", "irflow", "direct", "ratio", "ratio(med)", ""], rows))
+        harness.table(["what", "irflow", "direct", "ratio", "ratio(med)", ""], rows)
 
     if "cached_rerun" in r:
         c = r["cached_rerun"]
         print("\ncached re-run of configs/baselines_scifact.yaml")
-        print(fmt_table(["run", "wall s", "flow s", "stages", "computed"],
-                        [["cold", c["cold"]["wall_seconds"], c["cold"]["flow_seconds"], c["cold"]["stages"],
-                          c["cold"]["computed"]]]
-                        + [[f"warm {i + 1}", w["wall_seconds"], w["flow_seconds"], w["stages"], w["computed"]]
-                           for i, w in enumerate(c["warm"])]))
+        harness.table(["run", "wall s", "flow s", "stages", "computed"],
+                      [["cold", c["cold"]["wall_seconds"], c["cold"]["flow_seconds"], c["cold"]["stages"],
+                        c["cold"]["computed"]]]
+                      + [[f"warm {i + 1}", w["wall_seconds"], w["flow_seconds"], w["stages"], w["computed"]]
+                         for i, w in enumerate(c["warm"])])
         print(f"warm/cold wall: {c['warm_over_cold_wall']:.3f} (best {c['best_warm_over_cold_wall']:.3f}); "
               f"{ok(c['pass'])}")
     print(f"\ntotal {r['total_seconds']:.0f}s; results in {out_path}")

@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+import harness
+from harness import ROOT
 
 
 def sweep_body(batches: list[int], mini_batch: int):
@@ -68,40 +63,33 @@ def main() -> None:
     configure(args.store)
     c = load_config(str(ROOT / args.config), args.sets)
     recipe = Recipe("md0-batch-sweep", type(c), sweep_body(args.batches, args.mini_batch))
-    t0 = time.perf_counter()
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    result = flow(name="md0-batch-sweep", persist_result=False)(
-        lambda: execute(recipe, c, args.store, config_path=str(ROOT / args.config)))()
-    wall = round(time.perf_counter() - t0, 1)
+    result = harness.timed(lambda: flow(name="md0-batch-sweep", persist_result=False)(
+        lambda: execute(recipe, c, args.store, config_path=str(ROOT / args.config)))(),
+        f"md0 batch sweep {args.batches} on {args.config} (store {args.store})")
 
-    from irflow.catalog import Catalog
-
-    n = None
     rows = []
     by = {m["system"]: m for m in result.metrics}
-    with Catalog(Path(args.store) / "catalog.duckdb").connect() as con:
-        for b in args.batches:
-            name = "md0" if b == c.dual_encoder.batch_size else f"md0-batch{b}"
-            st = result.stage(f"train_dual_encoder[{name}]")
-            # the training's own summary (steps, examples), written next to the model
-            info = json.loads((Path(args.store) / "objects" / st.dataset_id / "irflow_training.json").read_text()) \
-                if (Path(args.store) / "objects" / st.dataset_id / "irflow_training.json").exists() else {}
-            rows.append({"batch": b, "mini_batch": args.mini_batch if b > args.mini_batch else None,
-                         "in_batch_negatives_per_query": b - 1, "steps": info.get("steps"),
-                         "examples": info.get("examples"), "train_status": st.status,
-                         "train_seconds": st.seconds, "ndcg@10": by[name]["ndcg@10"],
-                         "recall@100": by[name]["recall@100"]})
+    for b in args.batches:
+        name = "md0" if b == c.dual_encoder.batch_size else f"md0-batch{b}"
+        st = result.stage(f"train_dual_encoder[{name}]")
+        # the training's own summary (steps, examples), written next to the model
+        info_file = Path(args.store) / "objects" / st.dataset_id / "irflow_training.json"
+        info = json.loads(info_file.read_text()) if info_file.exists() else {}
+        rows.append({"batch": b, "mini_batch": args.mini_batch if b > args.mini_batch else None,
+                     "in_batch_negatives_per_query": b - 1, "steps": info.get("steps"),
+                     "examples": info.get("examples"), "train_status": st.status,
+                     "train_seconds": st.seconds, "ndcg@10": by[name]["ndcg@10"],
+                     "recall@100": by[name]["recall@100"]})
     out = {"config": args.config, "overrides": args.sets, "store": args.store, "run_id": result.run_id,
-           "wall_seconds": wall, "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+           "wall_seconds": round(result.wall_seconds, 1), "load_before": result.load_before,
+           "load_after": result.load_after,
            "sweep": rows, "reference": {s: {"ndcg@10": by[s]["ndcg@10"], "recall@100": by[s]["recall@100"]}
                                          for s in by if not s.startswith("md0")},
            "stages": [{"stage": s.name, "status": s.status, "seconds": s.seconds} for s in result.stages]}
-    print(f"{'batch':>6} {'steps':>6} {'nDCG@10':>8} {'R@100':>7} {'train s':>8}")
-    for r in rows:
-        print(f"{r['batch']:>6} {str(r['steps']):>6} {r['ndcg@10']:>8.4f} {r['recall@100']:>7.4f} {r['train_seconds']:>8}")
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print("wrote", args.out)
+    harness.table(["batch", "steps", "nDCG@10", "R@100", "train s"],
+                  [[r["batch"], r["steps"], f"{r['ndcg@10']:.4f}", f"{r['recall@100']:.4f}", r["train_seconds"]]
+                   for r in rows])
+    print("wrote", harness.write_json(args.out, out))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -37,8 +35,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-IRFLOW = ROOT / ".venv" / "bin" / "irflow"
+import harness
+from harness import ROOT
+
 DEMO = str(ROOT / "configs" / "demo.yaml")
 BASELINES = str(ROOT / "configs" / "demo_baselines.yaml")
 TEST_FILE = ROOT / "tests" / "test_config.py"
@@ -105,7 +104,7 @@ def error_message(stderr: str) -> list[str]:
 
 def run_case(c: dict, work: Path, index: int, timeout: float, env: dict) -> dict:
     store = work / f"case{index:02d}" / "store"
-    cmd = [str(IRFLOW), "run", c["config"]]
+    cmd = [str(harness.IRFLOW), "run", c["config"]]
     for s in c["sets"]:
         cmd += ["--set", s]
     for f in c["from"]:
@@ -138,10 +137,6 @@ def run_case(c: dict, work: Path, index: int, timeout: float, env: dict) -> dict
     return row
 
 
-def md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", "<br>")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "config_errors.json"))
@@ -150,9 +145,7 @@ def main() -> int:
     ap.add_argument("--keep-stores", action="store_true", help="keep the temporary stores (to inspect them)")
     args = ap.parse_args()
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("PREFECT_API_URL", None)
-    env.pop("IRFLOW_STORE", None)
+    env = harness.cli_env()
     work = Path(tempfile.mkdtemp(prefix="irflow-config-errors-"))
     try:
         cases = bad_cases_from_tests() + extra_cases(work)
@@ -162,8 +155,8 @@ def main() -> int:
         for i, c in enumerate(cases):
             row = run_case(c, work, i, args.timeout, env)
             rows.append(row)
-            print(f"[{i + 1}/{len(cases)}] rc={row['rc']} {row['seconds']:.1f}s {'ok ' if row['ok'] else 'BAD'} "
-                  f"{row['case']}", file=sys.stderr, flush=True)
+            harness.log(f"[{i + 1}/{len(cases)}] rc={row['rc']} {row['seconds']:.1f}s {'ok ' if row['ok'] else 'BAD'} "
+                        f"{row['case']}")
     finally:
         if not args.keep_stores:
             shutil.rmtree(work, ignore_errors=True)
@@ -180,18 +173,15 @@ def main() -> int:
         "seconds": {"min": min((r["seconds"] for r in rows), default=None),
                     "max": max((r["seconds"] for r in rows), default=None),
                     "total": round(sum(r["seconds"] for r in rows), 1)},
-        "loadavg_end": list(os.getloadavg()),
+        "loadavg_end": harness.loadavg(),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out = harness.write_json(args.out, report)
 
-    print("| case | rc | s | message |")
-    print("|---|---|---|---|")
-    for r in rows:
-        msg = "\n".join(m.removeprefix("irflow: error: ") for m in r["message"]) or "(no irflow: error line)"
-        print(f"| {md(r['case'])} | {r['rc']} | {r['seconds']:.1f} | {md(msg)} |")
+    harness.table(["case", "rc", "s", "message"],
+                  [[r["case"], r["rc"], f"{r['seconds']:.1f}",
+                    "\n".join(m.removeprefix("irflow: error: ") for m in r["message"]) or "(no irflow: error line)"]
+                   for r in rows])
     print(f"\n{report['ok']} of {len(rows)} cases exit 2 with one error message, no traceback and the expected "
           f"fragments.")
     for r in bad:

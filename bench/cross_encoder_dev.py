@@ -24,7 +24,6 @@ Prints a table and writes JSON (bench/results/cross_encoder_dev_<dataset>.json b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -36,7 +35,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+from harness import ROOT
 
 
 def dataset_id(con, stage: str) -> str:
@@ -158,16 +158,13 @@ def main() -> None:
                "unjudged_dropped": round(float((prob[~is_pos] < 0.1).mean()), 4),
                "train_s": round(train_s, 1), "score_s": round(score_s, 1)}
         out["variants"].append(row)
-        print(json.dumps(row))
+        harness.log(f"{vname}: {row}")
 
-    print(f"\n{'variant':<16} {'steps':>5} {'loss':>6} {'nDCG@10':>8} {'AUC':>6} {'std':>6} {'pos<0.1':>8} "
-          f"{'unj<0.1':>8} {'train s':>8}")
-    print(f"{'(M_D0 order)':<16} {'':>5} {'':>6} {out['first_stage_ndcg10']:>8} {out['first_stage_auc']:>6}")
-    for r in out["variants"]:
-        print(f"{r['name']:<16} {r['steps']:>5} {r['final_loss']:>6} {r['rerank_ndcg10']:>8} {r['auc']:>6} "
-              f"{r['logit_std']:>6} {r['positives_dropped']:>8} {r['unjudged_dropped']:>8} {r['train_s']:>8}")
-    dest = Path(args.out or ROOT / f"bench/results/cross_encoder_dev_{dataset}.json")
-    dest.write_text(json.dumps(out, indent=1))
+    harness.table(["variant", "steps", "loss", "nDCG@10", "AUC", "std", "pos<0.1", "unj<0.1", "train s"],
+                  [["(M_D0 order)", "", "", out["first_stage_ndcg10"], out["first_stage_auc"]]]
+                  + [[r["name"], r["steps"], r["final_loss"], r["rerank_ndcg10"], r["auc"], r["logit_std"],
+                      r["positives_dropped"], r["unjudged_dropped"], r["train_s"]] for r in out["variants"]])
+    dest = harness.write_json(args.out or ROOT / f"bench/results/cross_encoder_dev_{dataset}.json", out)
     print(f"wrote {dest}")
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import harness  # before irflow: puts this checkout on the path
 from irflow.fusion import fuse_runs
 
 
@@ -81,7 +82,7 @@ def main() -> None:
               "queries": len(by_q_old), "top1_changed": top1_changed}
     print(json.dumps(report, indent=2))
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {harness.write_json(args.out, report)}")
 
 
 if __name__ == "__main__":

@@ -23,28 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ZERO_SHOT_REFERENCE = {"scifact": 0.6451, "nfcorpus": 0.3159}  # task statement / notes (MiniLM zero-shot)
+import harness
+from harness import ROOT
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ZERO_SHOT_REFERENCE = {"scifact": 0.6451, "nfcorpus": 0.3159}  # task statement / notes (MiniLM zero-shot)
 
 
 def irflow_run(config: str, store: str, *sets: str, force: tuple[str, ...] = ()) -> dict:
     """``api.run`` in this process; the RunResult as a dict (``to_dict``) plus ``wall_seconds``."""
-    from irflow import api
-
-    t0 = time.perf_counter()
-    result = api.run(config, overrides=list(sets), store=store, force=list(force))
-    out = result.to_dict()
-    out["wall_seconds"] = round(time.perf_counter() - t0, 1)
-    out["computed"] = sorted(result.computed)
-    return out
+    r = harness.run(config, sets, store, force)
+    return {**r.to_dict(), "wall_seconds": round(r.wall_seconds, 1)}
 
 
 def stage_rows(store: str, run_id: str) -> list[dict]:
@@ -69,7 +61,7 @@ def stage_rows(store: str, run_id: str) -> list[dict]:
 
 
 def bench_dataset(ds: str, store: str) -> dict:
-    print(f"== GPL offline on whole {ds} (store {store})", flush=True)
+    harness.log(f"== GPL offline on whole {ds} (store {store})")
     result = irflow_run(f"configs/gpl_{ds}_offline.yaml", store)
     stages = stage_rows(store, result["run_id"])
     by_name = {s["stage"]: s for s in stages}
@@ -104,9 +96,9 @@ def partial_reexecution(store: str) -> dict:
         cases[name] = {"computed": [s["name"] for s in res["stages"] if s["status"] == "computed"],
                        "cached": [s["name"] for s in res["stages"] if s["status"] == "cached"],
                        "wall_seconds": res["wall_seconds"], "run_id": res["run_id"]}
-        print(f"  {name}: computed {cases[name]['computed']}", flush=True)
+        harness.log(f"  {name}: computed {cases[name]['computed']}")
 
-    print("== partial re-execution (configs/demo.yaml, short training)", flush=True)
+    harness.log("== partial re-execution (configs/demo.yaml, short training)")
     record("cold", irflow_run("configs/demo.yaml", store, *base))
     record("same again", irflow_run("configs/demo.yaml", store, *base))
     record("train.lr changed", irflow_run("configs/demo.yaml", store, *base, "train.lr=3.0e-5"))
@@ -131,29 +123,28 @@ def main() -> None:
     # configs name their dataset sources relative to the repository root (irflow resolves them against the cwd)
     os.chdir(ROOT)
 
-    import torch
-
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "python": platform.python_version(),
-              "torch": torch.__version__, "load_before": os.getloadavg(), "datasets": {}}
+    m = harness.machine()
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": m["cores"], "python": m["python"],
+              "torch": m["torch"], "load_before": harness.loadavg(), "datasets": {}}
     for ds in [d for d in args.datasets.split(",") if d]:
         store = args.store or tempfile.mkdtemp(prefix=f"irflow-gpl-{ds}-")
         report["datasets"][ds] = bench_dataset(ds, store)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        harness.write_json(args.out, report)
     if not args.skip_partial:
         report["partial_reexecution"] = partial_reexecution(args.store or tempfile.mkdtemp(prefix="irflow-gpl-demo-"))
-    report["load_after"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    report["load_after"] = harness.loadavg()
+    harness.write_json(args.out, report)
 
-    print("\nnDCG@10 (R@100) on the test split")
     for ds, r in report["datasets"].items():
-        print(f"-- {ds} (run {r['run_id']}, {r['wall_seconds']}s)")
-        for m in r["metrics"]:
-            print(f"   {m['system']:<24} {m['ndcg@10']:.4f}  ({m['recall@100']:.4f})")
-        print(f"   GPL student beats zero-shot: {r['gpl_beats_zero_shot']}; derived: {r['derived']}")
-    for name, c in report.get("partial_reexecution", {}).items():
-        print(f"-- {name}: {len(c['computed'])} computed, {len(c['cached'])} cached ({c['wall_seconds']}s)")
+        print(f"\n{ds}: nDCG@10 / R@100 on the test split (run {r['run_id']}, {r['wall_seconds']} s); GPL student "
+              f"beats zero-shot: {r['gpl_beats_zero_shot']}; derived: {r['derived']}")
+        harness.table(["system", "nDCG@10", "R@100"],
+                      [[m["system"], f"{m['ndcg@10']:.4f}", f"{m['recall@100']:.4f}"] for m in r["metrics"]])
+    if report.get("partial_reexecution"):
+        print("\npartial re-execution (configs/demo.yaml)")
+        harness.table(["change", "computed", "cached", "wall s"],
+                      [[name, len(c["computed"]), len(c["cached"]), c["wall_seconds"]]
+                       for name, c in report["partial_reexecution"].items()])
     print(f"\nwrote {args.out}")
 
 

@@ -34,8 +34,8 @@ passages and queries read straight from the BEIR zip with json/csv.
    0.01), linear warm-up schedule, grad clipping at 1.0, on SciFact train (query, positive, random
    negative) triples with random margins; 1 warm-up step then ``--train-steps`` timed steps, same
    batches on every side. Precision: ``--precision`` (default ``auto``: what the runtime picks for
-   training here -- bf16 autocast only on hardware with native bf16, else fp32; the runs before
-   typed recipes used bf16 autocast), the same on every side. irflow: ``irflow.training.train_loop``
+   training here -- bf16 autocast only on hardware with native bf16, else fp32; the results in
+   bench/results/gpl_throughput*.json used bf16 autocast), the same on every side. irflow: ``irflow.training.train_loop``
    (given ``LoopParams`` and a ``StageRuntime`` with that precision) with the compute_loss the
    ``train_student`` stage builds (``_embed`` per column +
    ``irflow.losses.MarginMSELoss.from_embeddings``), timed through ``irflow.training._on_step``. plain:
@@ -58,58 +58,27 @@ back to back, rather than absolute rates across runs.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
-import io
 import json
 import os
-import platform
 import random
-import sys
 import tempfile
 import time
-import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import harness
+from harness import ROOT, log, loadavg
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-DEFAULT_ZIP = (ROOT / ".." / "shared" / "datasets" / "scifact.zip").resolve()
+DEFAULT_ZIP = harness.DATASETS / "scifact.zip"
 SEED = 13
-
-
-def log(msg: str) -> None:
-    print(f"[{datetime.now():%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ---- data: the BEIR zip read with json/csv only ------------------------------------------------
 def read_scifact(zip_path: Path) -> dict:
-    with zipfile.ZipFile(zip_path) as z:
-        names = z.namelist()
-
-        def member(suffix):
-            return min((n for n in names if n.endswith(suffix)), key=len)
-
-        corpus = {}
-        for ln in z.read(member("corpus.jsonl")).decode().splitlines():
-            if ln.strip():
-                d = json.loads(ln)
-                corpus[d["_id"]] = (d.get("title") or "", d.get("text") or "")
-        queries = {}
-        for ln in z.read(member("queries.jsonl")).decode().splitlines():
-            if ln.strip():
-                d = json.loads(ln)
-                queries[d["_id"]] = d["text"]
-        rows = list(csv.reader(io.StringIO(z.read(member("qrels/train.tsv")).decode()), delimiter="\t"))[1:]
-    train = [(r[0], r[1]) for r in rows if len(r) >= 3 and int(r[2]) > 0]
-    return {"corpus": corpus, "queries": queries, "train": train}
+    corpus, queries, qrels = harness.read_beir(zip_path, "train")
+    return {"corpus": {d["_id"]: (d.get("title") or "", d.get("text") or "") for d in corpus}, "queries": queries,
+            "train": [(q, d) for q, judged in qrels.items() for d, score in judged.items() if score > 0]}
 
 
 def passage(title: str, text: str) -> str:
@@ -446,9 +415,7 @@ def main(argv=None) -> int:
                     help="training autocast precision, both sides (auto: the runtime's choice on this hardware)")
     args = ap.parse_args(argv)
 
-    import sentence_transformers
     import torch
-    import transformers
 
     la_start = loadavg()
     t_start = time.perf_counter()
@@ -465,6 +432,7 @@ def main(argv=None) -> int:
         if "train" in stages:
             rows.append(bench_training(data, args.train_steps, args.reps, not args.no_st_loss, args.precision))
 
+    m = harness.machine()
     result = {
         "benchmark": "gpl_throughput",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -475,10 +443,10 @@ def main(argv=None) -> int:
         "scaled_down": {k: (getattr(args, k), ap.get_default(k)) for k in ("gen_passages", "ce_pairs", "train_steps")
                         if getattr(args, k) != ap.get_default(k)} or None,
         "environment": {
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "sentence_transformers": sentence_transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM"),
+            "cpu_count": m["cores"], "torch_threads": torch.get_num_threads(), "torch": m["torch"],
+            "transformers": m["transformers"], "sentence_transformers": m["sentence-transformers"],
+            "python": m["python"], "platform": m["platform"],
+            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM"),
             "loadavg_start": la_start, "loadavg_end": loadavg(),
             "shared_machine": "yes: other heavy jobs (benchmarks) ran at the same time; absolute rates are "
                               "depressed and noisy, the interleaved irflow/plain ratio is the number to read",
@@ -486,17 +454,14 @@ def main(argv=None) -> int:
         "total_seconds": round(time.perf_counter() - t_start, 1),
         "stages": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = harness.write_json(args.out, result)
 
-    print(f"{'stage':32} {'irflow/s':>10} {'plain/s':>10} {'ratio':>7} {'cpu-ratio':>9}")
-    for r in rows:
-        print(f"{r['stage']:32} {r['irflow_per_s']:>10.2f} {r['plain_per_s']:>10.2f} "
-              f"{r['ratio_irflow_over_plain']:>7.3f} {r['ratio_by_cpu_time']:>9.3f}  ({r['unit']}, n={r['work_items']})")
-        if "st_loss_per_s" in r:
-            print(f"{'  (st MarginMSELoss forward)':32} {'':>10} {r['st_loss_per_s']:>10.2f} "
-                  f"{r['ratio_irflow_over_st_loss']:>7.3f}")
+    harness.table(["stage", "irflow/s", "plain/s", "ratio", "cpu-ratio", "unit", "n"],
+                  [[r["stage"], f"{r['irflow_per_s']:.2f}", f"{r['plain_per_s']:.2f}",
+                    f"{r['ratio_irflow_over_plain']:.3f}", f"{r['ratio_by_cpu_time']:.3f}", r["unit"], r["work_items"]]
+                   for r in rows]
+                  + [["  (st MarginMSELoss forward)", "", f"{r['st_loss_per_s']:.2f}",
+                      f"{r['ratio_irflow_over_st_loss']:.3f}"] for r in rows if "st_loss_per_s" in r])
     print(f"loadavg start {la_start} end {result['environment']['loadavg_end']} (shared machine); -> {out}")
     return 0
 

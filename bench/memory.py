@@ -29,9 +29,9 @@ indexer (``bm25_index``), Prefect's temporary API server (uvicorn), anything els
 Cases:
 - ``sample``: configs/demo_baselines.yaml (the bundled SciFact sample).
 - ``scifact``, ``nfcorpus``: configs/baselines_<ds>.yaml as they are (runtime.jvm_heap: default 2g).
-- ``scifact-before``, ``nfcorpus-before``: the same with ``--set runtime.jvm_heap=6g``. The old code
-  passed no -Xmx, so both JVMs (the in-process one that searches, and the indexer) got the JVM's
-  default maximum heap, a quarter of physical RAM = 6 GB on this 24 GB machine; 6g emulates that.
+- ``scifact-before``, ``nfcorpus-before``: the same with ``--set runtime.jvm_heap=6g``: what both JVMs
+  (the in-process one that searches, and the indexer) get without -Xmx, the JVM's default maximum
+  heap, a quarter of physical RAM = 6 GB on this 24 GB machine.
 - ``scifact1x``, ``scifact10x``: SciFact written out as a BEIR folder in a temp dir with its corpus
   repeated ``1`` / ``--reps`` times (copy 0 keeps the original ids, copy k gets ``<id>__r<k>``; same
   queries and qrels), run as ``configs/baselines_scifact.yaml --set dataset.source=<dir> --set
@@ -62,19 +62,15 @@ import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATASETS_DIR = (ROOT / ".." / "shared" / "datasets").resolve()
-IRFLOW = ROOT / ".venv" / "bin" / "irflow"
+import harness
+from harness import ROOT, log
+
 DIM = 384  # all-MiniLM-L6-v2
 GROWTH_TARGET = 1.3
 BEFORE_HEAP = "6g"  # the JVM's default max heap here: a quarter of 24 GB
 
 CASES = ("sample", "scifact", "nfcorpus", "scifact-before", "nfcorpus-before", "scifact1x", "scifact10x")
 STAGE_LINE = re.compile(r"(?P<stage>[A-Za-z0-9_]+(?:\[[^\]]*\])?): (?P<what>computing|cached)\b")
-
-
-def log(msg: str) -> None:
-    print(f"[{datetime.now():%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,33 +98,6 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
-
-
-def _parents() -> dict[int, int]:
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                s = f.read()
-        except OSError:
-            continue
-        out[int(d)] = int(s.rsplit(")", 1)[1].split()[1])
-    return out
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for pid, ppid in _parents().items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        for c in children.get(p, []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def kind_of(cmdline: str) -> str:
@@ -176,7 +145,7 @@ class Sampler(threading.Thread):
         self.main_hwm = max(self.main_hwm, st.get("VmHWM", 0))
         main, main_anon = st.get("VmRSS", 0), st.get("RssAnon", 0)
         tree, tree_anon, java = main, main_anon, 0
-        for c in descendants(self.pid):
+        for c in harness.descendants(self.pid):
             cs = _status(c)
             if not cs:
                 continue
@@ -215,25 +184,17 @@ class Sampler(threading.Thread):
 # ---------------------------------------------------------------------------------------------
 # one case: irflow run as a subprocess, sampled
 # ---------------------------------------------------------------------------------------------
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    for k in ("PREFECT_API_URL", "PREFECT_HOME"):
-        e.pop(k, None)
-    e.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    return e
-
-
 def run_case(name: str, config: str, sets: list[str], *, interval: float, keep_store: bool, timeout: float | None,
              log_dir: Path) -> dict:
     store = Path(tempfile.mkdtemp(prefix=f"irflow-mem-{name}-"))
-    cmd = [str(IRFLOW), "run", config, "--store", str(store)]
+    cmd = [str(harness.IRFLOW), "run", config, "--store", str(store)]
     for s in sets:
         cmd += ["--set", s]
     log(f"[{name}] $ {' '.join(cmd)}")
     stderr_path = log_dir / f"{name}.stderr.log"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=harness.cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
     sampler = Sampler(proc.pid, interval)
     sampler.t0 = t0
     sampler.start()
@@ -302,7 +263,6 @@ def run_case(name: str, config: str, sets: list[str], *, interval: float, keep_s
 
 def from_catalog(store: Path) -> dict:
     """Docs, stage runs and nDCG@10 of the (only) run in a fresh store, read in this process."""
-    sys.path.insert(0, str(ROOT))
     from irflow.catalog import Catalog
 
     cat = Catalog(store / "catalog.duckdb")
@@ -327,7 +287,7 @@ def write_repeated_scifact(reps: int, parent: Path) -> Path:
     """SciFact as a BEIR folder, corpus repeated ``reps`` times (copy k > 0 under ``<id>__r<k>``)."""
     out = parent / f"scifact{reps}x"
     (out / "qrels").mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(DATASETS_DIR / "scifact.zip") as z:
+    with zipfile.ZipFile(harness.DATASETS / "scifact.zip") as z:
         corpus = [line for line in z.read("scifact/corpus.jsonl").decode("utf-8").splitlines() if line.strip()]
         with open(out / "corpus.jsonl", "w", encoding="utf-8") as f:
             for k in range(reps):
@@ -379,22 +339,22 @@ def summarise(results: dict) -> dict:
     return s
 
 
-def table(results: dict) -> str:
-    head = ("| case | jvm_heap | docs | wall s | main peak MB | tree peak MB | tree anon MB | java peak MB | "
-            "prefect srv MB | embeddings MB | tree − emb MB | tree peak in |")
-    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+def table(results: dict) -> None:
+    rows = []
     for name in CASES + tuple(k for k in results if k not in CASES):
         r = results.get(name)
         if not r:
             continue
         if r.get("returncode") != 0:
-            rows.append(f"| {name} | failed rc={r.get('returncode')}: {' / '.join(r.get('error', []))[:200]} |")
+            rows.append([name, f"failed rc={r.get('returncode')}: {' / '.join(r.get('error', []))[:200]}"])
             continue
         heap = next((s.split("=", 1)[1] for s in r["sets"] if s.startswith("runtime.jvm_heap=")), "2g (default)")
-        rows.append(f"| {name} | {heap} | {r['num_docs']:,} | {r['wall_seconds']:.0f} | {mb(r['main_peak_rss'])} | "
-                    f"{mb(r['tree_peak_rss'])} | {mb(r.get('tree_peak_anon'))} | {mb(r['java_peak_rss'])} | {mb(r['prefect_server_peak_rss'])} | "
-                    f"{mb(r['embeddings_bytes'])} | {mb(r['tree_peak_minus_embeddings'])} | {r['tree_peak_stage']} |")
-    return "\n".join(rows)
+        rows.append([name, heap, f"{r['num_docs']:,}", f"{r['wall_seconds']:.0f}", mb(r["main_peak_rss"]),
+                     mb(r["tree_peak_rss"]), mb(r.get("tree_peak_anon")), mb(r["java_peak_rss"]),
+                     mb(r["prefect_server_peak_rss"]), mb(r["embeddings_bytes"]), mb(r["tree_peak_minus_embeddings"]),
+                     r["tree_peak_stage"]])
+    harness.table(["case", "jvm_heap", "docs", "wall s", "main peak MB", "tree peak MB", "tree anon MB",
+                   "java peak MB", "prefect srv MB", "embeddings MB", "tree − emb MB", "tree peak in"], rows)
 
 
 def main() -> int:
@@ -439,11 +399,10 @@ def main() -> int:
                 if args.max_seq_length:
                     sets.append(f"dense.max_seq_length={args.max_seq_length}")
                 extra = {"reps": reps}
-            load0 = os.getloadavg()
+            load0 = harness.loadavg()
             r = run_case(name, config, sets, interval=args.interval, keep_store=args.keep_stores,
                          timeout=args.timeout, log_dir=log_dir)
-            r.update(extra, loadavg_start=[round(x, 2) for x in load0],
-                     loadavg_end=[round(x, 2) for x in os.getloadavg()],
+            r.update(extra, loadavg_start=load0, loadavg_end=harness.loadavg(),
                      finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             results[name] = r
             data = {
@@ -453,11 +412,10 @@ def main() -> int:
                                 "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                                 "before_emulation": f"runtime.jvm_heap={BEFORE_HEAP} (the JVM default, 1/4 of RAM)"},
                 "results": results, "summary": summarise(results)}
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+            harness.write_json(out_path, data)
     finally:
         shutil.rmtree(synth, ignore_errors=True)
-    print(table(results))
+    table(results)
     g = summarise(results).get("growth")
     if g:
         print(f"\ngrowth 1x -> {g['reps']}x of (tree peak - embeddings): {g['ratio']:.2f} "

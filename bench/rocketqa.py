@@ -7,29 +7,22 @@ re-execution stage lists on the bundled sample.
 
 Runs ``configs/rocketqa_<ds>_offline.yaml`` and ``configs/ance_<ds>_offline.yaml`` through
 ``irflow.api.run`` in one store (BM25, the zero-shot run and ingest are shared) and writes:
-- the table: nDCG@10 and R@100 per system, in the issue's column order;
+- the table: nDCG@10 and R@100 per system, in the ablation order (ORDER below);
 - wall time per stage (``RunResult.stages``) and the machine's load before/after;
 - the denoise audit per teacher: the share of M_D0's top-50 candidates the teacher calls likely
   positives (dropped), by rank bucket, read from the ``audit`` dataset;
 - where the histograms are (PNG per denoise teacher).
 ``--partial`` runs configs/rocketqa_demo.yaml and configs/ance_demo.yaml on the sample, then the
-three changes of the issue (denoise threshold, M_C's learning rate, one more ANCE round), and
+three changes (denoise threshold, M_C's learning rate, one more ANCE round), and
 records which stages each recomputed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+import harness
+from harness import ROOT
 
 ORDER = ["bm25-flat", "dense-all-MiniLM-L6-v2", "md0", "md0-bm25neg", "md0-hardneg", "md1-ce", "md1-fusion",
          "md1-listwise", "md2", "mc-rerank", "ance-warmup", "ance-round1", "ance-round2", "ance-round3"]
@@ -39,18 +32,6 @@ LABELS = {"bm25-flat": "BM25", "dense-all-MiniLM-L6-v2": "zero-shot MiniLM", "md
           "md1-listwise": "M_D1 listwise KL from M_C (frozen)", "md2": "M_D2 + augmentation",
           "mc-rerank": "M_C re-ranking M_D0 top-100", "ance-warmup": "ANCE warm-up (BM25 negatives)",
           "ance-round1": "ANCE round 1", "ance-round2": "ANCE round 2", "ance-round3": "ANCE round 3"}
-
-
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def api_run(config: str, store: str, sets: list[str] = ()) -> tuple[object, float]:
-    from irflow import api
-
-    t0 = time.perf_counter()
-    result = api.run(str(ROOT / config), overrides=list(sets), store=store)
-    return result, round(time.perf_counter() - t0, 1)
 
 
 def audit_summary(store: str, result) -> dict:
@@ -85,19 +66,13 @@ def table(metrics: list[dict]) -> list[dict]:
 
 
 def bench_dataset(ds: str, store: str, sets: list[str], flows: tuple[str, ...]) -> dict:
-    from irflow.runtime import cpu_flags, cpu_model
-
-    out = {"dataset": ds, "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
-                                      "avx512_bf16": "avx512_bf16" in cpu_flags(), "python": platform.python_version()},
-           "store": store, "overrides": sets, "runs": {}}
+    out = {"dataset": ds, "machine": harness.machine(), "store": store, "overrides": sets, "runs": {}}
     metrics = []
     for flow in flows:
         config = f"configs/{flow}_{ds}_offline.yaml"
-        before = load()
-        result, wall = api_run(config, store, sets if flow == "rocketqa" else [])
-        print(f"{flow} {ds}: {result.status} in {wall} s", flush=True)
-        out["runs"][flow] = {"config": config, "run_id": result.run_id, "wall_seconds": wall, "load_before": before,
-                             "load_after": load(),
+        result = harness.run(ROOT / config, sets if flow == "rocketqa" else [], store)
+        out["runs"][flow] = {"config": config, "run_id": result.run_id, "wall_seconds": round(result.wall_seconds, 1),
+                             "load_before": result.load_before, "load_after": result.load_after,
                              "stages": [{"stage": s.name, "status": s.status, "seconds": round(s.seconds, 1),
                                          "device": (s.runtime or {}).get("device"),
                                          "precision": (s.runtime or {}).get("precision")} for s in result.stages]}
@@ -120,12 +95,12 @@ def bench_partial(store: str, only: str | None = None, out_path: str | None = No
     for name, config, sets in cases:
         if (only and not name.startswith(only)) or (cases_named and name not in cases_named):
             continue
-        result, wall = api_run(config, store, sets)
-        out.append({"case": name, "overrides": sets, "wall_seconds": wall, "computed": sorted(result.computed),
-                    "cached": len(result.cached), "table": table(result.metrics)})
-        print(f"{name}: {wall} s, computed {sorted(result.computed)}", flush=True)
+        result = harness.run(ROOT / config, sets, store)
+        out.append({"case": name, "overrides": sets, "wall_seconds": round(result.wall_seconds, 1),
+                    "computed": sorted(result.computed), "cached": len(result.cached), "table": table(result.metrics)})
+        harness.log(f"{name}: computed {sorted(result.computed)}")
         if out_path:  # after every case: a long benchmark that dies keeps what it measured
-            Path(out_path).write_text(json.dumps({"store": store, "cases": out}, indent=1))
+            harness.write_json(out_path, {"store": store, "cases": out})
     return {"store": store, "cases": out}
 
 
@@ -150,11 +125,9 @@ def main() -> None:
         flows = tuple(f for f, skip in (("rocketqa", a.skip_rocketqa), ("ance", a.skip_ance)) if not skip)
         res = bench_dataset(a.dataset, store, a.sets, flows)
         out = a.out or str(ROOT / f"bench/results/rocketqa_{a.dataset}.json")
-        print(f"\n{'system':45s} {'nDCG@10':>8s} {'R@100':>7s}")
-        for r in res["table"]:
-            print(f"{r['label']:45s} {r['ndcg@10']:8.4f} {r['recall@100']:7.4f}")
-    Path(out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+        harness.table(["system", "nDCG@10", "R@100"],
+                      [[r["label"], f"{r['ndcg@10']:.4f}", f"{r['recall@100']:.4f}"] for r in res["table"]])
+    print(f"wrote {harness.write_json(out, res)}")
 
 
 if __name__ == "__main__":

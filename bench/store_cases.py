@@ -1,5 +1,6 @@
-"""Issue 9's cases, each run the way a user would, against a checkout of irflow: run it on the commit
-before the store work (`--before`, a git worktree) and on this one to get the before -> after table.
+"""The store's robustness cases, each run the way a user would, against a checkout of irflow: run it
+on a checkout from before a change (`--checkout DIR`, e.g. a git worktree) and on this one to get a
+before -> after table.
 
     .venv/bin/python bench/store_cases.py [--checkout DIR] [--cases swap,flip,...] --out bench/results/store_cases_after.json
 
@@ -24,8 +25,9 @@ from pathlib import Path
 
 import yaml
 
+import harness
+
 PY = sys.executable
-HERE = Path(__file__).resolve().parents[1]
 
 
 class Cli:
@@ -33,10 +35,7 @@ class Cli:
         self.checkout, self.work = checkout, work
 
     def env(self) -> dict:
-        e = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        e.update(PYTHONPATH=str(self.checkout), HF_HUB_OFFLINE="1", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                 PYTHONUNBUFFERED="1")
-        return e
+        return {**harness.cli_env(), "PYTHONPATH": str(self.checkout), "PYTHONUNBUFFERED": "1"}
 
     def cmd(self, *args) -> list[str]:
         return [PY, "-m", "irflow.cli", *map(str, args)]
@@ -77,21 +76,12 @@ def object_of(result: dict, stage: str) -> str:
 
 
 def descendants(pid: int) -> dict[int, str]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                children.setdefault(int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = {}, [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            try:
-                out[c] = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                out[c] = "?"
-            todo.append(c)
+    out = {}
+    for c in harness.descendants(pid):
+        try:
+            out[c] = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            out[c] = "?"
     return out
 
 
@@ -331,7 +321,7 @@ class Fixture:
         from irflow.testing import beir_slice, make_tiny_bi_encoder
 
         self.work = work
-        shared = HERE.parent / "shared" / "datasets"
+        shared = harness.DATASETS
         self.data = beir_slice(shared / "scifact.zip", work / "slice", n_test_queries=20, n_extra_docs=400, seed=2)
         self.data2 = beir_slice(shared / "nfcorpus.zip", work / "slice2", n_test_queries=5, n_extra_docs=20, seed=2)
         self.model = make_tiny_bi_encoder(work / "bi", normalize=True)
@@ -350,7 +340,7 @@ class Fixture:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkout", default=str(HERE), help="the irflow checkout whose CLI is tried")
+    ap.add_argument("--checkout", default=str(harness.ROOT), help="the irflow checkout whose CLI is tried")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -368,7 +358,7 @@ def main() -> None:
             results[name] = f"case failed: {type(e).__name__}: {e}"[:300]
         print(f"{name:<16} {results[name]}  [{time.perf_counter() - t0:.0f} s]", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"commit": commit, "cases": results}, indent=2) + "\n")
+        print(f"wrote {harness.write_json(args.out, {'commit': commit, 'cases': results})}")
 
 
 if __name__ == "__main__":

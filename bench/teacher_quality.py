@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
+from harness import ROOT
 
 
 def table(store: Path, dataset_id: str):
@@ -219,12 +220,10 @@ def main() -> None:
               "teacher_in_run": cfg.get("teacher"), "pipeline_fusion": fusion.model_dump(), "run_teacher_reproduced": reproduced,
               "dense_model": dense_model, "dense_params": dense_params,
               "scoring_seconds": round(seconds, 1), "variants": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"run {run_id} ({report['dataset']}, {split} queries, {report['candidates_per_query']} candidates/query)")
-    for name, r in rows.items():
-        print(f"  {name:<28} top-1 relevant {r['top1_relevant']:.4f}   nDCG@10 of candidates {r['ndcg@10_of_candidates']:.4f}")
-    print(f"wrote {args.out}")
+    harness.table(["teacher", "top-1 relevant", "nDCG@10 of candidates"],
+                  [[name, f"{r['top1_relevant']:.4f}", f"{r['ndcg@10_of_candidates']:.4f}"] for name, r in rows.items()])
+    print(f"wrote {harness.write_json(args.out, report)}")
 
 
 if __name__ == "__main__":

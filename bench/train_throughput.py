@@ -20,34 +20,24 @@ Runs alternate (irflow, st, irflow, st, ...) so load drifts hit both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
-import zipfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import harness
+
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 
 def scifact_pairs(n: int):
     """(query text, positive text) for the first n SciFact train qrels, and some other passages."""
-    with zipfile.ZipFile(ROOT.parent / "shared/datasets/scifact.zip") as z:
-        docs = {}
-        for line in z.open("scifact/corpus.jsonl"):
-            d = json.loads(line)
-            docs[str(d["_id"])] = f"{d.get('title') or ''} {d['text']}".strip()
-        queries = {str(json.loads(x)["_id"]): json.loads(x)["text"] for x in z.open("scifact/queries.jsonl")}
-        rows = [ln.split("\t") for ln in z.read("scifact/qrels/train.tsv").decode().splitlines()[1:]]
-    pairs, seen = [], set()
-    for q, d, _ in rows:
-        if q in seen or d not in docs:
-            continue
-        seen.add(q)
-        pairs.append((queries[q], docs[d]))
+    corpus, queries, qrels = harness.read_beir(harness.DATASETS / "scifact.zip", "train")
+    docs = {str(d["_id"]): f"{d.get('title') or ''} {d['text']}".strip() for d in corpus}
+    pairs = []
+    for q, judged in qrels.items():  # the first judged passage in the corpus, per query
+        d = next((d for d in judged if d in docs), None)
+        if d is not None:
+            pairs.append((queries[q], docs[d]))
         if len(pairs) == n:
             break
     others = list(docs.values())[: 4 * n]
@@ -189,15 +179,14 @@ def st_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
 
 
 def main() -> None:
-    import torch
-
-    from irflow.runtime import cpu_flags, cpu_model
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/train_throughput.json"))
+    ap.add_argument("--out", default=str(harness.ROOT / "bench/results/train_throughput.json"))
     a = ap.parse_args()
+
+    import torch
+
     torch.set_num_threads(os.cpu_count() or 1)
     pairs, others = scifact_pairs(64 * (a.steps + 1))
     ce = {"irflow": [], "sentence-transformers": []}
@@ -208,17 +197,20 @@ def main() -> None:
         # (queries are SciFact claims, under 64 tokens: one max length for both sides matches ST's single limit)
         gc["irflow"].append(irflow_gradcache(pairs, a.steps, 64, 16, 200, 200))
         gc["sentence-transformers"].append(st_gradcache(pairs, a.steps, 64, 16, 200, 200))
-        print(f"rep {rep}: CE {ce['irflow'][-1]:.2f} vs {ce['sentence-transformers'][-1]:.2f} pairs/s; GradCache "
-              f"{gc['irflow'][-1]:.2f} vs {gc['sentence-transformers'][-1]:.2f} queries/s", flush=True)
-    res = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in cpu_flags(),
-                       "load": os.getloadavg()},
+        harness.log(f"rep {rep}: CE {ce['irflow'][-1]:.2f} vs {ce['sentence-transformers'][-1]:.2f} pairs/s; "
+                    f"GradCache {gc['irflow'][-1]:.2f} vs {gc['sentence-transformers'][-1]:.2f} queries/s")
+    res = {"machine": {**harness.machine(), "load": harness.loadavg()},
            "settings": {"steps": a.steps, "precision": "fp32", "ce": {"batch": 16, "max_length": 200},
                         "gradcache": {"batch": 64, "mini_batch": 16, "max_length": 200}},
            "cross_encoder_pairs_per_s": ce, "gradcache_queries_per_s": gc}
     for name, d in (("cross_encoder", ce), ("gradcache", gc)):
         res[f"{name}_ratio"] = round(sum(d["irflow"]) / sum(d["sentence-transformers"]), 3)
-    print(json.dumps({k: v for k, v in res.items() if k.endswith("ratio")}))
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    harness.table(["what", "irflow", "sentence-transformers", "ratio"],
+                  [[what, ", ".join(f"{x:.2f}" for x in d["irflow"]),
+                    ", ".join(f"{x:.2f}" for x in d["sentence-transformers"]), res[f"{name}_ratio"]]
+                   for what, name, d in (("cross-encoder (pairs/s)", "cross_encoder", ce),
+                                         ("GradCache (queries/s)", "gradcache", gc))])
+    print(f"wrote {harness.write_json(a.out, res)}")
 
 
 if __name__ == "__main__":
