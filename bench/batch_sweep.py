@@ -27,6 +27,7 @@ from harness import ROOT
 
 
 def sweep_body(batches: list[int], mini_batch: int):
+    from irflow.dual_encoder import TrainDualEncoderParams
     from irflow.flows.common import evaluate_runs, ingest, labelled_queries, test_runs
     from irflow.tasks.train_dual_encoder import train_dual_encoder
 
@@ -36,9 +37,10 @@ def sweep_body(batches: list[int], mini_batch: int):
         train_q = labelled_queries(run, data, c.train_split)
         systems = {}
         for b in batches:
-            p = c.dual_encoder.params(negatives_per_query=0, batch_size=b, mini_batch=mini_batch if b > mini_batch else None)
+            p = c.dual_encoder.to(TrainDualEncoderParams, negatives_per_line=0, batch_size=b,
+                                  mini_batch=mini_batch if b > mini_batch else None)
             name = "md0" if b == c.dual_encoder.batch_size else f"md0-batch{b}"
-            systems[name] = train_dual_encoder(run, p, label=name, queries=[train_q], corpus=data.corpus,
+            systems[name] = train_dual_encoder(run, p, tag=name, queries=[train_q], corpus=data.corpus,
                                                base_model=base, qrels=[data.qrels])
         return evaluate_runs(run, c.evaluate, data, test_runs(run, c, data, base, systems))
 

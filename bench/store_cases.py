@@ -326,8 +326,8 @@ class Fixture:
         self.data2 = beir_slice(shared / "nfcorpus.zip", work / "slice2", n_test_queries=5, n_extra_docs=20, seed=2)
         self.model = make_tiny_bi_encoder(work / "bi", normalize=True)
         self.base = {"flow": "baselines", "dataset": {"name": "slice", "source": str(self.data), "split": "test"},
-                     "bm25": {"variants": ["flat"], "hits": 100},
-                     "dense": {"model": str(self.model), "batch_size": 64, "hits": 100},
+                     "bm25": {"variants": ["flat"], "depth": 100},
+                     "dense": {"model": str(self.model), "batch_size": 64, "depth": 100},
                      "runtime": {"threads": 1}}
         self.config = self.config_with()
 

@@ -126,7 +126,7 @@ def main() -> None:
     inputs = parents(con, labels_id)
     queries_id = next(p for r, p, _ in inputs if r == "queries")
     corpus_id = next(p for r, p, _ in inputs if r == "corpus")
-    runs = {s: p for r, p, s in inputs if r == "teacher_runs"}
+    runs = {s: p for r, p, s in inputs if r in ("teacher_rankings", "teacher_runs")}
     bm25_run = next(p for s, p in runs.items() if s.startswith("bm25_search"))
     dense_run = next(p for s, p in runs.items() if s.startswith("dense_search"))
     index_id = next(p for r, p, _ in parents(con, bm25_run) if r == "bm25_index")
@@ -160,7 +160,7 @@ def main() -> None:
     for t in (bm, de):  # the teacher's candidates: the union of the miners' lists (to the teacher's depth)
         for q, d, r in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist(),
                            t.column("rank").to_pylist()):
-            if d != q and (not fusion.depth or r <= fusion.depth):
+            if d != q and (not fusion.input_depth or r <= fusion.input_depth):
                 cand[q].add(d)
     pairs = pa.table({"query_id": [q for q, ds in cand.items() for _ in ds],
                       "doc_id": [d for ds in cand.values() for d in ds]},
@@ -190,7 +190,7 @@ def main() -> None:
     bm_sys, de_sys = bm.column("system")[0].as_py(), de.column("system")[0].as_py()
     for a in (float(x) for x in args.alphas.split(",")):
         f = fuse_runs([bm, de], method=fusion.method, weights={bm_sys: a, de_sys: 1 - a}, rrf_k=fusion.rrf_k,
-                      depth=fusion.depth, pairs=pairs)
+                      input_depth=fusion.input_depth, pairs=pairs)
         piped = dict(zip(zip(f.column("query_id").to_pylist(), f.column("doc_id").to_pylist()), f.column("score").to_pylist()))
         rows[f"pipeline fusion alpha={a}"] = quality(cand, rel, lambda q, d: piped[(q, d)])
         if args.no_exact:
@@ -206,7 +206,7 @@ def main() -> None:
     reproduced = None
     if label_params.get("positive") == "teacher_top1" and teacher.get("type") == "fusion" and teacher.get("weights"):
         f = fuse_runs([bm, de], method=fusion.method, weights=teacher["weights"], rrf_k=fusion.rrf_k,
-                      depth=fusion.depth, pairs=pairs, hits=1)
+                      input_depth=fusion.input_depth, pairs=pairs, depth=1)
         ours = dict(zip(f.column("query_id").to_pylist(), f.column("doc_id").to_pylist()))
         lab = table(store, labels_id)
         theirs = dict(zip(lab.column("query_id").to_pylist(), lab.column("pos_doc_id").to_pylist()))
