@@ -250,7 +250,7 @@ def test_platt_denoising_is_fitted_on_the_lists_not_on_the_positives_outside_the
         "qrels": _table_ref(tmp_path, "qrels", pa.table({**cols(qrels, ["query_id", "doc_id"]),
                                                          "score": pa.array([1] * len(qrels), pa.int32()),
                                                          "split": ["train"] * len(qrels)})),
-        "run": _table_ref(tmp_path, "run", pa.table({**cols(run, ["query_id", "doc_id", "rank", "score"]),
+        "ranking": _table_ref(tmp_path, "run", pa.table({**cols(run, ["query_id", "doc_id", "rank", "score"]),
                                                      "system": ["md0"] * len(run)})),
         "scores": _table_ref(tmp_path, "scores", pa.table(cols(scored, ["query_id", "doc_id", "rank", "score",
                                                                         "positive"]))),
@@ -342,7 +342,7 @@ def test_m_c_is_evaluated_at_the_length_it_was_trained_on(setup):
     """The re-ranking of mc-rerank reads cross_encoder.max_length tokens unless rerank.max_length is
     set (a 128-token M_C scored on 256 tokens sees inputs it was never trained on)."""
     c = api.load_config(setup["rocketqa"], ["cross_encoder.max_length=96"])
-    assert c.cross_encoder.rerank.max_length == 96 == c.cross_encoder.teacher().max_length
+    assert c.cross_encoder.rerank.max_length == 96 == c.cross_encoder.scoring().max_length
     c = api.load_config(setup["rocketqa"], ["cross_encoder.max_length=96", "cross_encoder.rerank.max_length=200"])
     assert c.cross_encoder.rerank.max_length == 200
     c = api.load_config(setup["rocketqa"], [])

@@ -209,7 +209,7 @@ class Judge:
     unlabelled queries from a ranking (augmentation); ``tag`` names its stages and systems (md1-<tag>)."""
 
     run: Run
-    c: "RocketQAConfig"
+    c: RocketQAConfig
     data: Dataset
 
 
