@@ -28,6 +28,7 @@ indexer (``bm25_index``), Prefect's temporary API server (uvicorn), anything els
 
 Cases:
 - ``sample``: configs/demo_baselines.yaml (the bundled SciFact sample).
+- ``rocketqa-sample``: configs/rocketqa_demo.yaml (RocketQA on the sample: trainers, teachers, torchrun-free).
 - ``scifact``, ``nfcorpus``: configs/baselines_<ds>.yaml as they are (runtime.jvm_heap: default 2g).
 - ``scifact-before``, ``nfcorpus-before``: the same with ``--set runtime.jvm_heap=6g``: what both JVMs
   (the in-process one that searches, and the indexer) get without -Xmx, the JVM's default maximum
@@ -69,7 +70,8 @@ DIM = 384  # all-MiniLM-L6-v2
 GROWTH_TARGET = 1.3
 BEFORE_HEAP = "6g"  # the JVM's default max heap here: a quarter of 24 GB
 
-CASES = ("sample", "scifact", "nfcorpus", "scifact-before", "nfcorpus-before", "scifact1x", "scifact10x")
+CASES = ("sample", "scifact", "nfcorpus", "scifact-before", "nfcorpus-before", "scifact1x", "scifact10x",
+         "rocketqa-sample")
 STAGE_LINE = re.compile(r"(?P<stage>[A-Za-z0-9_]+(?:\[[^\]]*\])?): (?P<what>computing|cached)\b")
 
 
@@ -387,6 +389,8 @@ def main() -> int:
             extra = {}
             if name == "sample":
                 config = "configs/demo_baselines.yaml"
+            elif name == "rocketqa-sample":  # where a training recipe's peak falls, stage by stage
+                config = "configs/rocketqa_demo.yaml"
             elif name in ("scifact", "nfcorpus", "scifact-before", "nfcorpus-before"):
                 config = f"configs/baselines_{name.split('-')[0]}.yaml"
                 if name.endswith("-before"):
@@ -406,7 +410,8 @@ def main() -> int:
                      finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             results[name] = r
             data = {
-                "description": "peak RSS of cold `irflow run` baselines flows (bench/memory.py); bytes",
+                "description": "peak RSS of cold `irflow run` flows (baselines; rocketqa-sample: the RocketQA demo) "
+                               "(bench/memory.py); bytes",
                 "environment": {"python": platform.python_version(), "machine": platform.machine(),
                                 "cpus": os.cpu_count(),
                                 "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
