@@ -96,10 +96,11 @@ def value(cls: type[BaseModel], raw: dict, dotted: str) -> Any:
         if field is None:
             return MISSING
         given = node.get(part, MISSING) if isinstance(node, dict) else MISSING
-        if given is MISSING or given is None and isinstance(field.get_default(call_default_factory=True), BaseModel):
-            default = field.get_default(call_default_factory=True)
+        declared = field.get_default(call_default_factory=True)
+        if given is MISSING or (given is None and isinstance(declared, BaseModel)):  # a null section: its default
+            default = declared
             continue
-        node, model = given, _member(field.annotation, given, field.get_default(call_default_factory=True))
+        node, model = given, _member(field.annotation, given, declared)
     if default is not MISSING:
         return default.model_dump(mode="json") if isinstance(default, BaseModel) else default
     return node

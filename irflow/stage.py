@@ -68,9 +68,9 @@ PENDING = "pending"  # kind of a placeholder ref in a dry run: "this would be re
 class Run:
     """One execution of a recipe: where (store), which (run id), how (runtime), what to force.
 
-    ``force`` holds stage names (``mine_negatives``, or one call of it: ``mine_negatives[bm25]``) to recompute even if cached (``irflow run --from STAGE``);
-    everything downstream of a forced stage is forced too (tracked through its output ids in the
-    catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
+    ``force`` holds stage names (``mine_negatives``, or one call of it: ``mine_negatives[bm25]``) to
+    recompute even if cached (``irflow run --from STAGE``); everything downstream of a forced stage is
+    forced too (tracked through its output ids in the catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
     """
 
     def __init__(self, store_root: str | Path, run_id: str, *, runtime: RuntimeConfig | None = None,

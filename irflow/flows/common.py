@@ -173,7 +173,7 @@ def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, quer
 def train_split_follows(*keys: str) -> tuple[Follow, ...]:
     """Keys that read the labelled split unless set (``irflow.follows``): a ``splits`` key as a
     one-item list, a ``split`` key as it is."""
-    return tuple(Follow(k, "train_split", (lambda split: [split]) if k.endswith("splits") else (lambda split: split))
+    return tuple(Follow(k, "train_split", lambda split: [split]) if k.endswith("splits") else Follow(k, "train_split")
                  for k in keys)
 
 
