@@ -63,6 +63,13 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
         runtime.check_devices(c.runtime)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if c.runtime.executor == "ray":
+        from irflow import ray_cluster
+
+        if c.runtime.ray.address is not None:
+            ray_cluster.check_address(c.runtime.ray.address)
+        else:
+            ray_cluster.check_local_gpus(c.runtime.ray.gpus_per_shard)
     warnings = []
     for work, r in runtime.resolved_plan(c.runtime).items():
         if r["warning"] and r["warning"] not in warnings:

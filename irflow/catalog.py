@@ -59,6 +59,11 @@ ALTER TABLE datasets ADD COLUMN IF NOT EXISTS digest VARCHAR;
 -- (status 'interrupted') from one still going.
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS pid INTEGER;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS host VARCHAR;
+-- Added with sharded stages: one row per shard of a computed sharded stage (where it ran, how long;
+-- status computed, or resumed: its part was left by an earlier, interrupted run).
+CREATE TABLE IF NOT EXISTS shard_runs(
+  run_id VARCHAR, stage VARCHAR, cache_key VARCHAR, shard INTEGER, start_row BIGINT, stop_row BIGINT,
+  host VARCHAR, pid INTEGER, device VARCHAR, seconds DOUBLE, status VARCHAR);
 """
 
 # DuckDB allows one writing process per file; inside a process we serialise access ourselves so
@@ -255,6 +260,23 @@ class Catalog:
                  json.dumps(runtime, sort_keys=True, default=str) if runtime else None],
             )
 
+    def record_shards(self, run_id: str, stage: str, cache_key: str, records: list[dict]) -> None:
+        with self.connect() as con:
+            for r in records:
+                con.execute("INSERT INTO shard_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            [run_id, stage, cache_key, r["index"], r["rows"][0], r["rows"][1], r["host"], r["pid"],
+                             r["device"], r["seconds"], r["status"]])
+
+    def shards(self, cache_key: str, run_id: str | None = None) -> list[dict]:
+        """The shards a sharded stage was computed in (by the run that computed it, or ``run_id``'s)."""
+        with self.connect() as con:
+            rows = con.execute(
+                "SELECT shard, start_row, stop_row, host, pid, device, seconds, status, run_id FROM shard_runs "
+                "WHERE cache_key = ? AND (? IS NULL OR run_id = ?) ORDER BY run_id, shard",
+                [cache_key, run_id, run_id]).fetchall()
+        return [{"index": r[0], "rows": [r[1], r[2]], "host": r[3], "pid": r[4], "device": r[5],
+                 "seconds": r[6], "status": r[7], "run_id": r[8]} for r in rows]
+
     def last_stage_detail(self, stage: str, exclude_run: str | None = None) -> dict | None:
         """The key ingredients of the most recent execution of a stage label (any earlier run)."""
         with self.connect() as con:
@@ -287,7 +309,9 @@ class Catalog:
             ).fetchall()
         return [
             {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4],
-             "runtime": json.loads(r[5]) if r[5] else None}
+             "runtime": json.loads(r[5]) if r[5] else None,
+             "shards": [{k: v for k, v in sh.items() if k != "run_id"} for sh in self.shards(r[4], run_id)]
+             if r[1] == "computed" else []}
             for r in rows
         ]
 
@@ -362,6 +386,11 @@ class Catalog:
                 ).fetchall()
                 info["depth"] = depth
                 info["parents"] = [{"role": r, "dataset_id": p} for r, p in parents]
+                shard_rows = con.execute(
+                    "SELECT shard, start_row, stop_row, host, pid, device, seconds, status FROM shard_runs "
+                    "WHERE cache_key = ? AND run_id = ? ORDER BY shard", [info["cache_key"], info["run_id"]]).fetchall()
+                info["shards"] = [{"index": r[0], "rows": [r[1], r[2]], "host": r[3], "pid": r[4], "device": r[5],
+                                   "seconds": r[6], "status": r[7]} for r in shard_rows]
                 seen[did] = info
                 frontier.extend((p, depth + 1) for _, p in parents)
         return list(seen.values())

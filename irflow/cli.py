@@ -101,6 +101,8 @@ def _fmt_runtime(value) -> str | None:
     parts = [f"{rt.get('device')}", f"{rt.get('precision')}", f"{rt.get('threads')} threads"]
     if rt.get("gpu"):
         parts.append(rt["gpu"])
+    if rt.get("executor"):
+        parts.append(f"executor {rt['executor']}, {rt.get('shards')} shard(s) of {rt.get('shard_rows')} rows")
     versions = rt.get("versions") or {}
     libs = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "sentence-transformers", "pyserini")
                      if k in versions)
@@ -133,6 +135,12 @@ def cmd_lineage(args) -> int:
         rt = _fmt_runtime(node.get("runtime"))
         if rt:
             print(f"{pad}  runtime {rt}")
+        shards = node.get("shards") or []
+        if len(shards) > 1 or any(s["status"] != "computed" for s in shards):
+            print(f"{pad}  {len(shards)} shards:")
+            for s in shards:
+                where = f"{s['host']} pid {s['pid']}, {s['device']}, {s['seconds']:.1f}s" if s["pid"] else "earlier run"
+                print(f"{pad}    {s['index']}: rows {s['rows'][0]}-{s['rows'][1]} {s['status']} ({where})")
         for parent in node["parents"]:
             print(f"{pad}  <- {parent['role']}: {parent['dataset_id']}")
     return 0

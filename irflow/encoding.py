@@ -1,4 +1,14 @@
-"""Bi-encoder encoding: length-sorted batches, a progress bar, float32 output in input order."""
+"""Bi-encoder encoding in batch-invariant buckets: a progress bar, float32 output in input order.
+
+A text's embedding must not depend on which other texts share its batch, or a corpus encoded in
+shards (irflow.shards) would differ from the same corpus encoded whole in the last bits, and so get
+another content id. Padding is what varies with the batch: a batch is padded to its longest text, and
+a matrix product over another length sums in another order (measured with MiniLM on this CPU: up to
+1.1e-7 apart). So texts are grouped by token length rounded up to a multiple of ``BUCKET`` tokens, and
+every batch of a group is padded to exactly that length: the same text always meets the same shapes
+(bitwise equal embeddings for any batching, checked on CPU; tests/test_shards.py). Sorting by length
+also keeps padding low: at most BUCKET - 1 tokens per text.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,8 @@ from tqdm.auto import tqdm
 
 from irflow.processes import check_interrupted
 
+BUCKET = 16  # tokens
+
 
 def embedding_dim(st_model) -> int:
     # sentence-transformers >= 6 renamed the method; keep working with both.
@@ -16,20 +28,31 @@ def embedding_dim(st_model) -> int:
     return int(get())
 
 
+def length_batches(lengths: list[int], batch_size: int, max_length: int) -> list[tuple[int, list[int]]]:
+    """(padded length, indices) batches: indices grouped by length rounded up to a multiple of BUCKET
+    (capped at ``max_length``), in input order within a group, longest groups first."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(min(max_length, -(-max(n, 1) // BUCKET) * BUCKET), []).append(i)
+    return [(padded, idx[s:s + batch_size]) for padded in sorted(groups, reverse=True)
+            for idx in [groups[padded]] for s in range(0, len(idx), batch_size)]
+
+
 def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, desc: str = "encode",
                  autocast=None) -> np.ndarray:
-    """Texts sorted by length before batching, so each batch pads to similar lengths (what
-    ``SentenceTransformer.encode`` does inside one call; done here over all texts so the progress bar
-    counts texts). ``autocast``: a context manager factory for reduced precision (None: fp32)."""
-    order = np.argsort([-len(t) for t in texts], kind="stable")
+    """Embeddings of ``texts`` (see the module doc for the batching). ``autocast``: a context manager
+    factory for reduced precision (None: fp32)."""
+    max_length = int(st_model.max_seq_length)
+    lengths = [len(ids) for ids in st_model.tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
     out = np.zeros((len(texts), embedding_dim(st_model)), dtype=np.float32)
     with tqdm(total=len(texts), desc=desc, unit=" texts", mininterval=2) as bar, \
             (autocast() if autocast else contextlib.nullcontext()):
-        for start in range(0, len(texts), batch_size):
+        for padded, idx in length_batches(lengths, batch_size, max_length):
             check_interrupted()
-            idx = order[start:start + batch_size]
             emb = st_model.encode([texts[i] for i in idx], batch_size=len(idx), convert_to_tensor=True,
-                                  normalize_embeddings=normalize, show_progress_bar=False)
+                                  normalize_embeddings=normalize, show_progress_bar=False,
+                                  processing_kwargs={"text": {"padding": "max_length", "max_length": padded,
+                                                              "truncation": True}})
             out[idx] = emb.float().cpu().numpy()
             bar.update(len(idx))
     return out

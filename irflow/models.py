@@ -92,9 +92,15 @@ def model_ref(name: str, store_root: str | None, where: str) -> DatasetRef:
 
 
 def load_sentence_transformer(path: str, device: str = "cpu", max_seq_length: int | None = None):
-    from sentence_transformers import SentenceTransformer
+    """The model at ``path`` (once per shard worker process: ``irflow.shards.per_worker``)."""
+    from irflow.shards import per_worker
 
-    m = SentenceTransformer(path, device=device)
-    if max_seq_length:
-        m.max_seq_length = int(max_seq_length)
-    return m
+    def load():
+        from sentence_transformers import SentenceTransformer
+
+        m = SentenceTransformer(path, device=device)
+        if max_seq_length:
+            m.max_seq_length = int(max_seq_length)
+        return m
+
+    return per_worker(("sentence_transformer", path, device, max_seq_length), load)

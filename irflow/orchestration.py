@@ -58,6 +58,19 @@ def start_prefect_server() -> None:
     start(Path(os.environ["PREFECT_HOME"]))
 
 
+def api_url() -> str | None:
+    """The Prefect API this process reports to: PREFECT_API_URL, else its temporary server's (or None
+    when neither is up). Ray shard workers are given it, so that they report to the same place."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return PREFECT_API_URL.value()
+    from prefect.server.api import server as prefect_server
+
+    srv = prefect_server.SubprocessASGIServer()
+    return srv.api_url if srv.running else None
+
+
 # ---- the console ----------------------------------------------------------------------------
 def console_logging() -> None:
     """Log records on stderr, one line each, at INFO."""

@@ -13,6 +13,7 @@ deployments in prefect.yaml run), so Prefect's UI shows the recipe's own task ru
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import logging
@@ -82,6 +83,8 @@ class StageResult:
     outputs: dict[str, str]  # output name -> dataset id
     seconds: float
     runtime: dict | None = None  # device/precision/threads of a computed stage
+    # a computed sharded stage's shards: {index, rows: [start, stop), host, pid, device, seconds, status}
+    shards: list[dict] = field(default_factory=list)
 
     @property
     def dataset_id(self) -> str | None:
@@ -224,7 +227,8 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     t0 = time.perf_counter()
     status, rows = "failed", []
     try:
-        evaluations = recipe.body(c, run)
+        with _executor(c.runtime):
+            evaluations = recipe.body(c, run)
         rows = report(run, evaluations)
         check_interrupted()
         status = "completed"
@@ -233,10 +237,20 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         raise
     finally:
         run.catalog.finish_run(run.run_id, status, flow_run_id)
-    stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"))
+    stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"), s["shards"])
               for s in run.catalog.stage_runs(run.run_id)]
     return RunResult(run.run_id, recipe.name, store_root, status, round(time.perf_counter() - t0, 3), stages, rows,
                      flow_run_id)
+
+
+def _executor(rt: RuntimeConfig):
+    """executor ray: the run's Ray cluster, joined for the recipe's body (irflow.ray_cluster)."""
+    if rt.executor != "ray":
+        return contextlib.nullcontext()
+    from irflow.orchestration import api_url
+    from irflow.ray_cluster import ray_session
+
+    return ray_session(rt, api_url())
 
 
 def plan(recipe: Recipe, c: RecipeConfig, store: str, force: set[str] = frozenset()) -> list[dict]:

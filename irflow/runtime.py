@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from irflow.params import Params
 
@@ -79,6 +79,21 @@ class PrecisionMap(Params):
         return getattr(self, work, None) or self.default
 
 
+class RayConfig(Params):
+    """Where ``executor: ray`` runs shards (``runtime.ray.*``)."""
+
+    address: str | None = Field(None, description="null: start a local Ray cluster for this run and stop it "
+                                                  "when the run ends (also on Ctrl-C or kill -9 of the run); "
+                                                  "'auto', 'host:6379' or 'ray://host:10001': join an existing "
+                                                  "cluster (it is left running)")
+    workers: PositiveInt | None = Field(None, description="local cluster: CPU slots, i.e. shards running at "
+                                                          "once (null: every CPU of this process)")
+    threads_per_worker: PositiveInt | None = Field(None, description="torch/faiss threads in each shard task "
+                                                                     "(null: CPUs divided by workers, at least 1)")
+    gpus_per_shard: float = Field(0.0, ge=0, description="GPUs each shard of a device stage asks Ray for "
+                                                         "(Ray's num_gpus; fractions share a GPU; 0: CPU)")
+
+
 class RuntimeConfig(Params):
     """The ``runtime:`` section of a config; on the command line ``--set runtime.device=cuda`` (or
     ``runtime.precision=...``, ``runtime.threads=...``): the CLI has no flags of its own for them."""
@@ -90,6 +105,15 @@ class RuntimeConfig(Params):
     jvm_heap: str = Field("2g", pattern=r"^\d+[kmgKMG]?$",
                           description="maximum heap of the JVM that runs Lucene (BM25), e.g. 2g; the JVM "
                                       "shares the process with torch, and its own default is a quarter of RAM")
+
+    executor: Literal["local", "ray"] = Field("local", description="local: stages and their shards run in "
+                                                                   "this process, one after another; ray: shards "
+                                                                   "run as Prefect tasks on Ray workers "
+                                                                   "(runtime.ray)")
+    ray: RayConfig = Field(RayConfig(), description="the Ray cluster of executor ray")
+    shard_rows: PositiveInt = Field(100_000, description="rows of a sharded stage's input per shard (corpus "
+                                                         "passages, queries or pairs): the unit of parallel work, "
+                                                         "of memory, and of resuming a killed run")
 
     @model_validator(mode="before")
     @classmethod

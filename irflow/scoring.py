@@ -71,20 +71,28 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
                          show_progress: bool = True) -> np.ndarray:
     """Raw logits for (query text, passage text) pairs, in input order.
 
-    Pairs are batched in order of length (less padding). ``autocast``: a context manager factory for
-    reduced precision (``StageRuntime.autocast``); None runs in fp32.
+    Pairs are batched by token length, each batch padded to its length bucket
+    (``irflow.encoding.length_batches``): a pair's score does not depend on the other pairs of its
+    batch, so scoring in shards gives the scores of scoring all at once. ``autocast``: a context
+    manager factory for reduced precision (``StageRuntime.autocast``); None runs in fp32.
     """
     import torch
 
-    tok, model = load_cross_encoder(model_path, device)
+    from irflow.shards import per_worker
+
+    tok, model = per_worker(("cross_encoder", model_path, device), lambda: load_cross_encoder(model_path, device))
+    from irflow.encoding import length_batches
+
     n = len(pairs)
     out = np.empty(n, dtype=np.float32)
-    order = sorted(range(n), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    if not n:
+        return out
+    lengths = [len(ids) for ids in tok([q for q, _ in pairs], [d for _, d in pairs], truncation="longest_first",
+                                       max_length=max_length)["input_ids"]]
     with torch.inference_mode(), (autocast() if autocast else contextlib.nullcontext()):
-        for start in tqdm(range(0, n, batch_size), desc="cross-encoder scoring", unit=" batch",
-                          disable=not show_progress, mininterval=2):
-            idx = order[start:start + batch_size]
-            enc = tok([pairs[i][0] for i in idx], [pairs[i][1] for i in idx], padding=True,
-                      truncation="longest_first", max_length=max_length, return_tensors="pt").to(device)
+        for padded, idx in tqdm(length_batches(lengths, batch_size, max_length), desc="cross-encoder scoring",
+                                unit=" batch", disable=not show_progress, mininterval=2):
+            enc = tok([pairs[i][0] for i in idx], [pairs[i][1] for i in idx], padding="max_length",
+                      truncation="longest_first", max_length=padded, return_tensors="pt").to(device)
             out[idx] = relevance(model(**enc).logits.float()).cpu().numpy()
     return out

@@ -47,7 +47,7 @@ from irflow.errors import DataError, StageFailed
 from irflow.params import Params
 from irflow.processes import check_interrupted, file_lock
 from irflow.runtime import RuntimeConfig, stage_runtime
-from irflow.store import DatasetRef, Store, remove_tree, tree_size
+from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
 
 log = logging.getLogger("irflow")
 
@@ -113,7 +113,7 @@ def _as_list(v) -> list[DatasetRef]:
 
 
 @contextlib.contextmanager
-def _torch_threads(n: int):
+def torch_threads(n: int):
     """torch's intra-op threads for the stage (process-wide; stages run one at a time)."""
     import torch
 
@@ -129,8 +129,9 @@ class Stage:
     """A declared stage (see the module doc)."""
 
     def __init__(self, fn: Callable, name: str, version: str, outputs: list[Output], work: str | None,
-                 resumable: bool):
+                 resumable: bool, shard: str | None = None):
         self.fn = fn
+        self.shard = shard
         self.name = name
         self.version = version
         self.outputs = outputs
@@ -151,6 +152,9 @@ class Stage:
         kw = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
         self.required_inputs = {p.name for p in kw if p.default is inspect.Parameter.empty}
         self.optional_inputs = {p.name for p in kw if p.default is not inspect.Parameter.empty}
+        if shard is not None and (shard not in self.required_inputs or len(outputs) != 1
+                                  or outputs[0].kind != "table"):
+            raise TypeError(f"stage {name}: shard= names a required input of a stage with one table output")
 
     def run_name(self, tag: str | None) -> str:
         """The name of one call in a run: ``bm25_search[flat]`` (the tag tells calls apart)."""
@@ -258,6 +262,8 @@ class Stage:
                         f"input {role} {ref.id} is {problem}; it was set aside, run again to recompute it"))
 
     def _compute(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
+        if self.shard:
+            return self._compute_shards(run, store, catalog, key, params, inputs, stage_label)
         workdir = store.staging_dir()
         resume_dir = None
         if self.resumable:
@@ -270,7 +276,7 @@ class Stage:
             log.info("%s: computing (%s)", stage_label,
                      f"{rt.device}, {rt.precision}, {rt.threads} threads" if self.work else f"{rt.threads} threads")
             try:
-                with _torch_threads(rt.threads) if self.work else contextlib.nullcontext():
+                with torch_threads(rt.threads) if self.work else contextlib.nullcontext():
                     result = self.fn(params, rt, **inputs)
             except StageFailed:
                 raise
@@ -324,6 +330,42 @@ class Stage:
             remove_tree(resume_dir)
         return {name: p[0] for name, p in published.items()}, provenance
 
+    def _compute_shards(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
+        """A sharded stage (see irflow.shards): parts into partial/<key>, assembled, published."""
+        from irflow import shards
+
+        parts_dir = store.root / "partial" / key
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        rt = stage_runtime(run.runtime, self.work)
+        log.info("%s: computing (%s)", stage_label,
+                 f"{rt.device}, {rt.precision}" if self.work else "cpu")
+        try:
+            records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir)
+        except shards.ShardFailed as e:
+            check_interrupted()
+            raise StageFailed(stage_label, e) from e
+        check_interrupted()
+        o = self.outputs[0]
+        staging = store.staging_dir()
+        try:
+            rows = write_parts(o.contract, [parts_dir / shards.part_name(*r["rows"]) for r in records],
+                               staging / TABLE_FILE)
+            size = tree_size(staging)
+            ref = store.publish(_ds_name(self, o), o.kind, o.contract, staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        published = {o.name: (ref, rows, size)}
+        provenance = {**rt.provenance(), "executor": run.runtime.executor, "shard_rows": run.runtime.shard_rows,
+                      "shards": len(records)}
+        parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
+        catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
+                               params=params.key_dump(), run_id=run.run_id, outputs=published, parents=parents,
+                               runtime=provenance)
+        catalog.record_shards(run.run_id, stage_label, key, records)
+        remove_tree(parts_dir)
+        return {o.name: ref}, provenance
+
     # -- Prefect --------------------------------------------------------------------------
     @property
     def task(self):
@@ -363,17 +405,19 @@ def _ds_name(stage: Stage, o: Output) -> str:
 
 
 def stage(name: str, version: str, outputs: list[Output] | Output, *, work: str | None = None,
-          resumable: bool = False) -> Callable[[Callable], Stage]:
+          resumable: bool = False, shard: str | None = None) -> Callable[[Callable], Stage]:
     """Declare a stage: ``@stage("bm25_search", version="1", outputs=Output("run", "run"))``.
 
     ``work`` is the kind of work it does on a device (encode, score, generate, train; None for
     CPU-only stages): it picks the runtime's device and precision. ``resumable`` gives it a
     ``rt.resume_dir`` that survives a crash. Bump ``version`` whenever a change to the code changes
-    what the stage outputs.
+    what the stage outputs. ``shard`` names the input it maps over, row range by row range
+    (``irflow.shards``): the stage's output rows for input rows [a, b) must depend on no other row of
+    that input and come in its order.
     """
     outs = [outputs] if isinstance(outputs, Output) else list(outputs)
 
     def wrap(fn: Callable) -> Stage:
-        return Stage(fn, name, version, outs, work, resumable)
+        return Stage(fn, name, version, outs, work, resumable, shard)
 
     return wrap

@@ -28,7 +28,7 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -52,6 +52,9 @@ class DatasetRef:
     contract: str | None
     path: str
     digest: str | None = field(default=None, compare=False)  # full sha256 of the files, when known
+    # A shard's view of a table: rows [start, stop) only (table() and batches() read just those row
+    # groups). The id stays the whole table's: a shard is part of a stage keyed on the whole input.
+    rows: tuple[int, int] | None = None
 
     @property
     def parquet(self) -> str:
@@ -59,15 +62,47 @@ class DatasetRef:
             raise TypeError(f"{self.id} is a {self.kind}, not a table")
         return str(Path(self.path) / TABLE_FILE)
 
+    def num_rows(self) -> int:
+        """Rows of the table (of the slice, for a shard's view), from the Parquet footer: reads no data."""
+        if self.rows is not None:
+            return self.rows[1] - self.rows[0]
+        return pq.ParquetFile(self.parquet).metadata.num_rows
+
+    def slice(self, start: int, stop: int) -> "DatasetRef":
+        """This table's rows [start, stop) as a ref of its own (what one shard of a stage reads)."""
+        return replace(self, rows=(start, stop))
+
     def table(self, columns: list[str] | None = None) -> pa.Table:
         try:
-            return pq.read_table(self.parquet, columns=columns)
+            if self.rows is None:
+                return pq.read_table(self.parquet, columns=columns)
+            return pa.Table.from_batches(list(self.batches(columns)), schema=self._schema(columns))
         except (OSError, pa.ArrowException) as e:
             # A raw "Unexpected end of stream" names no dataset; this names the one that is unreadable.
             from irflow.errors import DataError
 
             raise DataError(f"dataset {self.id} ({self.parquet}) cannot be read: {e}; "
                             f"`irflow verify` checks the store") from e
+
+    def _schema(self, columns: list[str] | None) -> pa.Schema:
+        schema = pq.read_schema(self.parquet)
+        return pa.schema([schema.field(c) for c in columns]) if columns else schema
+
+    def batches(self, columns: list[str] | None = None, batch_size: int = 65_536):
+        """The table's rows (the slice's, for a shard's view) as record batches, in order, reading only
+        the row groups that hold them: memory stays one row group whatever the table's size."""
+        f = pq.ParquetFile(self.parquet)
+        start, stop = self.rows or (0, f.metadata.num_rows)
+        offset = 0
+        for g in range(f.metadata.num_row_groups):
+            n = f.metadata.row_group(g).num_rows
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo < hi:
+                part = f.read_row_group(g, columns=columns).slice(lo - offset, hi - lo)
+                yield from part.to_batches(max_chunksize=batch_size)
+            offset += n
+            if offset >= stop:
+                break
 
     def __str__(self) -> str:
         return self.id
@@ -103,6 +138,52 @@ def _rechunk(table: pa.Table, rows: int) -> pa.Table:
     return pa.Table.from_batches(
         [b for i in range(0, table.num_rows, rows) for b in table.slice(i, rows).combine_chunks().to_batches()],
         schema=table.schema)
+
+
+def write_parts(contract: str | None, parts, dest: Path) -> int:
+    """Write tables (each validated against ``contract``) or Parquet files (already validated: a
+    sharded stage's parts), in order, as one Parquet file; returns its rows. Streaming: memory is one
+    row group. The bytes are those ``Store.stage_table`` writes for the same rows in one table
+    (row groups of exactly ROW_GROUP rows, each one chunk), so the content id does not depend on
+    how the rows were split into parts."""
+    c = data_contracts.get(contract) if contract else None
+    writer, pending, pending_rows, total = None, [], 0, 0
+
+    def flush(rows: int) -> None:
+        nonlocal pending, pending_rows
+        t = pa.Table.from_batches(pending)
+        head, rest = t.slice(0, rows).combine_chunks(), t.slice(rows)
+        writer.write_table(head, row_group_size=ROW_GROUP)
+        pending, pending_rows = rest.combine_chunks().to_batches(), rest.num_rows
+
+    try:
+        for part in parts:
+            if isinstance(part, pa.Table):
+                # A shard may have no rows of its own (whether the whole may be empty is checked below).
+                part = part if c is None else c.conform(part) if part.num_rows == 0 else c.validate(part)
+                batches = part.to_batches()
+            else:
+                batches = pq.ParquetFile(part).iter_batches(batch_size=ROW_GROUP)
+            for b in batches:
+                if b.num_rows == 0:
+                    continue
+                if writer is None:
+                    writer = pq.ParquetWriter(dest, b.schema, compression="zstd")
+                pending.append(b)
+                pending_rows += b.num_rows
+                total += b.num_rows
+                while pending_rows >= ROW_GROUP:
+                    flush(ROW_GROUP)
+        if writer is None:  # no rows at all: an empty table, if the contract allows one
+            empty = c.validate(c.schema.empty_table()) if c else pa.table({})
+            pq.write_table(empty, dest, row_group_size=ROW_GROUP, compression="zstd")
+            return 0
+        if pending_rows:
+            flush(pending_rows)
+        return total
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 class Store:

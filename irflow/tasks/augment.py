@@ -86,7 +86,7 @@ def augment_tables(p: AugmentSettings, pairs: list[tuple[str, str, int]], prob: 
             "negatives": pa.table({**neg, "rank": pa.array(neg["rank"], pa.int32())})}
 
 
-@stage("augment", version="2", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")], work="score")
+@stage("augment", version="3", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")], work="score")
 def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, ranking: DatasetRef, corpus: DatasetRef,
             teacher: DatasetRef | None = None, teacher_rankings: list[DatasetRef] | None = None,
             calibration: DatasetRef | None = None):

@@ -130,7 +130,7 @@ def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: f
     return cols
 
 
-@stage("bm25_search", version="2", outputs=Output("run", "run"))
+@stage("bm25_search", version="2", outputs=Output("run", "run"), shard="queries")
 def bm25_search(p: BM25SearchParams, rt: StageRuntime, *, bm25_index: DatasetRef, queries: DatasetRef) -> pa.Table:
     """BM25 top ``depth`` per query from a ``bm25_index`` of ``p.variant``."""
     q = queries.table()

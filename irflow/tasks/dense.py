@@ -22,6 +22,7 @@ from irflow.encoding import encode_texts
 from irflow.models import load_sentence_transformer
 from irflow.params import Params
 from irflow.runtime import StageRuntime
+from irflow.shards import per_worker
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
 from irflow.text import passage_texts
@@ -60,7 +61,7 @@ def embeddings_to_numpy(table: pa.Table) -> np.ndarray:
     return flat.reshape(n, -1)
 
 
-@stage("encode_corpus", version="2", outputs=Output("embeddings", "embeddings"), work="encode")
+@stage("encode_corpus", version="3", outputs=Output("embeddings", "embeddings"), work="encode", shard="corpus")
 def encode_corpus(p: EncodeParams, rt: StageRuntime, *, corpus: DatasetRef, model: DatasetRef) -> pa.Table:
     """One embedding per passage of ``corpus`` with ``model``, in corpus order."""
     st = load_sentence_transformer(model.path, rt.device, p.max_seq_length)
@@ -91,7 +92,12 @@ def search_index(index, query_emb: np.ndarray, top_k: int, ef_search: int | None
     return index.search(np.ascontiguousarray(query_emb), top_k)
 
 
-@stage("dense_search", version="2", outputs=Output("run", "run"), work="encode")
+def _index(embeddings: DatasetRef, kind: str, hnsw_m: int):
+    e = embeddings.table()
+    return e.column("doc_id").to_pylist(), build_index(embeddings_to_numpy(e), kind, hnsw_m)
+
+
+@stage("dense_search", version="3", outputs=Output("run", "run"), work="encode", shard="queries")
 def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetRef, queries: DatasetRef,
                  model: DatasetRef) -> pa.Table:
     """Top ``depth`` passages per query: queries encoded with ``model``, searched in ``embeddings``."""
@@ -103,9 +109,9 @@ def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetR
     qids = q.column("query_id").to_pylist()
     q_emb = encode_texts(st, q.column("text").to_pylist(), p.batch_size, p.similarity == "cos",
                          desc="encode queries", autocast=rt.autocast)
-    e = embeddings.table()
-    doc_ids = e.column("doc_id").to_pylist()
-    index = build_index(embeddings_to_numpy(e), p.index, p.hnsw_m)
+    # Built once per worker process (and once per stage in this one): every query shard searches it.
+    doc_ids, index = per_worker(("dense_index", embeddings.id, p.index, p.hnsw_m),
+                                lambda: _index(embeddings, p.index, p.hnsw_m))
     top_k = min(p.depth, len(doc_ids))
     scores, idx = search_index(index, q_emb, top_k, p.ef_search)
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}

@@ -243,7 +243,7 @@ def to_table(triples, pos_score: np.ndarray, neg_score: np.ndarray, scale: float
     })
 
 
-@stage("pseudo_label", version="2", outputs=Output("pseudo_labels", "pseudo_labels"), work="score")
+@stage("pseudo_label", version="3", outputs=Output("pseudo_labels", "pseudo_labels"), work="score")
 def pseudo_label(p: PseudoLabelParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
                  qrels: DatasetRef | None = None, negatives: DatasetRef | None = None,
                  teacher_rankings: list[DatasetRef] | None = None, teacher: DatasetRef | None = None,

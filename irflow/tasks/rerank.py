@@ -35,8 +35,9 @@ class RerankParams(RerankSettings):
     system: str = Field(min_length=1, description="system name written into the run")
 
 
-def rerank_table(run: pa.Table, scores: np.ndarray, system: str) -> pa.Table:
-    """The rows of ``run`` re-ordered per query by ``scores`` (ties: the first stage's order)."""
+def rerank_table(run: pa.Table, scores: np.ndarray, system: str, query_order: list[str]) -> pa.Table:
+    """The rows of ``run`` re-ordered per query by ``scores`` (ties: the first stage's order), queries
+    in ``query_order`` (the asked queries' order: shards of them concatenate to the whole)."""
     qids = run.column("query_id").to_pylist()
     dids = run.column("doc_id").to_pylist()
     ranks = run.column("rank").to_pylist()
@@ -44,7 +45,7 @@ def rerank_table(run: pa.Table, scores: np.ndarray, system: str) -> pa.Table:
     for q, d, r, s in zip(qids, dids, ranks, scores):
         by_q.setdefault(q, []).append((-float(s), r, d))
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
-    for q in sorted(by_q):
+    for q in (q for q in query_order if q in by_q):
         for k, (neg, _, d) in enumerate(sorted(by_q[q]), 1):
             cols["query_id"].append(q), cols["doc_id"].append(d), cols["rank"].append(k), cols["score"].append(-neg)
     n = len(cols["query_id"])
@@ -52,7 +53,7 @@ def rerank_table(run: pa.Table, scores: np.ndarray, system: str) -> pa.Table:
                      "system": [system] * n})
 
 
-@stage("rerank", version="1", outputs=Output("run", "run"), work="score")
+@stage("rerank", version="3", outputs=Output("run", "run"), work="score", shard="queries")
 def rerank(p: RerankParams, rt: StageRuntime, *, ranking: DatasetRef, queries: DatasetRef, corpus: DatasetRef,
            model: DatasetRef) -> pa.Table:
     """``ranking``'s top ``depth`` per query of ``queries``, re-ordered by the cross-encoder ``model``."""
@@ -66,4 +67,4 @@ def rerank(p: RerankParams, rt: StageRuntime, *, ranking: DatasetRef, queries: D
     scores = cross_encoder_scores(model.path, [(qtext[q], dtext[d]) for q, d in zip(qids, dids)],
                                   batch_size=p.batch_size, max_length=p.max_length, device=rt.device,
                                   autocast=rt.autocast)
-    return rerank_table(r, scores, p.system)
+    return rerank_table(r, scores, p.system, asked.to_pylist())

@@ -42,13 +42,14 @@ class ScoreCandidatesParams(ScoreCandidatesSettings):
 
 def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) -> tuple[list, dict]:
     """(query, doc, rank) to score: each query's top ``depth`` and its judged positives (their rank in
-    the run, 0 if the run does not have them); and query -> {doc: rank} of its whole list."""
+    the run, 0 if the run does not have them), queries in ``pos_by_q``'s order; and query -> {doc: rank}
+    of its whole list."""
     ranks: dict[str, dict[str, int]] = defaultdict(dict)
     for q, d, r in zip(*(run.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))):
         if q in pos_by_q:
             ranks[q][d] = r
     out = []
-    for q in sorted(pos_by_q):
+    for q in pos_by_q:
         top = {d: r for d, r in ranks.get(q, {}).items() if r <= depth}
         for d in pos_by_q[q]:
             top.setdefault(d, ranks.get(q, {}).get(d, 0))
@@ -56,22 +57,25 @@ def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) ->
     return out, ranks
 
 
-@stage("score_candidates", version="1", outputs=Output("out", "candidate_scores"), work="score")
+@stage("score_candidates", version="3", outputs=Output("out", "candidate_scores"), work="score", shard="queries")
 def score_candidates(p: ScoreCandidatesParams, rt: StageRuntime, *, ranking: DatasetRef, queries: DatasetRef,
                      corpus: DatasetRef, qrels: DatasetRef, teacher: DatasetRef | None = None,
                      teacher_rankings: list[DatasetRef] | None = None) -> pa.Table:
     """Raw teacher scores of ``ranking``'s top ``depth`` (and the judged positives) for the queries with
     positives in ``split``; the teacher is a cross-encoder (``teacher``) or a fusion of ``teacher_rankings``."""
     qrels_t = qrels.table()
-    pos_by_q = positives(qrels_t, p.split)
-    if not pos_by_q:
+    pos_all = positives(qrels_t, p.split)
+    if not pos_all:
         raise DataError(f"score_candidates: no positive qrels in split '{p.split}'")
+    queries_t = queries.table()
+    # In the queries' order (a shard's queries give the rows of the whole in the same order).
+    pos_by_q = {q: pos_all[q] for q in queries_t.column("query_id").to_pylist() if q in pos_all}
     triples, ranks = candidate_pairs(ranking.table(columns=["query_id", "doc_id", "rank"]), pos_by_q, p.depth)
-    if not ranks:
+    if pos_by_q and not ranks:
         raise DataError(f"score_candidates: the run has no list for any query of split '{p.split}'")
     triples = [t for t in triples if t[0] in ranks]
     corpus_t = corpus.table()
-    qtext = query_texts(queries.table(), {t[0] for t in triples})
+    qtext = query_texts(queries_t, {t[0] for t in triples})
     known = set(corpus_t.column("doc_id").to_pylist())
     triples = [t for t in triples if t[0] in qtext and t[1] in known]
     dtext = doc_texts(corpus_t, {t[1] for t in triples})

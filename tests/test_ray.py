@@ -1,0 +1,171 @@
+"""executor ray: a local Ray cluster with 2 workers runs the sharded stages of the baselines and of a
+GPL slice (real SciFact text, tiny local models) with the same datasets and metrics as the
+in-process executor; a run that ends, is interrupted or is killed leaves no Ray process; a worker
+killed mid-stage fails the stage, and the next run computes only the missing shards."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from irflow import api
+from irflow.errors import ConfigError
+from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
+
+RAY = ["runtime.executor=ray", "runtime.ray.workers=2"]
+_RAY_NAMES = ("raylet", "gcs_server", "ray::", "irflow.ray_cluster", "default_worker.py", "dashboard/agent.py",
+              "runtime_env/agent")
+
+
+def ray_processes() -> set[int]:
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if any(n in cmd for n in _RAY_NAMES):
+                out.add(int(d.name))
+    return out
+
+
+def wait_gone(before: set[int], seconds: float = 60) -> set[int]:
+    """Ray processes started since ``before`` that are still alive after ``seconds`` (empty: none)."""
+    deadline = time.monotonic() + seconds
+    while (left := ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
+
+
+def ids(result) -> dict:
+    # Lucene's index files differ from build to build (the one output whose id is not its content's);
+    # the searches of two builds agree, and so does everything after them.
+    return {s.name: s.outputs for s in result.stages if not s.name.startswith("bm25_index")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, shared_datasets, prefect_harness):
+    root = tmp_path_factory.mktemp("ray")
+    return {"root": root, "before": ray_processes(),
+            "slice": beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=12, n_extra_docs=60),
+            "bi": make_tiny_bi_encoder(root / "bi", seed=0, normalize=True)}
+
+
+@pytest.fixture(scope="module")
+def baselines(data):
+    cfg = {"flow": "baselines", "dataset": {"name": "scifact-slice", "source": str(data["slice"]), "split": "test"},
+           "bm25": {"variants": ["flat"], "depth": 50},
+           "dense": {"model": str(data["bi"]), "batch_size": 16, "depth": 50}, "runtime": {"threads": 2}}
+    config = data["root"] / "baselines.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+def test_baselines_on_ray_equal_the_local_run_and_leave_no_ray_process(data, baselines):
+    local = api.run(baselines, store=data["root"] / "local")
+    sharded = api.run(baselines, RAY + ["runtime.shard_rows=20"], store=data["root"] / "on-ray")
+    assert ids(sharded) == ids(local) and sharded.metrics == local.metrics
+    enc = sharded.stage("encode_corpus[zero-shot]")
+    assert len(enc.shards) == 4 and {s["status"] for s in enc.shards} == {"computed"}
+    pids = {s["pid"] for st in sharded.stages for s in st.shards}
+    assert len(pids) == 2 and os.getpid() not in pids  # two Ray workers did the shards, not this process
+    assert enc.runtime["executor"] == "ray" and enc.runtime["shards"] == 4
+    assert not wait_gone(data["before"]), "Ray processes left after the run"
+    # Runtime is never keyed: the in-process executor finds everything the Ray run computed.
+    again = api.run(baselines, ["runtime.shard_rows=3"], store=data["root"] / "on-ray")
+    assert again.computed == set()
+
+
+def test_gpl_slice_on_ray_equals_the_local_run(data):
+    t5 = make_tiny_t5(data["root"] / "t5")
+    ce = make_tiny_cross_encoder(data["root"] / "ce", seed=0)
+    cfg = {"flow": "gpl", "dataset": {"name": "slice", "source": str(data["slice"]), "split": "test"},
+           "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
+                        "max_length": 12},
+           "mine": {"miners": [{"name": "bm25", "type": "bm25"},
+                               {"name": "bi", "type": "dense", "model": str(data["bi"])}], "depth": 10},
+           "teacher": {"type": "cross_encoder", "model": str(ce), "batch_size": 16, "max_length": 64},
+           "label": {"negatives_per_positive": 1},
+           "train": {"model": str(data["bi"]), "similarity": "dot", "batch_size": 8, "max_seq_length": 48,
+                     "warmup_steps": 1, "steps": 3, "qgen": {"steps": 2}},
+           "bm25": {"variants": ["flat"], "depth": 50}, "dense": {"batch_size": 32, "depth": 50},
+           "doc2query": {"enabled": False}, "runtime": {"threads": 2}}
+    config = data["root"] / "gpl.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    local = api.run(config, store=data["root"] / "gpl-local")
+    sharded = api.run(config, RAY + ["runtime.shard_rows=16"], store=data["root"] / "gpl-ray")
+    sharded_stages = [s for s in sharded.stages if len(s.shards) > 1]
+    assert {"encode_corpus[zero-shot]", "bm25_search[miner-bm25]"} <= {s.name for s in sharded_stages}
+    assert ids(sharded) == ids(local)
+    for a, b in zip(sharded.metrics, local.metrics):
+        assert a["system"] == b["system"] and round(a["ndcg@10"], 4) == round(b["ndcg@10"], 4)
+    assert not wait_gone(data["before"])
+
+
+def cli_run(config, store, *sets) -> subprocess.Popen:
+    args = [sys.executable, "-m", "irflow.cli", "run", str(config), "--store", str(store)]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"})
+
+
+def wait_for_parts(store: Path, n: int, proc: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while len(list(store.glob("partial/*/part-*"))) < n:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no shard finished in time"
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill-9"])
+def test_an_interrupted_or_killed_run_leaves_no_ray_process(data, baselines, how):
+    store = data["root"] / f"stopped-{how}"
+    proc = cli_run(baselines, store, *RAY, "runtime.shard_rows=2")
+    wait_for_parts(store, 2, proc)
+    proc.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert not wait_gone(data["before"]), f"Ray processes left after {how}"
+
+
+def test_a_worker_killed_mid_stage_fails_it_and_the_rerun_computes_only_missing_shards(data, baselines):
+    store = data["root"] / "worker-killed"
+    sets = [*RAY, "runtime.shard_rows=2"]
+    proc = cli_run(baselines, store, *sets)
+    wait_for_parts(store, 3, proc)
+    workers = [p for p in ray_processes() - data["before"] if "ray::" in Path(f"/proc/{p}/cmdline").read_text()
+               and "Agent" not in Path(f"/proc/{p}/cmdline").read_text()]
+    assert workers
+    for p in workers:
+        os.kill(p, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    assert "failed" in err and "(rows " in err  # the stage, and the row range of the lost shard
+    left = len(list(store.glob("partial/*/part-*")))
+    assert left >= 3
+    rerun = api.run(baselines, sets, store=store)
+    # The finished parts are reused, not computed again; the rest is computed.
+    assert sum(s["status"] == "resumed" for st in rerun.stages for s in st.shards) == left
+    assert ids(rerun) == ids(api.run(baselines, store=data["root"] / "local"))
+    assert not wait_gone(data["before"])
+
+
+def test_bad_ray_settings_are_one_line_before_any_stage(data, baselines):
+    with pytest.raises(ConfigError, match=r"runtime.ray.address: cannot reach a Ray cluster at ray://127.0.0.1:9"):
+        api.run(baselines, [*RAY, "runtime.ray.address=ray://127.0.0.1:9"], store=data["root"] / "bad")
+    assert not (data["root"] / "bad").exists()  # refused before the store was made
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="runtime.ray.gpus_per_shard: 0.5, but this machine has no CUDA GPU"):
+            api.run(baselines, [*RAY, "runtime.ray.gpus_per_shard=0.5"], store=data["root"] / "bad")
+    proc = cli_run(baselines, data["root"] / "bad", *RAY, "runtime.ray.address=10.255.255.1:6379")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "runtime.ray.address" in err and len(err.strip().splitlines()) == 1, err
