@@ -138,4 +138,7 @@ def _worker(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # record: torchrun's failure summary then carries the process's exception, not just "exitcode 1"
+    record(_worker)(sys.argv[1])
