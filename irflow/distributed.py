@@ -80,7 +80,7 @@ def mean_over_processes(value, world: int) -> float:
         return float(value)
     import torch.distributed as dist
 
-    value = value.detach().float().clone()
+    value = value.detach().float().clone()  # all_reduce works in place
     dist.all_reduce(value)
     return float(value) / world
 
@@ -90,6 +90,12 @@ def run(fn: Callable[[dict, StageRuntime], None], job: dict, rt: StageRuntime, p
     if processes == 1:
         fn(job, rt)
         return
+    if rt.device.startswith("cuda"):
+        import torch
+
+        if processes > torch.cuda.device_count():
+            raise ValueError(f"runtime.train_processes (or the dual encoder's processes): {processes} "
+                             f"processes on CUDA take one GPU each, but there are {torch.cuda.device_count()}")
     threads = max(1, rt.threads // processes)
     spec = Path(rt.workdir) / "train_job.json"
     spec.write_text(json.dumps({"fn": f"{fn.__module__}:{fn.__qualname__}", "job": job,
@@ -110,7 +116,7 @@ def _torchrun(spec: Path, processes: int, threads: int) -> None:
     proc = subprocess.run(cmd, env=env, preexec_fn=die_with_parent(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-25:])
+        tail = "\n".join(proc.stdout.strip().splitlines()[-40:])  # torchrun's summary ends with the traceback
         raise RuntimeError(f"torchrun with {processes} processes failed (rc {proc.returncode}):\n{tail}")
     for line in proc.stdout.splitlines()[-5:]:
         log.debug("torchrun: %s", line)
