@@ -41,7 +41,8 @@ class TrainDualEncoderParams(LoopParams):
     batch_size: PositiveInt = Field(32, description="queries per step, per process")
     processes: PositiveInt = Field(1, description="processes (torchrun) whose passages every query is scored "
                                                   "against: cross-batch negatives; the global batch is "
-                                                  "processes x batch_size")
+                                                  "processes x batch_size (runtime.train_processes, when "
+                                                  "above 1, says how many processes compute it)")
     mini_batch: PositiveInt | None = Field(None, description="GradCache: embed at most this many texts at once "
                                                              "(null: the whole batch in one graph); same "
                                                              "gradients, bounded memory, so batch_size can be large")
