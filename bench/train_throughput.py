@@ -137,6 +137,7 @@ def irflow_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
     import irflow.training as training
     from irflow.dual_encoder import Job, TrainDualEncoderParams, train
     from irflow.models import minilm_path
+    from irflow.runtime import StageRuntime
 
     p = TrainDualEncoderParams(batch_size=batch, mini_batch=mini, steps=steps, checkpoint_every=0, warmup_ratio=0,
                                query_max_length=q_len, passage_max_length=p_len, lr=2e-5)
@@ -146,7 +147,7 @@ def irflow_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
         with tempfile.TemporaryDirectory() as out:
             train(Job(model_path=minilm_path(), out_dir=out, params=p.model_dump(mode="json"),
                       queries=[q for q, _ in pairs], positives=[d for _, d in pairs],
-                      keys=[[f"q{i}"] for i in range(len(pairs))]))
+                      keys=[[f"q{i}"] for i in range(len(pairs))]), StageRuntime(work="train"))
     finally:
         training._on_step = lambda step: None
     return clock.rate(batch)

@@ -99,6 +99,8 @@ def _fmt_runtime(value) -> str | None:
         return None
     rt = json.loads(value) if isinstance(value, str) else value
     parts = [f"{rt.get('device')}", f"{rt.get('precision')}", f"{rt.get('threads')} threads"]
+    if rt.get("work") == "train" and (rt.get("train_processes") or 1) > 1:
+        parts.append(f"{rt['train_processes']} training processes")
     if rt.get("gpu"):
         parts.append(rt["gpu"])
     if rt.get("executor"):

@@ -114,6 +114,14 @@ class _GatherWithGrad(torch.autograd.Function):
         import torch.distributed as dist
 
         ctx.rank, ctx.world = dist.get_rank(), dist.get_world_size()
+        # all_gather needs equal shapes, and a query's target index assumes equal shares
+        rows = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(ctx.world)]
+        dist.all_gather(rows, torch.tensor([x.shape[0]], dtype=torch.long, device=x.device))
+        if len({int(r) for r in rows}) > 1:
+            raise ValueError(f"in-batch negatives across processes need equal shares of every batch, but "
+                             f"{ctx.world} processes got {[int(r) for r in rows]} rows (a dataset smaller than "
+                             f"one batch, which they do not divide): use a number of processes "
+                             f"(runtime.train_processes) that divides it")
         parts = [torch.empty_like(x) for _ in range(ctx.world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=0)

@@ -102,6 +102,10 @@ class RuntimeConfig(Params):
     precision: PrecisionMap = Field(PrecisionMap(), description="precision per kind of work; a string sets all")
     threads: int | None = Field(None, ge=1, description="CPU threads for torch, faiss and Lucene (null: every "
                                                         "CPU this process may use)")
+    train_processes: int = Field(1, ge=1, description="processes (torchrun; one per GPU on CUDA) that share "
+                                                      "each training step: every batch is split between them "
+                                                      "and their gradients averaged, so the result is that of "
+                                                      "one process; batch sizes must be divisible by it")
     jvm_heap: str = Field("2g", pattern=r"^\d+[kmgKMG]?$",
                           description="maximum heap of the JVM that runs Lucene (BM25), e.g. 2g; the JVM "
                                       "shares the process with torch, and its own default is a quarter of RAM")
@@ -235,6 +239,7 @@ class StageRuntime:
     workdir: Path | None = None  # scratch, removed after the stage
     resume_dir: Path | None = None  # survives a crash; checkpoints and shards of this cache key
     work: str | None = None
+    train_processes: int = 1  # RuntimeConfig.train_processes
 
     def autocast(self):
         """torch autocast for this stage's precision (a no-op context for fp32)."""
@@ -259,7 +264,7 @@ def stage_runtime(rt: RuntimeConfig, work: str | None, workdir: Path | None = No
         device = resolve_device(rt.device.for_work(work))
         precision = resolve_precision(rt.precision.for_work(work), work, device)
     return StageRuntime(device=device, precision=precision, threads=rt.cpu_threads(), jvm_heap=rt.jvm_heap,
-                        workdir=workdir, resume_dir=resume_dir, work=work)
+                        workdir=workdir, resume_dir=resume_dir, work=work, train_processes=rt.train_processes)
 
 
 def resolved_plan(rt: RuntimeConfig) -> dict[str, dict]:

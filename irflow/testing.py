@@ -68,15 +68,17 @@ def make_tiny_bi_encoder(out_dir: str | Path, seed: int = 0, normalize: bool = F
     return out_dir
 
 
-def make_tiny_cross_encoder(out_dir: str | Path, seed: int = 0) -> Path:
-    """A 2-layer BERT with a 1-logit classification head (the layout of cross-encoder/ms-marco-*)."""
+def make_tiny_cross_encoder(out_dir: str | Path, seed: int = 0, dropout: float = 0.1) -> Path:
+    """A 2-layer BERT with a 1-logit classification head (the layout of cross-encoder/ms-marco-*);
+    ``dropout`` as in ``make_tiny_bi_encoder``."""
     import torch
     from transformers import BertForSequenceClassification
 
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     tok = _bert_tokenizer()
-    BertForSequenceClassification(_tiny_bert_config(tok, num_labels=1)).save_pretrained(out_dir)
+    BertForSequenceClassification(_tiny_bert_config(tok, num_labels=1, hidden_dropout_prob=dropout,
+                                                    attention_probs_dropout_prob=dropout)).save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
 

@@ -11,7 +11,10 @@ checkpointable:
   it, unless forced);
 - a checkpoint every ``checkpoint_every`` steps in the stage's resume dir (weights, optimizer,
   scheduler, step, RNG state, loss history). A crashed run restarts from its last checkpoint and
-  ends with the same weights as an uninterrupted run (batches are a function of (seed, step)).
+  ends with the same weights as an uninterrupted run (batches are a function of (seed, step));
+- under torchrun (``runtime.train_processes``, ``irflow.distributed``) each process computes its share
+  of every batch and gradients are averaged: the steps of one process with the whole batch. Rank 0
+  writes the checkpoints; every process resumes from them.
 """
 
 from __future__ import annotations
@@ -148,22 +151,27 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.01, head_lr: float 
 
 
 def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: BatchPlan, p: LoopParams,
-               warmup_steps: int, rt, desc: str, *, after_backward: Callable[[], None] | None = None,
-               step_info: Callable[[], dict] | None = None, save_checkpoints: bool = True,
+               warmup_steps: int, rt, desc: str, *, step_info: Callable[[], dict] | None = None,
                show_progress: bool = True, head_lr: float | None = None) -> list[dict]:
     """Run ``plan.total_steps(p)`` optimizer steps of ``compute_loss(batch indices)`` on ``rt.device``
     under ``rt.autocast()``; checkpoint into and resume from ``rt.resume_dir``.
 
     A loss returned without a graph has already been back-propagated (GradCache does its own
-    backward). ``after_backward`` runs before clipping (multi-process training averages gradients
-    there); ``step_info`` adds fields to each history entry; ``save_checkpoints`` is off on all but
-    one process of a multi-process run.
+    backward). ``step_info`` adds fields to each history entry.
+
+    Under torchrun (``irflow.distributed``) ``compute_loss`` gets this process's share of each batch,
+    gradients are averaged over processes before clipping, the history holds the whole batch's loss,
+    and only rank 0 checkpoints and shows progress. A loss without a graph is not re-weighted, so
+    GradCache needs equal shares (the gather of its in-batch negatives refuses others).
 
     Returns the loss history [{step, loss, lr, ...}] (including steps done before a crash).
     """
     import torch
     from transformers import get_linear_schedule_with_warmup
 
+    from irflow import distributed
+
+    rank, world = distributed.rank_and_world()
     total = plan.total_steps(p)
     device = rt.device
     opt = make_optimizer(model, p.lr, p.weight_decay, head_lr)
@@ -181,26 +189,29 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
 
     model.to(device)
     bar = tqdm(range(start, total), desc=desc, initial=start, total=total, unit=" step", mininterval=2,
-               disable=not show_progress)
+               disable=not show_progress or rank > 0)
     for step in bar:
         check_interrupted()
         model.train()
+        share, weight = distributed.share_of(plan.at(step), rank, world)
         with rt.autocast():
-            loss = compute_loss(plan.at(step))
+            loss = compute_loss(share)
+            if weight != 1.0:
+                loss = loss * weight
         if loss.requires_grad:
             loss.backward()
-        if after_backward is not None:
-            after_backward()
+        if world > 1:
+            distributed.average_gradients(model, world)
         if p.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        value = float(loss.detach())
+        value = distributed.mean_over_processes(loss.detach(), world)
         history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0], **(step_info() if step_info else {})})
         bar.set_postfix(loss=f"{value:.4f}")
         done = step + 1
-        if (ckpt_path is not None and save_checkpoints and p.checkpoint_every and done % p.checkpoint_every == 0
+        if (ckpt_path is not None and rank == 0 and p.checkpoint_every and done % p.checkpoint_every == 0
                 and done < total):
             tmp = ckpt_path.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),

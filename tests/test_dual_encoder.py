@@ -160,6 +160,36 @@ def test_two_processes_see_world_times_batch_passages_and_step_like_one_big_batc
     assert moved > 1e-4  # it trained
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert diff < 1e-4 * max(1.0, moved), diff
-    for h1, h2 in zip(info["history"], single["history"]):
-        # process 0 reports its own half's loss; both halves are means over 4 of the same 8 queries
-        assert np.isfinite(h1["loss"]) and np.isfinite(h2["loss"])
+    # the history holds the loss of the whole global batch (the mean over the processes' queries)
+    np.testing.assert_allclose([h["loss"] for h in info["history"]], [h["loss"] for h in single["history"]],
+                               rtol=1e-5)
+
+
+def test_train_processes_split_the_global_batch_and_change_nothing_else(slice_run, tmp_path):
+    """runtime.train_processes: 2 (not keyed) on batches of 8: each process embeds 4 queries, every query
+    is still scored against the passages of the whole batch, and the run takes the steps of one
+    process (same key, loss curve and weights); 3 processes cannot split 8 and are refused."""
+    bi = model(slice_run["run"], make_tiny_bi_encoder(tmp_path / "bi", dropout=0.0))
+    params = TrainDualEncoderParams(negatives_per_line=1, steps=2, lr=1e-3, warmup_ratio=0.0, batch_size=8,
+                                    query_max_length=16, passage_max_length=32, checkpoint_every=0)
+    inputs = dict(queries=[slice_run["queries"]], corpus=slice_run["corpus"], base_model=bi,
+                  qrels=[slice_run["qrels"]])
+    refs, logs = {}, {}
+    for n in (1, 2):
+        r = Run(tmp_path / f"p{n}", "r", runtime=RuntimeConfig(precision="fp32", train_processes=n))
+        refs[n] = train_dual_encoder.run(r, params, **inputs)
+        logs[n] = json.loads((Path(refs[n].path) / "irflow_training.json").read_text())
+    assert (logs[1]["processes"], logs[2]["processes"]) == (1, 2)
+    assert logs[2]["global_batch"] == 8
+    assert [h["candidates"] for h in logs[2]["history"]] == [h["candidates"] for h in logs[1]["history"]] == [16] * 2
+    np.testing.assert_allclose([h["loss"] for h in logs[2]["history"]], [h["loss"] for h in logs[1]["history"]],
+                               rtol=1e-5)
+    a, b = (load_sentence_transformer(refs[n].path).state_dict() for n in (1, 2))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    again = Run(tmp_path / "p1", "again", runtime=RuntimeConfig(train_processes=2))
+    assert train_dual_encoder.run(again, params, **inputs).id == refs[1].id  # runtime is not keyed: cached
+    with pytest.raises(Exception, match=r"runtime.train_processes: 3 processes cannot split a batch of 8 "
+                                        r"\(processes x batch_size\)"):
+        train_dual_encoder.run(Run(tmp_path / "p3", "r", runtime=RuntimeConfig(train_processes=3)), params,
+                               **inputs)

@@ -538,3 +538,134 @@ def test_runtime_device_reaches_every_training_model_load(env, tmp_path):
         train_cross_encoder.run(run, _ce_params(steps=1, seed=99), tag="meta", queries=env["queries"],
                                 corpus=env["corpus"], qrels=env["qrels"], base_model=env["ce_ref"])
     assert e.value.stage == "train_cross_encoder[meta]"
+
+
+# ---- several processes (runtime.train_processes) --------------------------------------------------
+def _two_process_equivalence(stage, params, inputs_for, tmp_path, base_path, load):
+    """``stage`` with train_processes 1 and 2 (gloo on the CPU, fp32): one cache key, the same loss curve
+    and the same weights; the second run in the first store is a cache hit."""
+    runs, refs, keys = {}, {}, {}
+    for n in (1, 2):
+        runs[n] = Run(str(tmp_path / f"p{n}"), "r", runtime=RuntimeConfig(device="cpu", precision="fp32",
+                                                                         train_processes=n))
+        inputs = inputs_for(runs[n])
+        keys[n] = stage.key(params, inputs)
+        refs[n] = stage.run(runs[n], params, **inputs)
+    assert keys[1] == keys[2]  # runtime is never keyed
+    [row] = runs[2].catalog.stage_runs("r")
+    assert row["runtime"]["train_processes"] == 2
+    log1, log2 = (json.loads((Path(refs[n].path) / "irflow_training.json").read_text()) for n in (1, 2))
+    assert (log1["processes"], log2["processes"]) == (1, 2)
+    assert [h["step"] for h in log2["history"]] == [h["step"] for h in log1["history"]] == [1, 2, 3]
+    # the history holds the whole batch's loss, not rank 0's share
+    np.testing.assert_allclose([h["loss"] for h in log2["history"]], [h["loss"] for h in log1["history"]],
+                               rtol=1e-5)
+    base, a, b = load(base_path), load(refs[1].path), load(refs[2].path)
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - base[k]).abs().max()) for k in a) > 1e-3  # it trained
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    again = Run(str(tmp_path / "p1"), "again", runtime=RuntimeConfig(device="cpu", train_processes=2))
+    assert stage.run(again, params, **inputs_for(again)).id == refs[1].id
+    assert [s["status"] for s in again.catalog.stage_runs("again")] == ["cached"]
+
+
+def test_cross_encoder_on_two_processes_takes_the_steps_of_one(env, tmp_path):
+    """2 torchrun processes of 4 pairs each train like 1 process with batches of 8; 3 processes cannot
+    split a batch of 8 and are refused naming the key."""
+    from transformers import AutoModelForSequenceClassification
+
+    from irflow.testing import make_tiny_cross_encoder, model
+
+    ce = make_tiny_cross_encoder(tmp_path / "ce", dropout=0.0)  # dropout masks differ with the batch layout
+    params = _ce_params(steps=3, warmup_steps=1, checkpoint_every=0)
+
+    def inputs_for(run):
+        return dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], negatives=env["negatives"],
+                    base_model=model(run, ce))
+
+    _two_process_equivalence(train_cross_encoder, params, inputs_for, tmp_path, ce,
+                             lambda path: AutoModelForSequenceClassification.from_pretrained(path).state_dict())
+    with pytest.raises(ValueError, match=r"runtime.train_processes: 3 processes cannot split a batch of 8"):
+        train_cross_encoder.fn(params, StageRuntime(train_processes=3, workdir=tmp_path / "w3"),
+                               **inputs_for(env["run"]))
+
+
+def test_student_on_two_processes_takes_the_steps_of_one(env, tmp_path):
+    """GPL's Margin-MSE student: 2 torchrun processes of 4 examples each train like 1 process with
+    batches of 8; 3 processes cannot split a batch of 8 and are refused naming the key."""
+    from irflow.testing import make_tiny_bi_encoder, model
+
+    bi = make_tiny_bi_encoder(tmp_path / "bi", dropout=0.0)
+    params = _student_params(batch_size=8, steps=3, warmup_steps=1, checkpoint_every=0)
+
+    def inputs_for(run):
+        return dict(_mm_inputs(env), base_model=model(run, bi))
+
+    _two_process_equivalence(train_student, params, inputs_for, tmp_path, bi, _weights)
+    with pytest.raises(ValueError, match=r"runtime.train_processes: 3 processes cannot split a batch of 8"):
+        train_student.fn(params, StageRuntime(train_processes=3, workdir=tmp_path / "w3"),
+                         **inputs_for(env["run"]))
+
+
+def test_a_process_computes_its_weighted_share_of_each_batch(monkeypatch, tmp_path):
+    """Shares are contiguous and partition the batch; weighted by rows * processes / batch, their mean
+    losses average to the whole batch's mean loss, also when the batch does not split evenly. In the
+    loop, process 1 of 2 computes the loss of the second half of every batch."""
+    from irflow import distributed
+
+    torch.manual_seed(0)
+    errors = torch.randn(7)
+    shares = [distributed.share_of(list(range(7)), r, 2) for r in range(2)]
+    assert [s for s, _ in shares] == [[0, 1, 2, 3], [4, 5, 6]]
+    mean_of_shares = sum(w * float(errors[s].pow(2).mean()) for s, w in shares) / 2
+    assert mean_of_shares == pytest.approx(float(errors.pow(2).mean()), rel=1e-6)
+    assert distributed.share_of([3, 1], 0, 1) == ([3, 1], 1.0)
+    with pytest.raises(ValueError, match="runtime.train_processes: 3 processes, but a batch has 2 rows"):
+        distributed.share_of([3, 1], 0, 3)
+
+    monkeypatch.setattr(distributed, "rank_and_world", lambda: (1, 2))
+    monkeypatch.setattr(distributed, "average_gradients", lambda model, world: None)
+    monkeypatch.setattr(distributed, "mean_over_processes", lambda value, world: float(value))
+    seen = []
+
+    def compute_loss(idx):
+        seen.append(idx)
+        return model.lin(torch.ones(len(idx), 4)).pow(2).mean()
+
+    model, plan = _Tiny(), BatchPlan(16, 8, seed=0)
+    train_loop(model, compute_loss, plan, LoopParams(steps=3, checkpoint_every=1), 0,
+               StageRuntime(resume_dir=tmp_path), "t")
+    assert seen == [plan.at(s)[4:] for s in range(3)]
+    assert not (tmp_path / CHECKPOINT).exists()  # rank 0 writes the checkpoints
+
+
+def test_a_checkpoint_resumes_on_another_number_of_processes(env, tmp_path):
+    """Rank 0 of a 2-process student run writes the step-2 checkpoint; a 1-process run resumes from it,
+    and so does a 2-process run (both processes read it): each ends with the weights of the
+    uninterrupted run."""
+    from irflow.testing import make_tiny_bi_encoder, model
+
+    bi = make_tiny_bi_encoder(tmp_path / "bi", dropout=0.0)
+    params = _student_params(batch_size=8, steps=3, warmup_steps=1, checkpoint_every=2)
+    inputs = dict(_mm_inputs(env), base_model=model(env["run"], bi))
+    resume = tmp_path / "resume"
+    resume.mkdir()
+
+    def fn(processes: int, name: str) -> tuple[dict, list]:
+        (tmp_path / name).mkdir()  # the runner makes both dirs
+        out = train_student.fn(params, StageRuntime(train_processes=processes, workdir=tmp_path / name,
+                                                    resume_dir=resume), **inputs)
+        return _weights(out), json.loads((out / "irflow_training.json").read_text())["history"]
+
+    uninterrupted, _ = fn(2, "first")
+    state = torch.load(resume / CHECKPOINT, weights_only=True)
+    assert state["step"] == 2
+    # marks the checkpoint's history: a run that resumed from it reports these losses for steps 1-2
+    state["history"] = [dict(h, loss=-1.0) for h in state["history"]]
+    torch.save(state, resume / CHECKPOINT)
+    for processes in (1, 2):
+        weights, history = fn(processes, f"resumed{processes}")
+        assert [h["loss"] for h in history][:2] == [-1.0, -1.0], processes
+        for k in uninterrupted:
+            torch.testing.assert_close(weights[k], uninterrupted[k], rtol=1e-4, atol=1e-5)

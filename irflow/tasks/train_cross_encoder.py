@@ -7,6 +7,11 @@ the query is never a negative. Loss: binary cross-entropy on the logit (as sente
 CrossEncoder trains with one label). The loop, precision, checkpoints and resume are
 ``irflow.training``'s.
 
+With ``runtime.train_processes: N`` (not keyed) the same training runs in N torchrun processes
+(``irflow.distributed``; one per GPU on CUDA): each computes the loss of ``batch_size / N`` pairs of
+every batch and gradients are averaged, so the steps are those of one process with the whole batch.
+``batch_size`` must be divisible by N.
+
 The base checkpoint may be a plain encoder (e.g. MiniLM's BERT weights): a fresh 1-logit head is
 initialised (seeded). The result is saved with ``save_pretrained`` (model + tokenizer), so
 ``AutoModelForSequenceClassification.from_pretrained(path)`` loads it and the ``pseudo_label``
@@ -24,6 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 from pydantic import Field, PositiveInt
 
+from irflow import distributed
 from irflow.errors import DataError
 from irflow.qrels import group, judged_positives, positive_pairs
 from irflow.runtime import StageRuntime
@@ -112,8 +118,10 @@ def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], ba
         return bce(logits, labels[idx].to(device))
 
     plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed)
-    log.info("%s: %d pairs (%d positive), %d steps (%s, %s)", desc, len(ex["q"]), int(sum(ex["label"])),
-             plan.total_steps(p), device, rt.precision)
+    rank, world = distributed.rank_and_world()
+    if rank == 0:
+        log.info("%s: %d pairs (%d positive), %d steps on %d process(es) (%s, %s)", desc, len(ex["q"]),
+                 int(sum(ex["label"])), plan.total_steps(p), world, device, rt.precision)
     history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, desc, show_progress=show_progress,
                          head_lr=p.head_lr)
     model.eval()
@@ -136,11 +144,26 @@ def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries
     if not ex["q"]:
         raise DataError("no training pairs")
 
-    model, tok, history = fit_cross_encoder(ex, qtext, dtext, base_model.path, p, rt)
+    distributed.check_split(p.batch_size, rt.train_processes)
     out = Path(rt.workdir) / "cross_encoder"
+    job = {"ex": ex, "qtext": qtext, "dtext": dtext, "base_model": base_model.path, "out": str(out),
+           "params": p.model_dump(mode="json")}
+    distributed.run(fit_and_save, job, rt, rt.train_processes)
+    return out
+
+
+def fit_and_save(job: dict, rt: StageRuntime) -> None:
+    """What each training process runs (``irflow.distributed.run``): ``fit_cross_encoder`` on the job's
+    pairs; rank 0 saves the model, its tokenizer and the training log to ``job["out"]``."""
+    ex = job["ex"]
+    model, tok, history = fit_cross_encoder(ex, job["qtext"], job["dtext"], job["base_model"],
+                                            TrainCrossEncoderParams(**job["params"]), rt)
+    rank, world = distributed.rank_and_world()
+    if rank > 0:
+        return
+    out = Path(job["out"])
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "irflow_training.json").write_text(json.dumps(
-        {"pairs": len(ex["q"]), "positives": int(sum(ex["label"])), "steps": len(history), "history": history},
-        indent=1))
-    return out
+        {"pairs": len(ex["q"]), "positives": int(sum(ex["label"])), "processes": world, "steps": len(history),
+         "history": history}, indent=1))

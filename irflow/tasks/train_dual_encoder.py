@@ -14,19 +14,23 @@ must be negatives.
 ``denoise`` stage writes them): each example's list is its positive plus ``list_size - 1`` scored
 candidates that are not positives.
 
-The work is ``irflow.dual_encoder.train``: in this process, or in ``processes`` torchrun workers
-(cross-batch negatives). The result is a sentence-transformers model.
+The work is ``irflow.dual_encoder.train``: in this process, or in torchrun workers: ``processes`` of
+them (keyed: cross-batch negatives over a global batch of ``processes x batch_size``), or
+``runtime.train_processes`` when it is above 1 (not keyed: the global batch is split between them, and
+they take the same steps; it must divide the global batch). The result is a sentence-transformers model.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
 
-from irflow.dual_encoder import Job, TrainDualEncoderParams, run_distributed, train
+from irflow import distributed
+from irflow.dual_encoder import Job, TrainDualEncoderParams, train, train_json
 from irflow.errors import DataError
 from irflow.qrels import group, judged_positives, positive_pairs
 from irflow.runtime import StageRuntime
@@ -131,11 +135,13 @@ def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: 
               teacher=[ex["teacher"][i] for i in keep] if ex["teacher"] else [],
               # no two lines of a batch share a query or a passage: in-batch negatives must be negatives
               keys=[sorted({"q:" + ex["q"][i], "d:" + ex["p"][i], *("d:" + d for d in (ex["n"][i] if ex["n"] else []))})
-                    for i in keep],
-              device=rt.device, precision=rt.precision, threads=rt.threads,
-              resume_dir=str(rt.resume_dir) if rt.resume_dir else None)
-    if p.processes == 1:
-        train(job)
+                    for i in keep])
+    processes = p.processes
+    if rt.train_processes > 1:
+        distributed.check_split(p.batch_size * p.processes, rt.train_processes, "processes x batch_size")
+        processes = rt.train_processes
+    if processes == 1:
+        train(job, rt)  # the job as it is: no JSON copy of its texts
     else:
-        run_distributed(job, p.processes, Path(rt.workdir), max(1, rt.threads // p.processes))
+        distributed.run(train_json, asdict(job), rt, processes)
     return Path(job.out_dir)

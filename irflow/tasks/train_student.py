@@ -4,6 +4,12 @@ The loop, optimizer, schedule, precision and checkpoints are ``irflow.training``
 ``irflow.losses``'s. For MNRL no two examples in a batch share a query or a passage (in-batch
 negatives must be negatives). Passages are BEIR's ``title + " " + text``. The model is saved with
 ``SentenceTransformer.save`` so ``SentenceTransformer(path)`` loads it.
+
+With ``runtime.train_processes: N`` (not keyed) the same training runs in N torchrun processes
+(``irflow.distributed``; one per GPU on CUDA): each embeds ``batch_size / N`` examples of every batch
+and gradients are averaged, so the steps are those of one process with the whole batch (Margin-MSE is
+a mean over examples; MNRL gathers every process's passages, so each query still sees the whole
+batch's in-batch negatives). ``batch_size`` must be divisible by N.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field, PositiveInt
 
+from irflow import distributed
 from irflow.errors import DataError
-from irflow.losses import MarginMSELoss, MultipleNegativesRankingLoss
+from irflow.losses import CrossBatchInfoNCE, MarginMSELoss
 from irflow.qrels import group, judged_positives, positive_pairs
 from irflow.runtime import StageRuntime
 from irflow.sampling import sample
@@ -96,25 +103,16 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
                   negatives: DatasetRef | None = None) -> Path:
     """A student trained from ``base_model``: on ``pseudo_labels`` (loss margin_mse) or on ``qrels``
     [+ ``negatives``] (loss mnrl)."""
-    import torch
-
-    from irflow.models import load_sentence_transformer
-
     corpus_t = corpus.table()
     if p.loss == "margin_mse":
         if pseudo_labels is None:
             raise ValueError("train_student: loss margin_mse needs the pseudo_labels input")
         ex = margin_mse_examples(pseudo_labels.table())
-        keys = None
-        loss_fn = MarginMSELoss(similarity=p.similarity)
     else:
         if qrels is None:
             raise ValueError("train_student: loss mnrl needs the qrels input")
         ex = mnrl_examples(qrels.table(), negatives.table() if negatives is not None else None,
                            corpus_t.column("doc_id").to_pylist(), p.split, p.seed)
-        cols = [c for c in ("q", "p", "n") if c in ex]
-        keys = [frozenset((c, ex[c][i]) if c == "q" else ("d", ex[c][i]) for c in cols) for i in range(len(ex["q"]))]
-        loss_fn = MultipleNegativesRankingLoss(similarity=p.similarity, scale=p.mnrl_scale)
 
     qtext = query_texts(queries.table(), set(ex["q"]))
     dtext = doc_texts(corpus_t, set(ex["p"]) | set(ex.get("n", [])))
@@ -124,13 +122,39 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
     if len(keep) < n_ex:
         log.warning("train_student: %d example(s) refer to unknown queries/passages and are dropped", n_ex - len(keep))
         ex = {k: ([v[i] for i in keep] if isinstance(v, list) else v[keep]) for k, v in ex.items()}
-        keys = [keys[i] for i in keep] if keys is not None else None
     if not ex["q"]:
         raise DataError("no training examples")
 
+    distributed.check_split(p.batch_size, rt.train_processes)
+    out = Path(rt.workdir) / "student"
+    job = {"ex": {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in ex.items()}, "qtext": qtext,
+           "dtext": dtext, "base_model": base_model.path, "out": str(out), "params": p.model_dump(mode="json")}
+    distributed.run(fit_and_save, job, rt, rt.train_processes)
+    return out
+
+
+def fit_and_save(job: dict, rt: StageRuntime) -> None:
+    """What each training process runs (``irflow.distributed.run``): the student trained on the job's
+    examples; rank 0 saves it and the training log to ``job["out"]``."""
+    import torch
+
+    from irflow.models import load_sentence_transformer
+
+    p = TrainStudentParams(**job["params"])
+    ex, qtext, dtext = job["ex"], job["qtext"], job["dtext"]
+    if p.loss == "margin_mse":
+        keys = None
+        loss_fn = MarginMSELoss(similarity=p.similarity)
+        margins = torch.tensor(ex["margin"], dtype=torch.float32)
+    else:
+        cols = [c for c in ("q", "p", "n") if c in ex]
+        keys = [frozenset((c, ex[c][i]) if c == "q" else ("d", ex[c][i]) for c in cols) for i in range(len(ex["q"]))]
+        # MNRL that also scores the passages of the other processes' shares (MNRL itself in one process)
+        loss_fn = CrossBatchInfoNCE(similarity=p.similarity, scale=p.mnrl_scale)
+
     device = rt.device
-    seed_everything(p.seed)
-    model = load_sentence_transformer(base_model.path, device, p.max_seq_length)
+    seed_everything(p.seed)  # same initial weights in every process
+    model = load_sentence_transformer(job["base_model"], device, p.max_seq_length)
     plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed, keys)
 
     def compute_loss(idx: list[int]):
@@ -138,17 +162,20 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
         pos = _embed(model, [dtext[ex["p"][i]] for i in idx], device)
         if p.loss == "margin_mse":
             n = _embed(model, [dtext[ex["n"][i]] for i in idx], device)
-            return loss_fn.from_embeddings(q, pos, n, torch.from_numpy(ex["margin"][idx]).to(device))
+            return loss_fn.from_embeddings(q, pos, n, margins[idx].to(device))
         n = _embed(model, [dtext[ex["n"][i]] for i in idx], device) if "n" in ex else None
         return loss_fn.from_embeddings(q, pos, n)
 
-    log.info("train_student: %s/%s on %d examples, %d steps of %d (%s, %s)", p.loss, p.similarity, len(ex["q"]),
-             plan.total_steps(p), p.batch_size, device, rt.precision)
+    rank, world = distributed.rank_and_world()
+    if rank == 0:
+        log.info("train_student: %s/%s on %d examples, %d steps of %d on %d process(es) (%s, %s)", p.loss,
+                 p.similarity, len(ex["q"]), plan.total_steps(p), p.batch_size, world, device, rt.precision)
     history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]")
-    out = Path(rt.workdir) / "student"
+    if rank > 0:
+        return
+    out = Path(job["out"])
     model.eval()
     model.save(str(out), create_model_card=False)
     (out / "irflow_training.json").write_text(json.dumps(
-        {"loss": p.loss, "similarity": p.similarity, "examples": len(ex["q"]), "steps": len(history),
-         "history": history}, indent=1))
-    return out
+        {"loss": p.loss, "similarity": p.similarity, "examples": len(ex["q"]), "processes": world,
+         "steps": len(history), "history": history}, indent=1))
