@@ -100,8 +100,9 @@ def test_gpl_slice_on_ray_equals_the_local_run(data):
     config.write_text(yaml.safe_dump(cfg))
     local = api.run(config, store=data["root"] / "gpl-local")
     sharded = api.run(config, RAY + ["runtime.shard_rows=16"], store=data["root"] / "gpl-ray")
-    sharded_stages = [s for s in sharded.stages if len(s.shards) > 1]
-    assert {"encode_corpus[zero-shot]", "bm25_search[miner-bm25]"} <= {s.name for s in sharded_stages}
+    sharded_stages = {s.name for s in sharded.stages if len(s.shards) > 1}
+    assert "bm25_search[miner-bm25]" in sharded_stages  # the generated queries, in shards of 16
+    assert any(n.startswith("encode_corpus") for n in sharded_stages)
     assert ids(sharded) == ids(local)
     for a, b in zip(sharded.metrics, local.metrics):
         assert a["system"] == b["system"] and round(a["ndcg@10"], 4) == round(b["ndcg@10"], 4)
