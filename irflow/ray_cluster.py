@@ -36,6 +36,7 @@ from irflow.errors import ConfigError
 log = logging.getLogger("irflow.ray")
 
 _PR_SET_CHILD_SUBREAPER = 36
+PROBE_SECONDS = 45
 # What shard workers must see as the run does (a joined cluster's workers do not inherit our env).
 _PASSED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "OPENAI_API_KEY",
                "PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_LOGGING_LEVEL", "IRFLOW_SHARED_DATASETS")
@@ -59,6 +60,18 @@ def check_address(address: str) -> None:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
         raise ConfigError(f"runtime.ray.address: cannot reach a Ray cluster at {address} ({e})") from None
+    # A port that accepts a connection is not yet a Ray cluster (a proxy accepts anything): join it
+    # once, in a throw-away process, with a deadline (Ray itself retries a silent address for minutes).
+    probe = "import sys, ray; ray.init(address=sys.argv[1], logging_level='ERROR'); ray.shutdown()"
+    try:
+        proc = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True,
+                              timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"runtime.ray.address: cannot reach a Ray cluster at {address} (no answer from Ray "
+                          f"in {PROBE_SECONDS} s)") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
+        raise ConfigError(f"runtime.ray.address: cannot reach a Ray cluster at {address} ({last})")
 
 
 def check_local_gpus(gpus_per_shard: float) -> None:
@@ -161,7 +174,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _stop_all(grace: float = 5.0) -> None:
+def _stop_all(grace: float = 3.0) -> None:
     """TERM every descendant, then KILL what is left, until none is left (orphans come back to us)."""
     me = os.getpid()
     deadline = time.monotonic() + grace
@@ -182,7 +195,11 @@ def _watchdog(cpus: int, gpus: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     parent = os.getppid()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    stop = []
+    # TERM (the run's parent-death signal) asks for a stop; the stop itself must not be cut short by a
+    # second signal (gcs_server has been seen to outlive a TERM: only the KILL that follows ends it).
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     port = _free_port()
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
            f"--port={port}", f"--num-cpus={cpus}", f"--num-gpus={gpus}", "--include-dashboard=false",
@@ -194,11 +211,12 @@ def _watchdog(cpus: int, gpus: int) -> None:
             print(f"failed: ray start: {(proc.stderr or proc.stdout)[-1500:]}", flush=True)
             return
         print(f"address 127.0.0.1:{port}", flush=True)
-        while os.getppid() == parent:
+        while os.getppid() == parent and not stop:
             ready, _, _ = select.select([sys.stdin], [], [], 1.0)
             if ready and not sys.stdin.readline():
                 break  # the run closed its end (done, or dead)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop_all()
 
 
