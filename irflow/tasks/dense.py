@@ -2,8 +2,9 @@
 
 Passages are encoded as BEIR's ``title + " " + text`` (``irflow.text.passage_text``) and queries as
 their text. ``similarity: cos`` L2-normalises both sides; ``dot`` uses raw inner products. The index
-is flat inner product by default (exact); ``index: hnsw`` builds an HNSW graph (approximate, faster
-on big corpora).
+(``irflow.ann``) is flat inner product by default (exact); ``index: hnsw`` builds an HNSW graph;
+``ivf_flat`` and ``ivf_pq`` build inverted lists over k-means cells, ``ivf_pq`` with compressed
+vectors and an exact re-ranking of a shortlist (approximate, for corpora too big for flat).
 
 The model is an input ref: a model named in the config (``Run.model``) or one trained by an earlier
 stage -- the same code path either way. Encoding runs on the runtime's ``encode`` device.
@@ -12,12 +13,15 @@ stage -- the same code path either way. Encoding runs on the runtime's ``encode`
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
+from irflow import ann
+from irflow.ann import IVF_KINDS
 from irflow.encoding import encode_texts
 from irflow.models import load_sentence_transformer
 from irflow.params import Params
@@ -40,14 +44,40 @@ class EncodeParams(Params):
 
 
 class DenseRetrieval(EncodeParams):
-    index: Literal["flat", "hnsw"] = Field("flat", description="flat: exact inner-product search; hnsw: an HNSW "
-                                                               "graph (approximate, faster on big corpora)")
+    index: Literal["flat", "hnsw", "ivf_flat", "ivf_pq"] = Field(
+        "flat", description="flat: exact inner-product search; hnsw: an HNSW graph (approximate, faster on big "
+                            "corpora); ivf_flat: k-means cells, `nprobe` of them scanned per query (exact when "
+                            "nprobe >= nlist); ivf_pq: the same with vectors compressed to `pq_m` bytes, a "
+                            "shortlist re-ranked exactly (the index for corpora too big for flat in RAM)")
     hnsw_m: PositiveInt = Field(32, description="HNSW: neighbours per node")
     ef_search: PositiveInt | None = Field(None, description="HNSW: search breadth (null: faiss's default; at "
                                                             "least `depth`)")
+    nlist: PositiveInt | None = Field(None, description="ivf_flat/ivf_pq: number of k-means cells (null: about "
+                                                        "4 x sqrt(corpus size), at most training sample / 39)")
+    nprobe: PositiveInt = Field(32, description="ivf_flat/ivf_pq: cells scanned per query (capped at nlist); "
+                                                "more: higher recall, slower search")
+    pq_m: PositiveInt | None = Field(None, description="ivf_pq: sub-quantizers, i.e. bytes per stored vector; "
+                                                       "must divide the embedding dimension (null: dim / 8, "
+                                                       "48 for MiniLM's 384)")
+    train_size: PositiveInt | None = Field(None, description="ivf_flat/ivf_pq: vectors sampled from the corpus "
+                                                             "to train k-means on (null: 100000)")
+    rerank_depth: PositiveInt | None = Field(None, description="ivf_pq: candidates per query re-ranked with the "
+                                                               "exact vectors (null: 4 x depth; "
+                                                               "below depth: depth)")
     depth: PositiveInt = Field(1000, description="how many passages per query the ranking holds")
     remove_query: bool = Field(True, description="drop a hit whose doc id equals the query id (BEIR's "
                                                  "ignore_identical_ids)")
+
+    @model_validator(mode="after")
+    def _index_fields(self):
+        applies = {"nlist": IVF_KINDS, "train_size": IVF_KINDS, "pq_m": ("ivf_pq",), "rerank_depth": ("ivf_pq",)}
+        for name, kinds in applies.items():
+            if getattr(self, name) is not None and self.index not in kinds:
+                raise ValueError(f"{name}: only used with index {' or '.join(kinds)} (index is {self.index})")
+        if self.nlist is not None and self.train_size is not None and self.train_size < self.nlist:
+            raise ValueError(f"nlist: {self.nlist} cells need a training sample at least that big "
+                             f"(train_size is {self.train_size}; faiss wants 39 x nlist or more)")
+        return self
 
 
 class DenseSearchParams(DenseRetrieval):
@@ -73,28 +103,38 @@ def encode_corpus(p: EncodeParams, rt: StageRuntime, *, corpus: DatasetRef, mode
                      "embedding": pa.FixedSizeListArray.from_arrays(values, emb.shape[1]).cast(pa.list_(pa.float32()))})
 
 
-def build_index(doc_emb: np.ndarray, kind: str = "flat", hnsw_m: int = 32, ef_construction: int = 200):
-    import faiss
-
-    dim = doc_emb.shape[1]
-    if kind == "flat":
-        index = faiss.IndexFlatIP(dim)
-    else:
-        index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = ef_construction
-    index.add(np.ascontiguousarray(doc_emb))
-    return index
-
-
-def search_index(index, query_emb: np.ndarray, top_k: int, ef_search: int | None = None):
-    if ef_search is not None and hasattr(index, "hnsw"):
-        index.hnsw.efSearch = max(ef_search, top_k)
-    return index.search(np.ascontiguousarray(query_emb), top_k)
+def build_index(doc_emb: np.ndarray | ann.Batches, kind: str = "flat", hnsw_m: int = 32, ef_construction: int = 200,
+                *, nlist: int | None = None, pq_m: int | None = None, train_size: int | None = None,
+                threads: int | None = None, work_dir: str | Path | None = None) -> ann.AnnIndex:
+    """An ``irflow.ann`` index of ``doc_emb``: the embedding matrix, or a callable yielding its batches in
+    corpus order (so a sharded corpus need not be in RAM at once). A parameter that does not fit the
+    embeddings (``pq_m`` not dividing the dimension, ``nlist`` above the corpus) is a ValueError naming
+    its ``dense.`` key."""
+    batches = doc_emb if callable(doc_emb) else lambda: iter((doc_emb,))
+    try:
+        return ann.build(batches, kind, nlist=nlist, pq_m=pq_m, train_size=train_size or ann.DEFAULT_TRAIN_SIZE,
+                         hnsw_m=hnsw_m, ef_construction=ef_construction, threads=threads, work_dir=work_dir)
+    except ann.AnnParamError as e:
+        raise ValueError(f"dense.{e.param}: {e.message}") from e
 
 
-def _index(embeddings: DatasetRef, kind: str, hnsw_m: int):
-    e = embeddings.table()
-    return e.column("doc_id").to_pylist(), build_index(embeddings_to_numpy(e), kind, hnsw_m)
+def search_index(index: ann.AnnIndex, query_emb: np.ndarray, top_k: int, ef_search: int | None = None, *,
+                 nprobe: int = 32, rerank_depth: int | None = None):
+    """(scores, row ids) of the ``top_k`` passages per query (``irflow.ann.search``)."""
+    return ann.search(index, query_emb, top_k, nprobe=nprobe, ef_search=ef_search, rerank_depth=rerank_depth)
+
+
+def _index(embeddings: DatasetRef, p: DenseRetrieval, rt: StageRuntime):
+    """(doc ids, index) of stored embeddings, filled row group by row group (the float32 matrix is never
+    held whole: IVF-PQ keeps codes in RAM and the vectors for re-ranking on disk)."""
+    doc_ids = embeddings.table(columns=["doc_id"]).column("doc_id").to_pylist()
+
+    def batches():
+        for b in embeddings.batches(columns=["embedding"]):
+            yield embeddings_to_numpy(pa.Table.from_batches([b]))
+
+    return doc_ids, build_index(batches, p.index, p.hnsw_m, nlist=p.nlist, pq_m=p.pq_m, train_size=p.train_size,
+                                threads=rt.threads, work_dir=rt.workdir)
 
 
 @stage("dense_search", version="3", outputs=Output("run", "run"), work="encode", shard="queries")
@@ -110,10 +150,10 @@ def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetR
     q_emb = encode_texts(st, q.column("text").to_pylist(), p.batch_size, p.similarity == "cos",
                          desc="encode queries", autocast=rt.autocast)
     # Built once per worker process (and once per stage in this one): every query shard searches it.
-    doc_ids, index = per_worker(("dense_index", embeddings.id, p.index, p.hnsw_m),
-                                lambda: _index(embeddings, p.index, p.hnsw_m))
+    doc_ids, index = per_worker(("dense_index", embeddings.id, p.index, p.hnsw_m, p.nlist, p.pq_m, p.train_size),
+                                lambda: _index(embeddings, p, rt))
     top_k = min(p.depth, len(doc_ids))
-    scores, idx = search_index(index, q_emb, top_k, p.ef_search)
+    scores, idx = search_index(index, q_emb, top_k, p.ef_search, nprobe=p.nprobe, rerank_depth=p.rerank_depth)
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
     for qi, qid in enumerate(qids):
         rank = 0
