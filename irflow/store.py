@@ -30,8 +30,10 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from irflow import data_contracts
@@ -94,6 +96,9 @@ def fingerprint_file(path: Path, algo: str = "sha256") -> str:
 
 
 ROW_GROUP = 128_000
+# Rows per batch read from a stage's parquet file: memory stays at about one row group (the writer's
+# buffer) plus one batch, whatever the file's size.
+READ_BATCH = 16_384
 
 
 def _rechunk(table: pa.Table, rows: int) -> pa.Table:
@@ -103,6 +108,61 @@ def _rechunk(table: pa.Table, rows: int) -> pa.Table:
     return pa.Table.from_batches(
         [b for i in range(0, table.num_rows, rows) for b in table.slice(i, rows).combine_chunks().to_batches()],
         schema=table.schema)
+
+
+def _write_parquet(table: pa.Table, dest: Path) -> None:
+    # Deterministic bytes: no statistics timestamps exist in parquet; fixed row-group size; and
+    # fixed chunking (page boundaries follow the in-memory chunks, so the same rows chunked
+    # differently by two producers would otherwise get two ids).
+    pq.write_table(_rechunk(table, ROW_GROUP), dest, row_group_size=ROW_GROUP, compression="zstd")
+
+
+def write_rows(contract: str, batches: Iterable[pa.RecordBatch | pa.Table], dest: Path) -> int:
+    """Write ``batches`` (in order) to the parquet file ``dest``, validated against ``contract``, holding
+    about one row group in memory; returns the number of rows.
+
+    The file is byte for byte the one `Store.stage_table` writes for the same rows as one table in
+    memory, however they are batched (so the dataset id is too): each ``ROW_GROUP`` rows become one
+    row group written from one combined chunk, with the same writer settings. Each batch is conformed
+    to the contract's schema as it comes; the checks (unique ids, contiguous ranks, ...) then run over
+    the written file, scanned batch by batch. On any error ``dest`` is removed.
+    """
+    c = data_contracts.get(contract)
+    dest = Path(dest)
+    num_rows = 0
+    try:
+        with pq.ParquetWriter(dest, c.schema, compression="zstd") as writer:
+            pending: list[pa.Table] = []  # conformed rows not yet written, fewer than ROW_GROUP
+            pending_rows = 0
+            for batch in batches:
+                t = c.conform(pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch)
+                if not t.num_rows:
+                    continue
+                pending.append(t)
+                pending_rows += t.num_rows
+                while pending_rows >= ROW_GROUP:
+                    rows = pa.concat_tables(pending)
+                    writer.write_table(rows.slice(0, ROW_GROUP).combine_chunks(), row_group_size=ROW_GROUP)
+                    num_rows += ROW_GROUP
+                    rest = rows.slice(ROW_GROUP)
+                    pending, pending_rows = [rest], rest.num_rows
+            if pending_rows or not num_rows:
+                # pq.write_table writes one empty row group for an empty table: so does this
+                last = pa.concat_tables(pending) if pending else c.schema.empty_table()
+                writer.write_table(last.combine_chunks(), row_group_size=ROW_GROUP)
+                num_rows += pending_rows
+        c.check(ds.dataset(dest, format="parquet"))
+        return num_rows
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+
+
+def parquet_batches(path: Path, batch_size: int = READ_BATCH, columns: list[str] | None = None
+                    ) -> Iterable[pa.RecordBatch]:
+    """A parquet file's rows as record batches, in file order, never the whole file at once."""
+    with pq.ParquetFile(path) as f:
+        yield from f.iter_batches(batch_size=batch_size, columns=columns)
 
 
 class Store:
@@ -189,21 +249,16 @@ class Store:
         """Validate a table against its contract and write it into a new staging dir.
         Returns (staging dir, num_rows); nothing is published yet (see `publish`).
 
-        ``table_or_file`` may be a parquet file already written by a streaming stage.
+        ``table_or_file`` may be a parquet file already written by a streaming stage: it is copied
+        batch by batch (`write_rows`), into the same bytes as the same rows handed over as a table.
         """
-        c = data_contracts.get(contract)
         staging = self.staging_dir()
         try:
             if isinstance(table_or_file, pa.Table):
-                table = c.validate(table_or_file)
-            else:
-                table = c.validate(pq.read_table(table_or_file))
-            # Deterministic bytes: no statistics timestamps exist in parquet; fixed row-group size; and
-            # fixed chunking (page boundaries follow the in-memory chunks, so the same rows chunked
-            # differently by two producers would otherwise get two ids).
-            pq.write_table(_rechunk(table, ROW_GROUP), staging / TABLE_FILE, row_group_size=ROW_GROUP,
-                           compression="zstd")
-            return staging, table.num_rows
+                table = data_contracts.get(contract).validate(table_or_file)
+                _write_parquet(table, staging / TABLE_FILE)
+                return staging, table.num_rows
+            return staging, write_rows(contract, parquet_batches(table_or_file), staging / TABLE_FILE)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
