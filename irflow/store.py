@@ -141,11 +141,9 @@ def write_rows(contract: str, batches: Iterable[pa.RecordBatch | pa.Table], dest
                 pending.append(t)
                 pending_rows += t.num_rows
                 while pending_rows >= ROW_GROUP:
-                    rows = pa.concat_tables(pending)
-                    writer.write_table(rows.slice(0, ROW_GROUP).combine_chunks(), row_group_size=ROW_GROUP)
+                    pending = _write_row_group(writer, pending)
+                    pending_rows -= ROW_GROUP
                     num_rows += ROW_GROUP
-                    rest = rows.slice(ROW_GROUP)
-                    pending, pending_rows = [rest], rest.num_rows
             if pending_rows or not num_rows:
                 # pq.write_table writes one empty row group for an empty table: so does this
                 last = pa.concat_tables(pending) if pending else c.schema.empty_table()
@@ -158,11 +156,24 @@ def write_rows(contract: str, batches: Iterable[pa.RecordBatch | pa.Table], dest
         raise
 
 
+def _write_row_group(writer: pq.ParquetWriter, pending: list[pa.Table]) -> list[pa.Table]:
+    """Write the first ROW_GROUP of the ``pending`` rows as one row group from one combined chunk;
+    returns the rows left. A function of its own so that nothing outlives the write: the consumed
+    batches and the combined copy (one row group each) are freed before the next rows are read."""
+    rows = pa.concat_tables(pending)
+    pending.clear()
+    writer.write_table(rows.slice(0, ROW_GROUP).combine_chunks(), row_group_size=ROW_GROUP)
+    return [rows.slice(ROW_GROUP)]
+
+
 def parquet_batches(path: Path, batch_size: int = READ_BATCH, columns: list[str] | None = None
                     ) -> Iterable[pa.RecordBatch]:
     """A parquet file's rows as record batches, in file order, never the whole file at once."""
     with pq.ParquetFile(path) as f:
-        yield from f.iter_batches(batch_size=batch_size, columns=columns)
+        # One row group at a time: iter_batches over the whole file reads ahead of a slow consumer
+        # (466 MB of Arrow memory for a 0.4 GB file, 71 MB this way).
+        for row_group in range(f.num_row_groups):
+            yield from f.iter_batches(batch_size=batch_size, row_groups=[row_group], columns=columns)
 
 
 class Store:
