@@ -96,8 +96,8 @@ def fingerprint_file(path: Path, algo: str = "sha256") -> str:
 
 
 ROW_GROUP = 128_000
-# Rows per batch read from a stage's parquet file: memory stays at about one row group (the writer's
-# buffer) plus one batch, whatever the file's size.
+# Rows per batch read from a stage's parquet file (a small unit: what `write_rows` holds is bounded by
+# ROW_GROUP, which the dataset ids fix, plus one batch).
 READ_BATCH = 16_384
 
 
@@ -118,8 +118,8 @@ def _write_parquet(table: pa.Table, dest: Path) -> None:
 
 
 def write_rows(contract: str, batches: Iterable[pa.RecordBatch | pa.Table], dest: Path) -> int:
-    """Write ``batches`` (in order) to the parquet file ``dest``, validated against ``contract``, holding
-    about one row group in memory; returns the number of rows.
+    """Write ``batches`` (in order) to the parquet file ``dest``, validated against ``contract``; returns
+    the number of rows. Memory: at most one row group's rows and their combined copy, whatever the total.
 
     The file is byte for byte the one `Store.stage_table` writes for the same rows as one table in
     memory, however they are batched (so the dataset id is too): each ``ROW_GROUP`` rows become one
@@ -154,6 +154,10 @@ def write_rows(contract: str, batches: Iterable[pa.RecordBatch | pa.Table], dest
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
+    finally:
+        # The allocator keeps freed row groups for reuse: without this a 518k-passage corpus leaves the
+        # process ~0.4 GB larger for every later stage (RSS after 665 MB, 237 MB with it).
+        pa.default_memory_pool().release_unused()
 
 
 def _write_row_group(writer: pq.ParquetWriter, pending: list[pa.Table]) -> list[pa.Table]:
