@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import shutil
 import logging
 import os
+import shutil
 import socket
 import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
+
+import pyarrow as pa
 
 from irflow.params import Params
 from irflow.runtime import RuntimeConfig
@@ -97,7 +99,10 @@ def run_shard(job: ShardJob) -> dict:
         if isinstance(result, dict):
             result = result[stage.outputs[0].name]
         tmp = part.with_name(f".{part.name}.{os.getpid()}.tmp")
-        rows = write_parts(stage.outputs[0].contract, [result], tmp)
+        # Conformed and checked as the whole output will be -- except that a shard may be empty (a
+        # query shard none of whose queries is judged); the assembled output is checked whole.
+        empty = isinstance(result, pa.Table) and result.num_rows == 0
+        rows = write_parts(stage.outputs[0].contract, [result], tmp, check=not empty)
         os.replace(tmp, part)  # whole or absent: a killed shard leaves no part
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

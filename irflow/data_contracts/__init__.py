@@ -3,7 +3,9 @@
 A contract is a pyarrow schema plus checks. Every table a stage produces is validated against its
 contract *before* it is published to the store, so a dataset in the store is always well formed.
 Checks run in DuckDB directly over the Arrow table (no copy), which keeps them fast on whole BEIR
-datasets.
+datasets. They also run over a parquet file as a ``pyarrow.dataset.Dataset`` (``Rows``), which DuckDB
+scans batch by batch reading only the columns a check names: a corpus written by a streaming stage
+is checked without ever being held in memory (see ``irflow.store.write_rows``).
 """
 
 from __future__ import annotations
@@ -13,26 +15,35 @@ from typing import Callable
 
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as ds
 
 
 class ContractError(ValueError):
     """A table broke its contract. The message names the contract and what is wrong, with counts."""
 
 
-def _count(table: pa.Table, sql: str) -> int:
+# What a check reads: a table in memory, or a parquet file scanned batch by batch.
+Rows = pa.Table | ds.Dataset
+
+
+def _num_rows(table: Rows) -> int:
+    return table.num_rows if isinstance(table, pa.Table) else table.count_rows()
+
+
+def _count(table: Rows, sql: str) -> int:
     con = duckdb.connect()
     con.register("t", table)
     return int(con.execute(sql).fetchone()[0])
 
 
-def _examples(table: pa.Table, sql: str, n: int = 3) -> list:
+def _examples(table: Rows, sql: str, n: int = 3) -> list:
     con = duckdb.connect()
     con.register("t", table)
     return [r[0] for r in con.execute(f"{sql} LIMIT {n}").fetchall()]
 
 
-def check_unique_nonempty(column: str) -> Callable[[pa.Table], list[str]]:
-    def check(table: pa.Table) -> list[str]:
+def check_unique_nonempty(column: str) -> Callable[[Rows], list[str]]:
+    def check(table: Rows) -> list[str]:
         problems = []
         empty = _count(table, f"SELECT count(*) FROM t WHERE {column} IS NULL OR {column} = ''")
         if empty:
@@ -46,11 +57,11 @@ def check_unique_nonempty(column: str) -> Callable[[pa.Table], list[str]]:
     return check
 
 
-def check_not_null(*columns: str) -> Callable[[pa.Table], list[str]]:
-    def check(table: pa.Table) -> list[str]:
+def check_not_null(*columns: str) -> Callable[[Rows], list[str]]:
+    def check(table: Rows) -> list[str]:
         problems = []
         for c in columns:
-            n = table.column(c).null_count
+            n = _count(table, f"SELECT count(*) FROM t WHERE {c} IS NULL")
             if n:
                 problems.append(f"{n} row(s) with a null {c}")
         return problems
@@ -58,7 +69,7 @@ def check_not_null(*columns: str) -> Callable[[pa.Table], list[str]]:
     return check
 
 
-def check_ranks_contiguous(table: pa.Table) -> list[str]:
+def check_ranks_contiguous(table: Rows) -> list[str]:
     """Ranks are 1..n within each (system, query) with no gaps or repeats."""
     bad = _count(
         table,
@@ -68,14 +79,14 @@ def check_ranks_contiguous(table: pa.Table) -> list[str]:
     return [f"{bad} row(s) whose rank is not contiguous (1..n) within its query"] if bad else []
 
 
-def check_nonempty_table(table: pa.Table) -> list[str]:
-    return [] if table.num_rows else ["the table has no rows"]
+def check_nonempty_table(table: Rows) -> list[str]:
+    return [] if _num_rows(table) else ["the table has no rows"]
 
 
-def check_no_duplicate_pairs(a: str, b: str, *extra: str) -> Callable[[pa.Table], list[str]]:
+def check_no_duplicate_pairs(a: str, b: str, *extra: str) -> Callable[[Rows], list[str]]:
     cols = ", ".join((*extra, a, b))
 
-    def check(table: pa.Table) -> list[str]:
+    def check(table: Rows) -> list[str]:
         dup = _count(table, f"SELECT count(*) FROM (SELECT {cols} FROM t GROUP BY {cols} HAVING count(*) > 1)")
         return [f"{dup} duplicate ({cols}) pair(s)"] if dup else []
 
@@ -86,7 +97,7 @@ def check_no_duplicate_pairs(a: str, b: str, *extra: str) -> Callable[[pa.Table]
 class Contract:
     name: str
     schema: pa.Schema
-    checks: tuple[Callable[[pa.Table], list[str]], ...] = field(default=())
+    checks: tuple[Callable[[Rows], list[str]], ...] = field(default=())
     doc: str = ""
 
     def conform(self, table: pa.Table) -> pa.Table:
@@ -103,11 +114,15 @@ class Contract:
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
             raise ContractError(f"contract '{self.name}': wrong column types: {e}") from e
 
-    def validate(self, table: pa.Table) -> pa.Table:
-        table = self.conform(table)
+    def check(self, table: Rows) -> None:
+        """Run the checks over conformed rows (``conform`` first: the checks assume its columns)."""
         problems = [p for check in self.checks for p in check(table)]
         if problems:
             raise ContractError(f"contract '{self.name}' violated: " + "; ".join(problems))
+
+    def validate(self, table: pa.Table) -> pa.Table:
+        table = self.conform(table)
+        self.check(table)
         return table
 
 
@@ -209,8 +224,8 @@ PSEUDO_LABELS = Contract(
     "already scaled to the student's similarity.",
 )
 
-def check_probability(column: str) -> Callable[[pa.Table], list[str]]:
-    def check(table: pa.Table) -> list[str]:
+def check_probability(column: str) -> Callable[[Rows], list[str]]:
+    def check(table: Rows) -> list[str]:
         bad = _count(table, f"SELECT count(*) FROM t WHERE {column} < 0 OR {column} > 1 OR isnan({column})")
         return [f"{bad} row(s) whose {column} is not a probability in [0, 1]"] if bad else []
 

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Iterable, Literal
 
 import pyarrow as pa
 from tqdm.auto import tqdm
@@ -31,7 +31,7 @@ from irflow.params import Params
 from irflow.processes import die_with_parent
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
-from irflow.store import DatasetRef
+from irflow.store import DatasetRef, parquet_batches
 
 log = logging.getLogger("irflow.bm25")
 
@@ -66,14 +66,18 @@ def _check_index(path: Path) -> None:
         raise RuntimeError(f"{path}: not a Lucene index (no segments file)")
 
 
-def write_beir_jsonl(corpus: pa.Table, out_dir: Path) -> Path:
+def write_beir_jsonl(corpus: Iterable[pa.RecordBatch], out_dir: Path) -> int:
+    """The corpus batches as ``out_dir``/corpus.jsonl, BEIR's layout (what Anserini's Beir*Collection
+    reads); returns how many documents it holds."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "corpus.jsonl"
+    n = 0
     with open(path, "w", encoding="utf-8") as f:
-        for batch in corpus.to_batches(10_000):
+        for batch in corpus:
             for d, t, x in zip(*(batch.column(c).to_pylist() for c in ("doc_id", "title", "text"))):
                 f.write(json.dumps({"_id": d, "title": t, "text": x}, ensure_ascii=False) + "\n")
-    return path
+            n += batch.num_rows
+    return n
 
 
 def index_command(collection_dir: Path, index_dir: Path, variant: str, threads: int, heap: str = "2g") -> list[str]:
@@ -90,14 +94,16 @@ def index_command(collection_dir: Path, index_dir: Path, variant: str, threads: 
 def bm25_index(p: BM25IndexParams, rt: StageRuntime, *, corpus: DatasetRef) -> Path:
     """Runs Anserini's IndexCollection in a Java 21 JVM (heap: runtime.jvm_heap)."""
     collection_dir, index_dir = rt.workdir / "collection", rt.workdir / "index"
-    write_beir_jsonl(corpus.table(), collection_dir)
+    # Batch by batch: the corpus is never in memory whole, however large (bench/scale.py)
+    num_docs = write_beir_jsonl(parquet_batches(corpus.parquet, columns=["doc_id", "title", "text"]),
+                                collection_dir)
     cmd = index_command(collection_dir, index_dir, p.variant, rt.threads, rt.jvm_heap)
     t0 = time.perf_counter()
     # SIGKILL when this stage's thread dies: a killed run leaves no indexer writing into tmp/
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=die_with_parent(signal.SIGKILL))
     if proc.returncode != 0 or not index_dir.exists():
         raise RuntimeError(f"Anserini indexing failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    log.info("bm25 %s index of %d docs in %.1fs", p.variant, corpus.table().num_rows, time.perf_counter() - t0)
+    log.info("bm25 %s index of %d docs in %.1fs", p.variant, num_docs, time.perf_counter() - t0)
     return index_dir
 
 
