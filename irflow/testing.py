@@ -198,3 +198,26 @@ def scifact_docs(n: int, zip_path: str | Path | None = None):
             if len(rows) == n:
                 break
     return pa.table({"doc_id": [r[0] for r in rows], "title": [r[1] for r in rows], "text": [r[2] for r in rows]})
+
+
+
+def abort_or_raise(job: dict, rt) -> None:
+    """A torchrun job for tests. Rank 0 appends a line to ``job["attempts"]`` each time the group
+    starts; rank 1 then aborts (SIGABRT, as a native abort in gloo would) when ``job["abort"]`` is
+    "always", or "once" and ``job["marker"]`` does not exist yet (it creates it); or raises a Python
+    error with ``job["raise"]``."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(job["attempts"], "a") as f:
+            f.write("attempt\n")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        if job.get("raise"):
+            raise ValueError("a Python error in rank 1")
+        once = job.get("abort") == "once" and not Path(job["marker"]).exists()
+        if once:
+            Path(job["marker"]).write_text("aborted")
+        if once or job.get("abort") == "always":
+            os.abort()
+    dist.barrier()

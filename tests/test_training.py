@@ -669,3 +669,31 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(env, tmp_path):
         assert [h["loss"] for h in history][:2] == [-1.0, -1.0], processes
         for k in uninterrupted:
             torch.testing.assert_close(weights[k], uninterrupted[k], rtol=1e-4, atol=1e-5)
+
+
+
+def test_a_training_process_killed_by_a_signal_gets_one_more_try_and_a_python_error_none(tmp_path):
+    """A process that dies of SIGABRT (a gloo abort was seen once in CI) costs one more torchrun with a
+    fresh process group; a second abort, or a Python error at the first, fails with the whole output
+    kept beside the job."""
+    from irflow import distributed
+    from irflow.testing import abort_or_raise
+
+    def attempts(**job) -> int:
+        log = tmp_path / "attempts"
+        log.unlink(missing_ok=True)
+        try:
+            distributed.run(abort_or_raise, {"attempts": str(log), "marker": str(tmp_path / "marker"), **job},
+                            StageRuntime(workdir=tmp_path), 2)
+        finally:
+            n = len(log.read_text().splitlines())
+        return n
+
+    assert attempts(abort="once") == 2
+    assert "exitcode: -6" in (tmp_path / "torchrun.failed.log").read_text()
+    with pytest.raises(RuntimeError, match=r"torchrun with 2 processes failed \(rc 1; its whole output: "):
+        attempts(abort="always")
+    assert "exitcode: -6" in (tmp_path / "torchrun.log").read_text()
+    with pytest.raises(RuntimeError, match=r"(?s)failed.*ValueError: a Python error in rank 1"):
+        attempts(**{"raise": True})
+    assert len((tmp_path / "attempts").read_text().splitlines()) == 1  # no second try
