@@ -91,6 +91,7 @@ class Job:
     device: str = "cpu"
     precision: str = "fp32"
     threads: int = 1
+    recompute_activations: bool = True
     resume_dir: str | None = None
 
 
@@ -112,6 +113,7 @@ def train(job: Job) -> list[dict]:
     if device.startswith("cuda") and distributed:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
     rt = StageRuntime(device=device, precision=job.precision, threads=job.threads,
+                      recompute_activations=job.recompute_activations,
                       resume_dir=Path(job.resume_dir) if job.resume_dir else None, work="train")
     seed_everything(p.seed)  # same initial weights in every process
     model = load_sentence_transformer(job.model_path, device, p.passage_max_length)

@@ -133,6 +133,7 @@ def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: 
               keys=[sorted({"q:" + ex["q"][i], "d:" + ex["p"][i], *("d:" + d for d in (ex["n"][i] if ex["n"] else []))})
                     for i in keep],
               device=rt.device, precision=rt.precision, threads=rt.threads,
+              recompute_activations=rt.recompute_activations,
               resume_dir=str(rt.resume_dir) if rt.resume_dir else None)
     if p.processes == 1:
         train(job)
