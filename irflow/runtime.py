@@ -93,8 +93,8 @@ class RuntimeConfig(Params):
     recompute_activations: bool = Field(
         True, description="training keeps only each transformer layer's input and recomputes the layer in the "
                           "backward pass (activation checkpointing): the same weights, bit for bit, with the "
-                          "activation memory of one layer instead of all of them, for about a third more "
-                          "training compute (false: keep every activation)")
+                          "activation memory of one layer instead of all of them, for more compute (a "
+                          "MiniLM step on 2 CPU cores: 1.3-1.5x the CPU time) (false: keep every activation)")
 
     @model_validator(mode="before")
     @classmethod
