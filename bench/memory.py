@@ -203,7 +203,7 @@ def run_case(name: str, config: str, sets: list[str], *, interval: float, keep_s
     stdout_lines: list[str] = []
 
     def read_stderr():
-        with open(stderr_path, "w") as f:
+        with open(stderr_path, "w", buffering=1) as f:  # line-buffered: the log can be followed while it runs
             for line in proc.stderr:
                 f.write(line)
                 m = STAGE_LINE.search(line)

@@ -107,6 +107,22 @@ def die_with_parent(sig: int = signal.SIGTERM, own_session: bool = False):
     return preexec
 
 
+def release_memory() -> None:
+    """Give the memory a finished stage freed back to the system. Collects reference cycles, then
+    asks glibc to return its free pages (``malloc_trim``): glibc keeps freed memory in its arenas
+    (one per thread that allocated; Prefect runs stages in worker threads) for reuse by the same
+    arena, so a trainer's gigabytes of freed activations otherwise stay resident, beside the search
+    JVM's and the next stage's memory (the RocketQA demo crept from 0.6 to 2.2 GiB between stages).
+    Elsewhere than glibc only the collection runs."""
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @contextlib.contextmanager
 def file_lock(path: Path, waiting: str | None = None):
     """An exclusive ``flock`` on ``path`` (created if needed). If another process holds it, log

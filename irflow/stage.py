@@ -45,7 +45,7 @@ from irflow.cache import cache_key, hash_payload, key_payload, why_stale
 from irflow.catalog import Catalog, now
 from irflow.errors import DataError, StageFailed
 from irflow.params import Params
-from irflow.processes import check_interrupted, file_lock
+from irflow.processes import check_interrupted, file_lock, release_memory
 from irflow.runtime import RuntimeConfig, stage_runtime
 from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
 
@@ -228,6 +228,7 @@ class Stage:
             else:
                 self._check_inputs(store, stage_label, inputs)
                 refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
+                release_memory()
                 status = "computed"
                 if forced:
                     catalog.taint(run.run_id, [r.id for r in refs.values()])

@@ -246,6 +246,14 @@ def test_bm25_search_removes_query_id_hits_and_the_jvm_heap_is_the_runtimes(tmp_
     import jnius_config
 
     jvm_was_running = jnius_config.vm_running
+    heaps = []
+    search = bm25.search
+
+    def spy_search(*args, **kwargs):
+        heaps.append(kwargs["heap"])
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(bm25, "search", spy_search)
     kept = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", depth=10, remove_query=False),
                            tag="keep", bm25_index=index, queries=queries).table()
     removed = bm25_search.run(run, BM25SearchParams(system="b", variant="flat", depth=10, remove_query=True),
@@ -253,8 +261,8 @@ def test_bm25_search_removes_query_id_hits_and_the_jvm_heap_is_the_runtimes(tmp_
     assert kept.column("doc_id")[0].as_py() == doc["doc_id"]  # its own title finds it first
     assert doc["doc_id"] not in removed.column("doc_id").to_pylist()
     assert removed.column("rank").to_pylist() == list(range(1, removed.num_rows + 1))
-    if not jvm_was_running:  # the search JVM (started once per process) got the runtime's heap too
-        assert "-Xmx640m" in jnius_config.options
+    assert heaps == ["640m", "640m"]  # the search JVM gets the runtime's heap too
+    assert jnius_config.vm_running == jvm_was_running  # it ran in a child process, not in this one
     assert kept.num_rows == 10 and removed.column("doc_id").to_pylist() == kept.column("doc_id").to_pylist()[1:]
 
 

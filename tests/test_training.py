@@ -390,6 +390,40 @@ def test_runtime_precision_reaches_student_training(env, tmp_path):
     assert out["fp32"] == {(False, torch.float32)}
 
 
+def test_recomputed_activations_train_the_same_weights_and_the_model_is_released(env, tmp_path, monkeypatch):
+    """runtime.recompute_activations (activation checkpointing, on by default) recomputes each layer in
+    the backward pass -- the layers' Linear forwards run again -- and ends with the very weights of a
+    run that keeps every activation, dropout and bf16 autocast included. Once the stage is done, nothing
+    holds the trained model (its memory can be given back)."""
+    import weakref
+
+    from irflow.testing import model
+
+    trained = []
+    checkpoint_activations = training.checkpoint_activations
+
+    def spy(m, on):
+        trained.append(weakref.ref(m))
+        checkpoint_activations(m, on)
+
+    monkeypatch.setattr(training, "checkpoint_activations", spy)
+    params = _student_params(steps=2, checkpoint_every=0)
+    weights, calls = {}, {}
+    for recompute in (False, True):
+        run = Run(str(tmp_path / str(recompute)), "r", runtime=RuntimeConfig(
+            device="cpu", precision={"train": "bf16"}, recompute_activations=recompute))
+        with _ForwardSpy() as fwd:
+            ref = train_student.run(run, params, **dict(_mm_inputs(env), base_model=model(run, env["bi"])))
+        calls[recompute] = len(fwd.seen)
+        weights[recompute] = _weights(ref.path)
+        [row] = run.catalog.stage_runs("r")
+        assert row["runtime"]["recompute_activations"] is recompute
+        assert trained and all(r() is None for r in trained)
+    assert calls[True] > calls[False]
+    assert weights[True].keys() == weights[False].keys()
+    assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
+
+
 # ---- cross-encoder --------------------------------------------------------------------------------
 def _ce_params(**kw) -> TrainCrossEncoderParams:
     return TrainCrossEncoderParams(**{"split": "train", "negatives_per_positive": 1, "batch_size": 8,

@@ -109,6 +109,24 @@ def bm25_index(p: BM25IndexParams, rt: StageRuntime, *, corpus: DatasetRef) -> P
 
 def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: float, top_k: int,
            fields: dict, remove_query: bool, threads: int, batch_size: int = 100, heap: str = "2g") -> dict[str, list]:
+    """``_search`` in a child process (spawned: a fresh interpreter, no forked torch threads). The JVM
+    that Lucene runs in cannot be stopped once started, so in this process its heap and buffers
+    (0.5-1 GB after one search of the RocketQA demo) would stay for good, beside every later stage's
+    models; the child returns all of it when the search ends, for a few seconds of start-up."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_dies_with_parent) as pool:
+        return pool.submit(_search, index_dir, qids, texts, k1=k1, b=b, top_k=top_k, fields=fields,
+                           remove_query=remove_query, threads=threads, batch_size=batch_size, heap=heap).result()
+
+
+def _dies_with_parent() -> None:
+    die_with_parent()()
+
+
+def _search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: float, top_k: int,
+            fields: dict, remove_query: bool, threads: int, batch_size: int, heap: str) -> dict[str, list]:
     """Pyserini's batch search in chunks (for a progress bar); returns run columns.
 
     Chunks of 100 queries: every hit Anserini returns carries its stored document, so the JVM's live
