@@ -6,6 +6,8 @@
     result.metric("gpl-student", "ndcg@10")
     api.status("configs/demo.yaml", overrides=["teacher.weights.bm25=0.5"])   # what would recompute, why
     api.load_config("configs/demo.yaml") # the validated config, every default filled in
+    api.report("latest", out="report")   # report/index.html: metrics with CIs, systems against baselines
+    api.compare(run_a, run_b)            # config, stage and metric differences between two runs
 
 Everything a user can get wrong is checked before Prefect starts: the config (every key, type and
 range, and the recipe's cross-stage rules), the models it names, the devices it asks for, and the
@@ -29,7 +31,8 @@ from irflow.params import model_fields
 from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan
 from irflow.store import DEFAULT_STORE
 
-__all__ = ["run", "status", "load_config", "store_root", "RunResult", "StageResult", "StageStatus"]
+__all__ = ["run", "status", "report", "compare", "load_config", "store_root", "RunResult", "StageResult",
+           "StageStatus"]
 
 log = logging.getLogger("irflow")
 
@@ -143,3 +146,33 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
         preflight(c, root)
         _check_force(recipe, c, root, set(force))
     return [StageStatus(p["name"], p["status"], p["why"]) for p in plan(recipe, c, root, set(force))]
+
+
+def catalog(store: str | os.PathLike | None = None):
+    """The catalog of an existing store; UserError if there is none (reading never creates a store)."""
+    from irflow.catalog import Catalog
+
+    root = Path(store_root(store))
+    if not (root / "catalog.duckdb").exists():
+        raise UserError(f"no irflow store at {root} (no catalog.duckdb); give --store, or run something first")
+    return Catalog(root / "catalog.duckdb")
+
+
+def report(run_id: str = "latest", out: str | os.PathLike = "report", store: str | os.PathLike | None = None,
+           baselines: list[str] | tuple[str, ...] = (), metric: str = "ndcg@10", sections=()):
+    """Write ``out/index.html``, one self-contained page about a run (an id, a unique prefix, or
+    ``latest``); returns a ``irflow.report.ReportResult`` (path, run_id, data: the numbers shown).
+    ``sections``: extra ``irflow.report.Section``s for the page. An unknown run raises UnknownRun (a
+    UserError) naming the recent runs."""
+    from irflow.report import build_report
+
+    return build_report(catalog(store), run_id, out, list(baselines) or None, metric, sections)
+
+
+def compare(run_a: str, run_b: str, store: str | os.PathLike | None = None, metric: str = "ndcg@10"):
+    """Run B against run A: config changes by dotted key, stages computed or cached in each, and the
+    metrics of the systems both evaluated with wins/ties/losses and paired p-values
+    (``irflow.report.compare.RunComparison``)."""
+    from irflow.report.compare import compare_runs
+
+    return compare_runs(catalog(store), run_a, run_b, metric)

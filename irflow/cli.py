@@ -5,6 +5,8 @@
     irflow config CONFIG [--set ...] [--explain]           the validated config, defaults filled in
     irflow lineage ID [--store DIR]                        where a dataset or model came from
     irflow sql "SELECT ..." [--store DIR] [--json]         DuckDB SQL over the catalog and every dataset
+    irflow report [RUN_ID | latest] --out DIR [--baseline NAME ...] [--metric M]   one HTML page about a run
+    irflow compare RUN_A RUN_B [--metric M] [--json]      what differs between two runs (B against A)
     irflow verify [--store DIR] [--json]                   re-hash every stored object; exit 1 if any is damaged
     irflow gc [--store DIR] [--dry-run]                    remove what nothing refers to (see irflow.maintenance)
     irflow serve CONFIG --cron "0 3 * * *" [--set ...]     run on a schedule (needs a Prefect server)
@@ -169,6 +171,24 @@ def cmd_sql(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    result = api.report(args.run_id, args.out, args.store, args.baseline or (), args.metric)
+    d = result.data
+    print(f"{result.path}: run {result.run_id} ({d.run['status']}), {len(d.systems)} systems, "
+          f"{len(d.comparisons)} comparisons against {', '.join(d.baselines) or 'no baseline'}")
+    for note in d.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from irflow.report.compare import format_compare
+
+    diff = api.compare(args.run_a, args.run_b, args.store, args.metric)
+    print(json.dumps(diff.to_dict(), default=str) if args.json else format_compare(diff))
+    return 0
+
+
 def cmd_verify(args) -> int:
     from irflow import maintenance
 
@@ -270,6 +290,26 @@ def build_parser() -> argparse.ArgumentParser:
     json_flag(q)
     q.add_argument("--max-rows", type=int, default=40)
     q.set_defaults(func=cmd_sql)
+
+    rp = sub.add_parser("report", help="one self-contained HTML page about a run: metrics with confidence "
+                                       "intervals, each system against baselines, per-query plots")
+    rp.add_argument("run_id", nargs="?", default="latest", metavar="RUN_ID",
+                    help="a run id, a unique prefix of one, or latest (default)")
+    rp.add_argument("--out", required=True, metavar="DIR", help="directory to write index.html into")
+    rp.add_argument("--baseline", action="append", metavar="NAME",
+                    help="a system to compare every other with (repeatable; default: the zero-shot dense "
+                         "system and BM25 flat, those the run has)")
+    rp.add_argument("--metric", default="ndcg@10", help="the per-query metric compared (default ndcg@10)")
+    common(rp, config=False)
+    rp.set_defaults(func=cmd_report)
+
+    cp = sub.add_parser("compare", help="what differs between two runs: config, stages, metrics (B against A)")
+    cp.add_argument("run_a", metavar="RUN_A")
+    cp.add_argument("run_b", metavar="RUN_B")
+    cp.add_argument("--metric", default="ndcg@10", help="the per-query metric compared (default ndcg@10)")
+    common(cp, config=False)
+    json_flag(cp)
+    cp.set_defaults(func=cmd_compare)
 
     v = sub.add_parser("verify", help="re-hash every stored object against its recorded digest")
     common(v, config=False)
