@@ -35,3 +35,94 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+# ---- sample runs shared by the modules that run them and the modules that read them ---------------
+def _first_run(config: Path, store: Path):
+    """``api.run(config, store=store)`` once per session, on first call: a module that needs a cold run's
+    result (test_rocketqa) and one that only reads a run (test_report) share one computation, whichever
+    runs first."""
+    done = {}
+
+    def first():
+        if "result" not in done:
+            from irflow import api
+
+            done["result"] = api.run(config, store=store)
+        return done["result"]
+
+    return first
+
+
+@pytest.fixture(scope="session")
+def gpl_sample(tmp_path_factory, shared_datasets, prefect_harness):
+    """GPL on a real SciFact slice (8 test queries) with tiny local models in place of the paper's hub
+    models (same from_pretrained / SentenceTransformer paths)."""
+    import yaml
+
+    from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
+
+    root = tmp_path_factory.mktemp("gpl")
+    data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=8, n_extra_docs=40, seed=5)
+    t5 = make_tiny_t5(root / "t5")
+    bi = make_tiny_bi_encoder(root / "bi", normalize=True)
+    ce_a = make_tiny_cross_encoder(root / "ce-a", seed=0)
+    ce_b = make_tiny_cross_encoder(root / "ce-b", seed=1)
+    cfg = {
+        "flow": "gpl",
+        "dataset": {"name": "slice", "source": str(data), "split": "test"},
+        "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
+                     "max_length": 12, "shard_size": 32},
+        "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
+                 "depth": 10},
+        "teacher": {"type": "cross_encoder", "model": str(ce_a), "batch_size": 16, "max_length": 64},
+        "label": {"negatives_per_positive": 1},
+        "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 48, "warmup_steps": 1,
+                  "steps": 3, "checkpoint_every": 2, "qgen": {"steps": 2}},
+        "bm25": {"variants": ["flat"], "depth": 100},
+        "dense": {"batch_size": 32, "depth": 100},
+        "runtime": {"threads": 1},
+    }
+    config = root / "gpl.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    store = root / "store"
+    return {"root": root, "config": config, "store": store, "ce_b": ce_b, "first_run": _first_run(config, store)}
+
+
+ROCKETQA_TRAIN = {"batch_size": 8, "steps": 2, "query_max_length": 16, "passage_max_length": 48, "checkpoint_every": 0}
+
+
+@pytest.fixture(scope="session")
+def rocketqa_sample(tmp_path_factory, shared_datasets, prefect_harness):
+    """RocketQA (every system and ablation) and ANCE on a real SciFact slice (6 test, 20 train queries)
+    with tiny local models, sharing one store."""
+    import yaml
+
+    from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
+
+    root = tmp_path_factory.mktemp("rocketqa")
+    data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=6, n_train_queries=20,
+                      n_extra_docs=50, seed=11)
+    bi = make_tiny_bi_encoder(root / "bi", normalize=True)
+    ce = make_tiny_cross_encoder(root / "ce")
+    train = ROCKETQA_TRAIN
+    common = {"dataset": {"name": "slice", "source": str(data), "split": "test"}, "base_model": str(bi),
+              "bm25": {"variants": ["flat"], "depth": 100}, "dense": {"batch_size": 32, "depth": 100},
+              "runtime": {"threads": 1}}
+    rocketqa = {"flow": "rocketqa", **common, "dual_encoder": dict(train), "retrieve": {"depth": 60},
+                "cross_encoder": {"model": str(bi), "steps": 2, "batch_size": 8, "max_length": 64,
+                                  "depth": 30, "rerank": {"depth": 20, "batch_size": 16}},
+                "denoise": {"teachers": ["cross_encoder", "fusion"], "depth": 10, "fill_ranks": [11, 60]},
+                "augment": {"enabled": True, "queries": {"source": "ict"}, "limit": 15, "depth": 10,
+                            "positive_threshold": 0.5, "negative_threshold": 0.49},
+                "student": dict(train, negative_lines=2),
+                "ablations": {"bm25_negatives": True, "undenoised": True, "listwise": True, "list_size": 4}}
+    ance = {"flow": "ance", **common, "warmup": dict(train, bm25_depth=30), "rounds": 2,
+            "round": dict(train, depth=30, negatives_per_query=5)}
+    paths = {}
+    for name, cfg in (("rocketqa", rocketqa), ("ance", ance)):
+        paths[name] = root / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(cfg))
+    store = root / "store"
+    return {"root": root, "data": data, "bi": bi, "ce": ce, "store": store, **paths,
+            "first_run": _first_run(paths["rocketqa"], store)}
