@@ -107,6 +107,8 @@ def _example(ex: Example, c: Comparison) -> str:
 
 
 def comparisons(d: ReportData) -> str:
+    if not d.systems:
+        return "<p>No system was evaluated.</p>"
     if not d.comparisons:
         return "<p>No comparison: the run has no baseline system (give --baseline NAME).</p>"
     out = [f"<p>Each system against each baseline on {escape(d.metric)}, query by query: a win is a query the "
