@@ -8,11 +8,9 @@ Checks the partial re-execution contract a user sees in the run result:
 """
 
 import pytest
-import yaml
 
 from irflow import api
 from irflow.models import ModelNotAvailable
-from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
 from irflow.testing import run_cli as cli
 
 
@@ -25,35 +23,12 @@ def computed(result) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, shared_datasets, prefect_harness):
-    root = tmp_path_factory.mktemp("gpl")
-    data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=8, n_extra_docs=40, seed=5)
-    t5 = make_tiny_t5(root / "t5")
-    bi = make_tiny_bi_encoder(root / "bi", normalize=True)
-    ce_a = make_tiny_cross_encoder(root / "ce-a", seed=0)
-    ce_b = make_tiny_cross_encoder(root / "ce-b", seed=1)
-    cfg = {
-        "flow": "gpl",
-        "dataset": {"name": "slice", "source": str(data), "split": "test"},
-        "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
-                     "max_length": 12, "shard_size": 32},
-        "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
-                 "depth": 10},
-        "teacher": {"type": "cross_encoder", "model": str(ce_a), "batch_size": 16, "max_length": 64},
-        "label": {"negatives_per_positive": 1},
-        "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 48, "warmup_steps": 1,
-                  "steps": 3, "checkpoint_every": 2, "qgen": {"steps": 2}},
-        "bm25": {"variants": ["flat"], "depth": 100},
-        "dense": {"batch_size": 32, "depth": 100},
-        "runtime": {"threads": 1},
-    }
-    config = root / "gpl.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    return {"config": config, "store": root / "store", "ce_b": ce_b}
+def setup(gpl_sample):
+    return gpl_sample
 
 
-def test_gpl_cold_run_shows_every_system(setup):
-    result = run(setup["config"], setup["store"])
+def test_gpl_cold_run_shows_every_system(setup, gpl_sample_run):
+    result = gpl_sample_run  # the first run in its store (shared with tests/test_inside.py)
     names = [s.name for s in result.stages]
     for stage in ("generate_queries[t5]", "mine_negatives", "pseudo_label", "train_student[gpl]",
                   "train_student[qgen]", "doc2query_expand", "dense_search[gpl-student]", "evaluate[gpl-student]"):

@@ -16,45 +16,21 @@ from irflow.tasks.augment import AugmentSettings, augment_tables
 from irflow.tasks.denoise import DenoiseParams, denoise_tables
 from irflow.tasks.score_candidates import candidate_pairs
 from irflow.teachers import fit_platt, fit_platt_on_lists, sigmoid
-from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
+from irflow.testing import beir_slice
 from irflow.testing import run_cli as cli
-
-TRAIN = {"batch_size": 8, "steps": 2, "query_max_length": 16, "passage_max_length": 48, "checkpoint_every": 0}
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, shared_datasets, prefect_harness):
-    root = tmp_path_factory.mktemp("rocketqa")
-    data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=6, n_train_queries=20,
-                      n_extra_docs=50, seed=11)
-    bi = make_tiny_bi_encoder(root / "bi", normalize=True)
-    ce = make_tiny_cross_encoder(root / "ce")
-    common = {"dataset": {"name": "slice", "source": str(data), "split": "test"}, "base_model": str(bi),
-              "bm25": {"variants": ["flat"], "depth": 100}, "dense": {"batch_size": 32, "depth": 100},
-              "runtime": {"threads": 1}}
-    rocketqa = {"flow": "rocketqa", **common, "dual_encoder": dict(TRAIN), "retrieve": {"depth": 60},
-                "cross_encoder": {"model": str(bi), "steps": 2, "batch_size": 8, "max_length": 64,
-                                  "depth": 30, "rerank": {"depth": 20, "batch_size": 16}},
-                "denoise": {"teachers": ["cross_encoder", "fusion"], "depth": 10, "fill_ranks": [11, 60]},
-                "augment": {"enabled": True, "queries": {"source": "ict"}, "limit": 15, "depth": 10,
-                            "positive_threshold": 0.5, "negative_threshold": 0.49},
-                "student": dict(TRAIN, negative_lines=2),
-                "ablations": {"bm25_negatives": True, "undenoised": True, "listwise": True, "list_size": 4}}
-    ance = {"flow": "ance", **common, "warmup": dict(TRAIN, bm25_depth=30), "rounds": 2,
-            "round": dict(TRAIN, depth=30, negatives_per_query=5)}
-    paths = {}
-    for name, cfg in (("rocketqa", rocketqa), ("ance", ance)):
-        paths[name] = root / f"{name}.yaml"
-        paths[name].write_text(yaml.safe_dump(cfg))
-    return {"root": root, "data": data, "bi": bi, "ce": ce, "store": root / "store", **paths}
+def setup(rocketqa_sample):
+    return rocketqa_sample
 
 
 def run(setup, flow, *sets):
     return api.run(setup[flow], list(sets), store=setup["store"])
 
 
-def test_rocketqa_cold_run_every_system_then_fully_cached(setup):
-    result = run(setup, "rocketqa")
+def test_rocketqa_cold_run_every_system_then_fully_cached(setup, rocketqa_sample_run):
+    result = rocketqa_sample_run  # the first run in its store (shared with tests/test_inside.py)
     assert {m["system"] for m in result.metrics} == {
         "bm25-flat", "dense-bi", "md0", "md0-bm25neg", "md1-ce", "md1-fusion", "md0-hardneg", "md1-listwise", "md2",
         "mc-rerank"}
