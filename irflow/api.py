@@ -9,8 +9,8 @@
 
 Everything a user can get wrong is checked before Prefect starts: the config (every key, type and
 range, and the recipe's cross-stage rules), the models it names, the devices it asks for, and the
-stages named by ``force`` (``--from``) and ``to`` (``--to``). Errors are ``irflow.errors.UserError`` subclasses with one
-readable message; a stage that fails raises ``StageFailed`` naming the stage.
+stages named by ``force`` (``--from``) and ``to`` (``--to``). Errors are ``irflow.errors.UserError``
+subclasses with one readable message; a stage that fails raises ``StageFailed`` naming the stage.
 """
 
 from __future__ import annotations

@@ -222,7 +222,15 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     from irflow.tasks.report import report
 
     store_root = str(Path(store).resolve())
-    only = upstream(plan(recipe, c, store_root), to) if to else None
+    only = None
+    if to:
+        steps = plan(recipe, c, store_root)
+        only = upstream(steps, to)
+        # api.run says which names are wrong, with the stages; a flow started another way still must not
+        # silently skip everything
+        missing = sorted(t for t in to if not any(p["name"] == t or p["name"].split("[")[0] == t for p in steps))
+        if missing:
+            raise ConfigError(f"--to {', '.join(missing)}: no such stage in recipe '{recipe.name}'")
     run = Run(store_root, run_id or new_run_id(recipe.name), runtime=c.runtime, force=force, only=only)
     flow_run_id = _prefect_flow_run_id()
     run.store.reclaim()  # staging left by killed runs

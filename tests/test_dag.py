@@ -15,9 +15,9 @@ import yaml
 
 from irflow import api, dag
 from irflow.catalog import Catalog
-from irflow.errors import DataError, StageFailed, UserError
+from irflow.errors import ConfigError, DataError, StageFailed, UserError
 from irflow.params import Params
-from irflow.recipe import Recipe, RecipeConfig, execute
+from irflow.recipe import Recipe, RecipeConfig, execute, upstream
 from irflow.stage import Output, Run, stage
 from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder
 from irflow.testing import run_cli as cli
@@ -255,3 +255,25 @@ def test_a_trained_model_has_its_lineage(setup):
     assert student.id in html and node.lineage["params_digest"] in html and base.id in html
     with pytest.raises(UserError, match="no run 'nope'"):
         dag.run_graph(run.catalog, "nope")
+
+
+def test_upstream_follows_ids_not_order():
+    """--to's stage set from a plan: what the target reads, transitively; a name selects every call."""
+    plan = [
+        {"name": "ingest", "inputs": {"source": ["src"]}, "outputs": {"corpus": "c", "qrels": "q"}},
+        {"name": "index[a]", "inputs": {"corpus": ["c"]}, "outputs": {"out": "<index[a]:out>"}},
+        {"name": "index[b]", "inputs": {"corpus": ["c"]}, "outputs": {"out": "ib"}},
+        {"name": "search[b]", "inputs": {"index": ["ib"]}, "outputs": {"run": "<search[b]:run>"}},
+        {"name": "evaluate", "inputs": {"run": ["<search[b]:run>"], "qrels": ["q"]}, "outputs": {"m": "m"}},
+    ]
+    assert upstream(plan, {"evaluate"}) == {"ingest", "index[b]", "search[b]", "evaluate"}
+    assert upstream(plan, {"index"}) == {"ingest", "index[a]", "index[b]"}
+    assert upstream(plan, {"index[a]"}) == {"ingest", "index[a]"}
+
+
+def test_to_an_unknown_stage_stops_a_flow_started_directly(setup):
+    toy = Recipe("toy", ToyConfig, toy_body)
+    with pytest.raises(ConfigError, match="--to nope: no such stage in recipe 'toy'"):
+        execute(toy, ToyConfig(flow="toy", source=str(setup["data"])), str(setup["store"]), run_id="toy-to",
+                to={"ingest", "nope"})
+    assert setup["catalog"].run("toy-to") is None
