@@ -41,7 +41,7 @@ def sweep_body(batches: list[int], mini_batch: int):
                                   mini_batch=mini_batch if b > mini_batch else None)
             name = "md0" if b == c.dual_encoder.batch_size else f"md0-batch{b}"
             systems[name] = train_dual_encoder(run, p, tag=name, queries=[train_q], corpus=data.corpus,
-                                               base_model=base, qrels=[data.qrels])
+                                               base_model=base, qrels=[data.qrels])["model"]
         return evaluate_runs(run, c.evaluate, data, test_runs(run, c, data, base, systems))
 
     return body
@@ -75,7 +75,7 @@ def main() -> None:
         name = "md0" if b == c.dual_encoder.batch_size else f"md0-batch{b}"
         st = result.stage(f"train_dual_encoder[{name}]")
         # the training's own summary (steps, examples), written next to the model
-        info_file = Path(args.store) / "objects" / st.dataset_id / "irflow_training.json"
+        info_file = Path(args.store) / "objects" / st.outputs["model"] / "irflow_training.json"
         info = json.loads(info_file.read_text()) if info_file.exists() else {}
         rows.append({"batch": b, "mini_batch": args.mini_batch if b > args.mini_batch else None,
                      "in_batch_negatives_per_query": b - 1, "steps": info.get("steps"),

@@ -11,8 +11,8 @@
 
 Everything a user can get wrong is checked before Prefect starts: the config (every key, type and
 range, and the recipe's cross-stage rules), the models it names, the devices it asks for, and the
-stages named by ``force`` (``--from``). Errors are ``irflow.errors.UserError`` subclasses with one
-readable message; a stage that fails raises ``StageFailed`` naming the stage.
+stages named by ``force`` (``--from``) and ``to`` (``--to``). Errors are ``irflow.errors.UserError``
+subclasses with one readable message; a stage that fails raises ``StageFailed`` naming the stage.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import contextlib
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from irflow import orchestration, runtime
 from irflow.errors import ConfigError, UserError
 from irflow.params import model_fields
-from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan
+from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan, upstream
 from irflow.store import DEFAULT_STORE
 
 __all__ = ["run", "status", "report", "compare", "load_config", "store_root", "RunResult", "StageResult",
@@ -40,8 +40,11 @@ log = logging.getLogger("irflow")
 @dataclass
 class StageStatus:
     name: str
-    status: str  # cached | stale
+    status: str  # cached | stale | skipped (not needed for --to)
     why: list[str]
+    inputs: dict[str, list[str]] = field(default_factory=dict)  # role -> dataset ids it would read
+    outputs: dict[str, str] = field(default_factory=dict)  # output -> id (`<stage:output>`: not computed yet)
+    datasets: dict[str, dict] = field(default_factory=dict)  # id -> {name, kind, contract} of those ids
 
 
 def store_root(store: str | os.PathLike | None = None) -> str:
@@ -80,18 +83,19 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
     return warnings
 
 
-def _check_force(recipe, c: RecipeConfig, store: str, force: set[str]) -> None:
-    if not force:
+def _check_stages(recipe, c: RecipeConfig, store: str, flag: str, stages: set[str]) -> None:
+    """Stage names given with ``flag`` (--from, --to) must be stages of the recipe (a name or a label)."""
+    if not stages:
         return
-    names = [p["name"] for p in plan(recipe, c, store)]
+    names = list(dict.fromkeys(p["name"] for p in plan(recipe, c, store)))
     known = set(names) | {n.split("[")[0] for n in names}
-    unknown = sorted(force - known)
+    unknown = sorted(stages - known)
     if unknown:
         import difflib
 
         hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, sorted(known), n=1))
                  else u for u in unknown]
-        raise ConfigError(f"--from {', '.join(hints)}: no such stage in recipe '{c.flow}'; its stages: "
+        raise ConfigError(f"{flag} {', '.join(hints)}: no such stage in recipe '{c.flow}'; its stages: "
                           f"{', '.join(names)}")
 
 
@@ -109,43 +113,52 @@ def _no_store_left_on_error(root: str):
 
 
 def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store: str | os.PathLike | None = None,
-        force: list[str] | tuple[str, ...] | set[str] = (), *, run_id: str | None = None) -> RunResult:
+        force: list[str] | tuple[str, ...] | set[str] = (), *, run_id: str | None = None,
+        to: list[str] | tuple[str, ...] | set[str] = ()) -> RunResult:
     """Run a recipe as a Prefect flow (local mode unless PREFECT_API_URL is set) and return its result.
 
     config: a YAML path, a mapping, or a config model; overrides: ``key=value`` edits (as ``--set``);
-    force: stage names or labels to recompute with everything downstream (as ``--from``).
+    force: stage names or labels to recompute with everything downstream (as ``--from``);
+    to: stage names or labels to stop after: only they and the stages they need run (as ``--to``;
+    ``RunResult.skipped`` lists the others).
     """
     root = store_root(store)
     c = load_config(config, overrides)  # first: a bad config creates nothing
     recipe = get_recipe(c.flow)
-    force = set(force)
+    force, to = set(force), set(to)
     with _no_store_left_on_error(root):
         orchestration.configure(root)
         for w in preflight(c, root):
             log.warning(w)
-        _check_force(recipe, c, root, force)
+        _check_stages(recipe, c, root, "--from", force)
+        _check_stages(recipe, c, root, "--to", to)
     run_id = run_id or new_run_id(c.flow)
     flow = recipe.flow.with_options(flow_run_name=run_id)
     orchestration.prefect_home()
     orchestration.start_prefect_server()
     if isinstance(config, (str, os.PathLike)):  # the path and overrides: what Prefect's UI shows
         return flow(config=str(config), overrides=list(overrides or []), store=root, force=sorted(force),
-                    run_id=run_id)
-    return flow(config=c.model_dump(mode="json"), store=root, force=sorted(force), run_id=run_id)
+                    run_id=run_id, to=sorted(to))
+    return flow(config=c.model_dump(mode="json"), store=root, force=sorted(force), run_id=run_id, to=sorted(to))
 
 
 def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
-           store: str | os.PathLike | None = None, force: list[str] | tuple[str, ...] | set[str] = ()
-           ) -> list[StageStatus]:
-    """What ``run`` would do now, per stage: cached, or stale and why. Computes nothing."""
+           store: str | os.PathLike | None = None, force: list[str] | tuple[str, ...] | set[str] = (),
+           to: list[str] | tuple[str, ...] | set[str] = ()) -> list[StageStatus]:
+    """What ``run`` would do now, per stage: cached, or stale and why (with ``to``: the stages not
+    needed are ``skipped``), and the ids each stage reads and writes. Computes nothing."""
     root = store_root(store)
     c = load_config(config, overrides)
     recipe = get_recipe(c.flow)
     with _no_store_left_on_error(root):
         orchestration.configure(root)
         preflight(c, root)
-        _check_force(recipe, c, root, set(force))
-    return [StageStatus(p["name"], p["status"], p["why"]) for p in plan(recipe, c, root, set(force))]
+        _check_stages(recipe, c, root, "--from", set(force))
+        _check_stages(recipe, c, root, "--to", set(to))
+    steps = plan(recipe, c, root, set(force))
+    if to:  # planned again, with the stages --to leaves out marked skipped
+        steps = plan(recipe, c, root, set(force), only=upstream(steps, set(to)))
+    return [StageStatus(p["name"], p["status"], p["why"], p["inputs"], p["outputs"], p["datasets"]) for p in steps]
 
 
 def catalog(store: str | os.PathLike | None = None):

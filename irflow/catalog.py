@@ -64,6 +64,10 @@ ALTER TABLE runs ADD COLUMN IF NOT EXISTS host VARCHAR;
 CREATE TABLE IF NOT EXISTS shard_runs(
   run_id VARCHAR, stage VARCHAR, cache_key VARCHAR, shard INTEGER, start_row BIGINT, stop_row BIGINT,
   host VARCHAR, pid INTEGER, device VARCHAR, seconds DOUBLE, status VARCHAR);
+-- Added with run graphs (irflow.dag): the stages --to left out ({name, inputs, outputs} each) and the
+-- stage that failed ({name, inputs, seconds}); NULL: none. Neither has a stage_runs row.
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS skipped JSON;
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS failed_stage JSON;
 """
 
 # DuckDB allows one writing process per file; inside a process we serialise access ourselves so
@@ -173,13 +177,41 @@ class Catalog:
                 con.execute("UPDATE runs SET status = 'interrupted' WHERE run_id = ?", [run_id])
         return dead
 
-    def finish_run(self, run_id: str, status: str, prefect_flow_run_id: str | None = None) -> None:
+    def finish_run(self, run_id: str, status: str, prefect_flow_run_id: str | None = None,
+                   skipped: list[dict] | None = None, failed_stage: dict | None = None) -> None:
         with self.connect() as con:
             con.execute(
-                "UPDATE runs SET finished_at = ?, status = ?, prefect_flow_run_id = coalesce(?, prefect_flow_run_id) "
-                "WHERE run_id = ?",
-                [now(), status, prefect_flow_run_id, run_id],
+                "UPDATE runs SET finished_at = ?, status = ?, prefect_flow_run_id = coalesce(?, prefect_flow_run_id), "
+                "skipped = ?, failed_stage = ? WHERE run_id = ?",
+                [now(), status, prefect_flow_run_id, json.dumps(skipped) if skipped else None,
+                 json.dumps(failed_stage) if failed_stage else None, run_id],
             )
+
+    def run(self, run_id: str) -> dict | None:
+        """The runs row of a run (its JSON columns decoded), or None."""
+        with self.connect() as con:
+            cur = con.execute("SELECT * FROM runs WHERE run_id = ?", [run_id])
+            row = cur.fetchone()
+            cols = [d[0] for d in cur.description]
+        if row is None:
+            return None
+        info = dict(zip(cols, row))
+        for k in ("config", "skipped", "failed_stage"):
+            info[k] = json.loads(info[k]) if info.get(k) else None
+        return info
+
+    def resolve_run(self, prefix: str) -> str:
+        """A full run id from a unique prefix (like ``resolve`` for datasets)."""
+        with self.connect() as con:
+            rows = [r[0] for r in con.execute("SELECT run_id FROM runs WHERE starts_with(run_id, ?) ORDER BY run_id",
+                                              [prefix]).fetchall()]
+        if prefix in rows:
+            return prefix
+        if not rows:
+            raise KeyError(f"no run with id starting '{prefix}' in {self.path}")
+        if len(rows) > 1:
+            raise KeyError(f"'{prefix}' is ambiguous: runs {', '.join(rows[:5])}")
+        return rows[0]
 
     # ---- cache + lineage ------------------------------------------------------------------
     def lookup(self, cache_key: str) -> dict:
@@ -300,16 +332,18 @@ class Catalog:
                 f"SELECT count(*) FROM forced WHERE run_id = ? AND dataset_id IN ({', '.join('?' * len(dataset_ids))})",
                 [run_id, *dataset_ids]).fetchone()[0])
 
-    def stage_runs(self, run_id: str) -> list[dict]:
+    def stage_runs(self, run_id: str, with_inputs: bool = False) -> list[dict]:
+        """What a run did per stage, in order; ``with_inputs`` adds the ids each stage read, by role."""
         with self.connect() as con:
             rows = con.execute(
-                "SELECT stage, status, outputs, seconds, cache_key, runtime FROM stage_runs WHERE run_id = ? "
+                "SELECT stage, status, outputs, seconds, cache_key, runtime, detail FROM stage_runs WHERE run_id = ? "
                 "ORDER BY position",
                 [run_id],
             ).fetchall()
         return [
             {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4],
              "runtime": json.loads(r[5]) if r[5] else None,
+             **({"inputs": json.loads(r[6] or "{}").get("inputs", {})} if with_inputs else {}),
              "shards": [{k: v for k, v in sh.items() if k != "run_id"} for sh in self.shards(r[4], run_id)]
              if r[1] == "computed" else []}
             for r in rows
@@ -363,6 +397,14 @@ class Catalog:
         if len(rows) > 1 and rows[0][0] != prefix:
             raise KeyError(f"'{prefix}' is ambiguous: {[r[0] for r in rows[:5]]}")
         return rows[0][0]
+
+    def parents(self, dataset_id: str) -> list[tuple[str, str]]:
+        """(role, parent id) of the inputs a dataset was computed from (by the key that made it)."""
+        with self.connect() as con:
+            return con.execute(
+                "SELECT e.role, e.parent_id FROM edges e JOIN datasets d ON d.dataset_id = e.child_id "
+                "AND d.cache_key = e.cache_key WHERE e.child_id = ? ORDER BY e.role, e.parent_id",
+                [dataset_id]).fetchall()
 
     def lineage(self, dataset_id: str) -> list[dict]:
         """The dataset and all its ancestors, each once, nearest first, with depth and parent ids."""

@@ -1,7 +1,9 @@
 """The `irflow` command: a thin layer over ``irflow.api``.
 
-    irflow run CONFIG [--set key=value ...] [--store DIR] [--from STAGE] [--json]
-    irflow status CONFIG [--set ...] [--store DIR] [--from STAGE]   what would recompute, and why
+    irflow run CONFIG [--set key=value ...] [--store DIR] [--from STAGE] [--to STAGE] [--json]
+    irflow status CONFIG [--set ...] [--store DIR] [--from STAGE] [--to STAGE] [--graph OUT.svg]
+                                                           what would recompute, and why
+    irflow dag RUN_ID [--store DIR] [--out OUT.svg]        a finished run's graph as SVG
     irflow config CONFIG [--set ...] [--explain]           the validated config, defaults filled in
     irflow lineage ID [--store DIR]                        where a dataset or model came from
     irflow sql "SELECT ..." [--store DIR] [--json]         DuckDB SQL over the catalog and every dataset
@@ -48,19 +50,27 @@ def cmd_run(args) -> int:
     api.load_config(args.config, args.set)  # a bad config fails here, before Prefect or the store is touched
     if not getattr(args, "debug", False):
         orchestration.quiet_prefect(api.store_root(args.store))
-    result = api.run(args.config, args.set, args.store, args.from_stage or [])
+    result = api.run(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
     print()
     print(format_table(result.metrics))
     computed = len(result.computed)
     print(f"\nrun {result.run_id}: {len(result.stages)} stages, {computed} computed, "
           f"{len(result.stages) - computed} cached, {result.seconds:.1f}s; store {result.store}")
+    if result.skipped:
+        print(f"not run (--to {', '.join(args.to_stage)}): {', '.join(result.skipped)}")
     if args.json:
         print(json.dumps(result.to_dict(), default=str))
     return 0
 
 
 def cmd_status(args) -> int:
-    plan = api.status(args.config, args.set, args.store, args.from_stage or [])
+    plan = api.status(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
+    if args.graph:
+        from irflow import dag
+
+        sets = "".join(f" --set {s}" for s in args.set or [])
+        _write(args.graph, dag.to_svg(dag.planned_graph(plan, _catalog(args, must_exist=False),
+                                                        title=f"irflow status {args.config}{sets}"), args.engine))
     if args.json:
         print(json.dumps([vars(p) for p in plan]))
         return 0
@@ -70,6 +80,33 @@ def cmd_status(args) -> int:
         print(f"{p.name:<{width}}  {p.status:<7}{why}")
     stale = sum(p.status == "stale" for p in plan)
     print(f"\n{stale} of {len(plan)} stages would recompute")
+    if args.graph and args.graph != "-":
+        print(f"graph: {args.graph}")
+    return 0
+
+
+def _write(out: str, text: str) -> None:
+    """``-``: stdout; else the file (its directory must exist: a typo is not silently created)."""
+    if out == "-":
+        sys.stdout.write(text + "\n")
+        return
+    path = Path(out)
+    if not path.parent.is_dir():
+        raise UserError(f"cannot write {out}: no directory {path.parent}")
+    path.write_text(text + "\n")
+
+
+def cmd_dag(args) -> int:
+    from irflow import dag
+
+    catalog = _catalog(args)
+    try:
+        run_id = catalog.resolve_run(args.run_id)
+    except KeyError as e:
+        raise UserError(str(e).strip("'\"")) from None
+    _write(args.out, dag.to_svg(dag.run_graph(catalog, run_id), args.engine))
+    if args.out != "-":
+        print(f"{run_id}: {args.out}")
     return 0
 
 
@@ -263,14 +300,32 @@ def build_parser() -> argparse.ArgumentParser:
     common(r)
     r.add_argument("--from", dest="from_stage", action="append", metavar="STAGE",
                    help="recompute this stage (name or name[label]) and everything downstream of it")
+    r.add_argument("--to", dest="to_stage", action="append", metavar="STAGE",
+                   help="stop after this stage (name or name[label]): run only it and the stages it needs")
     json_flag(r, help="print the run's result as JSON (last line of stdout)")
     r.set_defaults(func=cmd_run)
+
+    def engine_flag(sp):
+        sp.add_argument("--engine", choices=("plain", "dot"), default="plain",
+                        help="graph layout: plain (built in) or dot (Graphviz's dot on PATH)")
 
     s = sub.add_parser("status", help="which stages of a config are cached or stale, and why")
     common(s)
     s.add_argument("--from", dest="from_stage", action="append", metavar="STAGE")
+    s.add_argument("--to", dest="to_stage", action="append", metavar="STAGE",
+                   help="only this stage and the stages it needs (the others: skipped)")
+    s.add_argument("--graph", metavar="OUT.svg", help="also draw the plan as SVG (stale stages with their reasons)")
+    engine_flag(s)
     json_flag(s)
     s.set_defaults(func=cmd_status)
+
+    d = sub.add_parser("dag", help="a run's graph as SVG: stages (computed/cached/failed/skipped, seconds), "
+                                   "datasets, models' lineage")
+    d.add_argument("run_id", help="a run id (a unique prefix is enough)")
+    d.add_argument("--out", default="-", metavar="OUT.svg", help="where to write the SVG (default: stdout)")
+    engine_flag(d)
+    common(d, config=False)
+    d.set_defaults(func=cmd_dag)
 
     c = sub.add_parser("config", help="the validated config with every default filled in")
     common(c, store=False)

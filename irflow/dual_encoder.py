@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
-from irflow.training import LoopParams
+from irflow.training import TRAINING_LOG, LoopParams
 
 log = logging.getLogger("irflow.train")
 
@@ -172,7 +172,7 @@ def train(job: Job, rt) -> list[dict]:
         out = Path(job.out_dir)
         model.eval()
         model.save(str(out), create_model_card=False)
-        (out / "irflow_training.json").write_text(json.dumps(
+        (out / TRAINING_LOG).write_text(json.dumps(
             {"loss": p.loss, "examples": n, "processes": world, "global_batch": global_batch,
              "steps": len(history), "history": history}, indent=1))
     return history

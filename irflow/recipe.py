@@ -102,6 +102,7 @@ class RunResult:
     stages: list[StageResult] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)  # one dict per (system, dataset, split)
     prefect_flow_run_id: str | None = None
+    skipped: list[str] = field(default_factory=list)  # stage labels left out by --to (not run, not recorded)
 
     @property
     def computed(self) -> set[str]:
@@ -140,15 +141,17 @@ class Recipe:
             name = self.name
 
             def entry(config: Any, overrides: list[str] | None = None, store: str = "store",
-                      force: list[str] | None = None, run_id: str | None = None) -> RunResult:
-                """Run the recipe on a config (a YAML path or a mapping) in a store."""
+                      force: list[str] | None = None, run_id: str | None = None,
+                      to: list[str] | None = None) -> RunResult:
+                """Run the recipe on a config (a YAML path or a mapping) in a store (``to``: only the
+                stages these stages need, as ``--to``)."""
                 configure(store)
                 c = load_config(config, overrides)
                 if c.flow != name:
                     raise ConfigError(f"config is for flow '{c.flow}', not '{name}'")
                 # the package's recipe, even when Prefect loaded this flow from the file as a script
                 return execute(get_recipe(name), c, store, force=set(force or ()), run_id=run_id,
-                               config_path=config if isinstance(config, str) else None)
+                               config_path=config if isinstance(config, str) else None, to=set(to or ()))
 
             entry.__name__ = f"{self.name}_flow"
             self._flow = flow(name=self.name, log_prints=True, validate_parameters=False, persist_result=False)(entry)
@@ -212,12 +215,23 @@ def new_run_id(name: str) -> str:
 
 
 def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = frozenset(),
-            run_id: str | None = None, config_path: str | None = None) -> RunResult:
-    """Run a recipe body on a validated config: the run row, the stages, the metrics, the result."""
+            run_id: str | None = None, config_path: str | None = None, to: set[str] = frozenset()) -> RunResult:
+    """Run a recipe body on a validated config: the run row, the stages, the metrics, the result.
+    ``to``: stage names or labels; only they and what they need run (the others are skipped)."""
+    from irflow.stage import PENDING
     from irflow.tasks.report import report
 
     store_root = str(Path(store).resolve())
-    run = Run(store_root, run_id or new_run_id(recipe.name), runtime=c.runtime, force=force)
+    only = None
+    if to:
+        steps = plan(recipe, c, store_root)
+        only = upstream(steps, to)
+        # api.run says which names are wrong, with the stages; a flow started another way still must not
+        # silently skip everything
+        missing = sorted(t for t in to if not any(p["name"] == t or p["name"].split("[")[0] == t for p in steps))
+        if missing:
+            raise ConfigError(f"--to {', '.join(missing)}: no such stage in recipe '{recipe.name}'")
+    run = Run(store_root, run_id or new_run_id(recipe.name), runtime=c.runtime, force=force, only=only)
     flow_run_id = _prefect_flow_run_id()
     run.store.reclaim()  # staging left by killed runs
     interrupted = run.catalog.start_run(run.run_id, recipe.name, str(Path(config_path).resolve()) if config_path else None,
@@ -229,18 +243,19 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     try:
         with _executor(c.runtime):
             evaluations = recipe.body(c, run)
-        rows = report(run, evaluations)
+        # an evaluation that --to left out has no metrics to report
+        rows = report(run, [ev for ev in evaluations if ev["metrics"].kind != PENDING])
         check_interrupted()
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
-        run.catalog.finish_run(run.run_id, status, flow_run_id)
+        run.catalog.finish_run(run.run_id, status, flow_run_id, run.skipped, run.failed)
     stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"), s["shards"])
               for s in run.catalog.stage_runs(run.run_id)]
     return RunResult(run.run_id, recipe.name, store_root, status, round(time.perf_counter() - t0, 3), stages, rows,
-                     flow_run_id)
+                     flow_run_id, _unique(s["name"] for s in run.skipped))
 
 
 def _executor(rt: RuntimeConfig):
@@ -253,11 +268,34 @@ def _executor(rt: RuntimeConfig):
     return ray_session(rt, api_url())
 
 
-def plan(recipe: Recipe, c: RecipeConfig, store: str, force: set[str] = frozenset()) -> list[dict]:
-    """Run the body as a dry run: per stage, cached or stale and why. Computes nothing."""
-    run = Run(store, "status", runtime=c.runtime, force=force, dry_run=True)
+def plan(recipe: Recipe, c: RecipeConfig, store: str, force: set[str] = frozenset(),
+         only: set[str] | None = None) -> list[dict]:
+    """Run the body as a dry run: per stage, cached or stale and why (or skipped: not in ``only``), with
+    the ids it reads and writes. Computes nothing."""
+    run = Run(store, "status", runtime=c.runtime, force=force, dry_run=True, only=only)
     recipe.body(c, run)
     return run.plan
+
+
+def upstream(plan: list[dict], targets: set[str] | frozenset[str]) -> set[str]:
+    """The labels of the planned stages that ``targets`` (names or labels) need: the targets and every
+    stage whose outputs they read, transitively (Kedro's --to-nodes). Pure: a plan in, labels out."""
+    producer = {i: p["name"] for p in plan for i in p["outputs"].values()}
+    reads: dict[str, set[str]] = {}
+    for p in plan:  # a label planned twice (a repeated call) reads what both calls read
+        reads.setdefault(p["name"], set()).update(i for ids in p["inputs"].values() for i in ids)
+    need = [p["name"] for p in plan if p["name"] in targets or p["name"].split("[")[0] in targets]
+    seen: set[str] = set()
+    while need:
+        label = need.pop()
+        if label not in seen:
+            seen.add(label)
+            need += [producer[i] for i in reads[label] if i in producer]
+    return seen
+
+
+def _unique(names) -> list[str]:
+    return list(dict.fromkeys(names))
 
 
 def _prefect_flow_run_id() -> str | None:

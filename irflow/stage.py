@@ -71,16 +71,25 @@ class Run:
     ``force`` holds stage names (``mine_negatives``, or one call of it: ``mine_negatives[bm25]``) to
     recompute even if cached (``irflow run --from STAGE``); everything downstream of a forced stage is
     forced too (tracked through its output ids in the catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
+    ``only`` (``--to STAGE``: the stage labels it needs, see ``irflow.recipe.upstream``) skips every other
+    stage: a skipped call returns placeholder refs, records nothing and is listed in ``skipped``.
     """
 
     def __init__(self, store_root: str | Path, run_id: str, *, runtime: RuntimeConfig | None = None,
-                 force: set[str] | frozenset[str] = frozenset(), dry_run: bool = False):
+                 force: set[str] | frozenset[str] = frozenset(), dry_run: bool = False,
+                 only: set[str] | frozenset[str] | None = None):
         self.store_root = str(Path(store_root).resolve())
         self.run_id = run_id
         self.runtime = runtime or RuntimeConfig()
         self.force = set(force)
         self.dry_run = dry_run
+        self.only = None if only is None else set(only)
         self.plan: list[dict] = []  # dry-run results, in stage order
+        self.skipped: list[dict] = []  # stages left out by `only`: {name, inputs, outputs}
+        self.failed: dict | None = None  # the stage that failed: {name, inputs, seconds}
+
+    def skips(self, stage_label: str) -> bool:
+        return self.only is not None and stage_label not in self.only
 
     @cached_property
     def store(self) -> Store:
@@ -184,10 +193,28 @@ class Stage:
 
     # -- execution ------------------------------------------------------------------------
     def run(self, run: Run, params: Params | dict, /, *, tag: str | None = None, **inputs) -> Any:
+        return self.execute(run, params, tag, inputs)[0]
+
+    def _placeholders(self, stage_label: str) -> dict[str, DatasetRef]:
+        """Refs standing for outputs that are not computed here (stale in a dry run, or skipped)."""
+        return {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
+                for o in self.outputs}
+
+    def execute(self, run: Run, params: Params | dict, tag: str | None, inputs: dict) -> tuple[Any, str]:
+        """(the output ref, or a dict of them; status: computed | cached | stale | skipped)."""
         check_interrupted()
         params, inputs = self._check(params, inputs)
         store, catalog = run.store, run.catalog
         stage_label = self.run_name(tag)
+        if run.skips(stage_label):
+            refs = self._placeholders(stage_label)
+            entry = {"name": stage_label, "inputs": _ids(inputs), "outputs": {k: r.id for k, r in refs.items()}}
+            if run.dry_run:
+                run.plan.append({**entry, "status": "skipped", "why": ["not needed for --to"],
+                                 "datasets": _describe(inputs, refs)})
+            else:
+                run.skipped.append(entry)
+            return self._result(refs), "skipped"
         input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
         detail = key_payload(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
         key = hash_payload(detail)  # = self.key(params, inputs), without dumping the params twice
@@ -202,12 +229,14 @@ class Stage:
             if hit and not damage:
                 refs, status = {o.name: hit[o.name] for o in self.outputs}, "cached"
             else:
-                refs = {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
-                        for o in self.outputs}
+                refs = self._placeholders(stage_label)
                 status = "stale"
                 detail["why"] = why_stale(catalog, stage_label, detail, hit, forced, pending_inputs, damage)
-            run.plan.append({"name": stage_label, "status": status, "why": detail.get("why", [])})
-            return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
+            # inputs and outputs by id, and what each id is: enough to draw the plan (irflow.dag)
+            run.plan.append({"name": stage_label, "status": status, "why": detail.get("why", []),
+                             "inputs": _ids(inputs), "outputs": {k: r.id for k, r in refs.items()},
+                             "datasets": _describe(inputs, refs)})
+            return self._result(refs), status
 
         # One process at a time per key: a second run started alongside waits here for the first one's
         # result and reuses it, instead of computing the same thing again (the kernel drops the lock
@@ -226,14 +255,24 @@ class Stage:
                 status = "cached"
                 log.info("%s: cached (%s)", stage_label, ", ".join(r.id for r in refs.values()))
             else:
-                self._check_inputs(store, stage_label, inputs)
-                refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
+                try:
+                    self._check_inputs(store, stage_label, inputs)
+                    refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
+                except Exception:
+                    # kept for the run's row (not stage_runs: only results go there), so that its graph
+                    # shows where it failed (irflow.dag); a Ctrl-C is no failure
+                    run.failed = {"name": stage_label, "inputs": _ids(inputs),
+                                  "seconds": round(time.perf_counter() - t0, 3)}
+                    raise
                 release_memory()
                 status = "computed"
                 if forced:
                     catalog.taint(run.run_id, [r.id for r in refs.values()])
         catalog.record_stage_run(run.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
                                  time.perf_counter() - t0, started, detail, provenance)
+        return self._result(refs), status
+
+    def _result(self, refs: dict[str, DatasetRef]):
         return refs[self.outputs[0].name] if len(self.outputs) == 1 else refs
 
     def _damage(self, store: Store, hit: dict) -> list[tuple[DatasetRef, str]]:
@@ -380,15 +419,35 @@ class Stage:
             @task(name=self.name, cache_policy=NO_CACHE, persist_result=False,
                   task_run_name="{name}", retries=0)
             def run_stage(run: Run, params, tag: str | None, inputs: dict, name: str):
-                return stage.run(run, params, tag=tag, **inputs)
+                result, status = stage.execute(run, params, tag, inputs)
+                if status == "cached":
+                    # A task that returns a state ends in it: Prefect's UI then says "Cached", as for
+                    # its own cache hits, instead of "Completed" (the caller gets the state back).
+                    from prefect.states import Completed
+
+                    return Completed(name="Cached", data=result, message="irflow: cached, not recomputed")
+                return result
 
             self._task = run_stage
         return self._task
 
     def __call__(self, run: Run, params: Params | dict, /, *, tag: str | None = None, **inputs):
-        if run.dry_run:  # planning needs no Prefect task runs
+        if run.dry_run or run.skips(self.run_name(tag)):  # no Prefect task run for what is not run
             return self.run(run, params, tag=tag, **inputs)
-        return self.task(run, params, tag, inputs, name=self.run_name(tag))
+        result = self.task(run, params, tag, inputs, name=self.run_name(tag))
+        from prefect.states import State
+
+        return result.result() if isinstance(result, State) else result
+
+
+def _ids(inputs: dict) -> dict[str, list[str]]:
+    return {role: [r.id for r in _as_list(v)] for role, v in sorted(inputs.items())}
+
+
+def _describe(inputs: dict, outputs: dict[str, DatasetRef]) -> dict[str, dict]:
+    """id -> {name, kind, contract} of a stage's input and output refs."""
+    refs = [r for v in inputs.values() for r in _as_list(v)] + list(outputs.values())
+    return {r.id: {"name": r.name, "kind": r.kind, "contract": r.contract} for r in refs}
 
 
 def _params_members(ann) -> tuple[type, ...]:

@@ -19,12 +19,14 @@ checkpointable:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+import pyarrow as pa
 from pydantic import Field, PositiveInt
 from tqdm.auto import tqdm
 
@@ -33,6 +35,7 @@ from irflow.processes import check_interrupted
 
 log = logging.getLogger("irflow.train")
 CHECKPOINT = "checkpoint.pt"
+TRAINING_LOG = "irflow_training.json"  # what rank 0 writes beside a trained model: summary + loss history
 
 
 class LoopParams(Params):
@@ -239,3 +242,18 @@ def checkpoint_activations(model, on: bool) -> None:
                 m.activation_checkpointing_enable()
             elif m.is_activation_checkpointing:
                 m.activation_checkpointing_disable()
+
+
+def losses_table(history: list[dict]) -> pa.Table:
+    """A loss history (``train_loop``'s) as a ``training_losses`` table: one row per step."""
+    return pa.table({"step": pa.array([h["step"] for h in history], pa.int32()),
+                     "loss": pa.array([float(h["loss"]) for h in history], pa.float64()),
+                     "lr": pa.array([float(h["lr"]) for h in history], pa.float64()),
+                     "candidates": pa.array([h.get("candidates") for h in history], pa.int32())})
+
+
+def training_losses(model_dir: str | Path) -> pa.Table:
+    """The ``training_losses`` table of a model a trainer stage just saved, from its ``TRAINING_LOG``.
+    Read from the file rank 0 wrote (not from a return value), so one code path serves one process and
+    torchrun workers alike; a resumed training's log holds the steps before the checkpoint too."""
+    return losses_table(json.loads((Path(model_dir) / TRAINING_LOG).read_text())["history"])

@@ -12,7 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from irflow.testing import SHARED_DATASETS  # noqa: E402
+import yaml  # noqa: E402
+
+from irflow.testing import (SHARED_DATASETS, beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder,  # noqa: E402
+                            make_tiny_t5)
 
 
 def pytest_sessionstart(session):
@@ -37,31 +40,12 @@ def prefect_harness():
         yield
 
 
-# ---- sample runs shared by the modules that run them and the modules that read them ---------------
-def _first_run(config: Path, store: Path):
-    """``api.run(config, store=store)`` once per session, on first call: a module that needs a cold run's
-    result (test_rocketqa) and one that only reads a run (test_report) share one computation, whichever
-    runs first."""
-    done = {}
-
-    def first():
-        if "result" not in done:
-            from irflow import api
-
-            done["result"] = api.run(config, store=store)
-        return done["result"]
-
-    return first
-
-
+# ---- sample runs shared by several test files ------------------------------------------------------
+# A recipe's cold run on a real slice costs minutes: the files that read what one made (the recipe's own
+# tests, tests/test_inside.py) share it, whichever of them runs first.
 @pytest.fixture(scope="session")
 def gpl_sample(tmp_path_factory, shared_datasets, prefect_harness):
-    """GPL on a real SciFact slice (8 test queries) with tiny local models in place of the paper's hub
-    models (same from_pretrained / SentenceTransformer paths)."""
-    import yaml
-
-    from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
-
+    """GPL on a real SciFact slice with tiny local models in place of the paper's hub models: config and store."""
     root = tmp_path_factory.mktemp("gpl")
     data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=8, n_extra_docs=40, seed=5)
     t5 = make_tiny_t5(root / "t5")
@@ -85,44 +69,53 @@ def gpl_sample(tmp_path_factory, shared_datasets, prefect_harness):
     }
     config = root / "gpl.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    store = root / "store"
-    return {"root": root, "config": config, "store": store, "ce_b": ce_b, "first_run": _first_run(config, store)}
+    return {"config": config, "store": root / "store", "ce_b": ce_b}
 
 
-ROCKETQA_TRAIN = {"batch_size": 8, "steps": 2, "query_max_length": 16, "passage_max_length": 48, "checkpoint_every": 0}
+@pytest.fixture(scope="session")
+def gpl_sample_run(gpl_sample):
+    """The first run of ``gpl_sample``'s config in its store (every stage computed)."""
+    from irflow import api
+
+    return api.run(gpl_sample["config"], [], store=gpl_sample["store"])
+
+
+ROCKETQA_TRAIN = {"batch_size": 8, "steps": 2, "query_max_length": 16, "passage_max_length": 48,
+                  "checkpoint_every": 0}
 
 
 @pytest.fixture(scope="session")
 def rocketqa_sample(tmp_path_factory, shared_datasets, prefect_harness):
-    """RocketQA (every system and ablation) and ANCE on a real SciFact slice (6 test, 20 train queries)
-    with tiny local models, sharing one store."""
-    import yaml
-
-    from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder
-
+    """RocketQA (every teacher, augmentation and ablation) and ANCE on a real SciFact slice with tiny
+    local models: configs and their store."""
     root = tmp_path_factory.mktemp("rocketqa")
     data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=6, n_train_queries=20,
                       n_extra_docs=50, seed=11)
     bi = make_tiny_bi_encoder(root / "bi", normalize=True)
     ce = make_tiny_cross_encoder(root / "ce")
-    train = ROCKETQA_TRAIN
     common = {"dataset": {"name": "slice", "source": str(data), "split": "test"}, "base_model": str(bi),
               "bm25": {"variants": ["flat"], "depth": 100}, "dense": {"batch_size": 32, "depth": 100},
               "runtime": {"threads": 1}}
-    rocketqa = {"flow": "rocketqa", **common, "dual_encoder": dict(train), "retrieve": {"depth": 60},
+    rocketqa = {"flow": "rocketqa", **common, "dual_encoder": dict(ROCKETQA_TRAIN), "retrieve": {"depth": 60},
                 "cross_encoder": {"model": str(bi), "steps": 2, "batch_size": 8, "max_length": 64,
                                   "depth": 30, "rerank": {"depth": 20, "batch_size": 16}},
                 "denoise": {"teachers": ["cross_encoder", "fusion"], "depth": 10, "fill_ranks": [11, 60]},
                 "augment": {"enabled": True, "queries": {"source": "ict"}, "limit": 15, "depth": 10,
                             "positive_threshold": 0.5, "negative_threshold": 0.49},
-                "student": dict(train, negative_lines=2),
+                "student": dict(ROCKETQA_TRAIN, negative_lines=2),
                 "ablations": {"bm25_negatives": True, "undenoised": True, "listwise": True, "list_size": 4}}
-    ance = {"flow": "ance", **common, "warmup": dict(train, bm25_depth=30), "rounds": 2,
-            "round": dict(train, depth=30, negatives_per_query=5)}
+    ance = {"flow": "ance", **common, "warmup": dict(ROCKETQA_TRAIN, bm25_depth=30), "rounds": 2,
+            "round": dict(ROCKETQA_TRAIN, depth=30, negatives_per_query=5)}
     paths = {}
     for name, cfg in (("rocketqa", rocketqa), ("ance", ance)):
         paths[name] = root / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(cfg))
-    store = root / "store"
-    return {"root": root, "data": data, "bi": bi, "ce": ce, "store": store, **paths,
-            "first_run": _first_run(paths["rocketqa"], store)}
+    return {"root": root, "data": data, "bi": bi, "ce": ce, "store": root / "store", **paths}
+
+
+@pytest.fixture(scope="session")
+def rocketqa_sample_run(rocketqa_sample):
+    """The first run of ``rocketqa_sample``'s RocketQA config in its store (every stage computed)."""
+    from irflow import api
+
+    return api.run(rocketqa_sample["rocketqa"], [], store=rocketqa_sample["store"])

@@ -143,13 +143,17 @@ def test_two_processes_see_world_times_batch_passages_and_step_like_one_big_batc
                   passage_max_length=32, checkpoint_every=0)
     inputs = dict(queries=[slice_run["queries"]], corpus=slice_run["corpus"], base_model=bi,
                   qrels=[slice_run["qrels"]])
-    ddp = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=4, processes=2, **common), tag="ddp",
-                                 **inputs)
-    one = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=8, **common), tag="one", **inputs)
+    ddp_out = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=4, processes=2, **common), tag="ddp",
+                                     **inputs)
+    ddp = ddp_out["model"]
+    one = train_dual_encoder.run(run, TrainDualEncoderParams(batch_size=8, **common), tag="one", **inputs)["model"]
     assert ddp.id != one.id  # different params, different keys and bytes
     info = json.loads((Path(ddp.path) / "irflow_training.json").read_text())
     assert info["processes"] == 2 and info["global_batch"] == 8
     assert [h["candidates"] for h in info["history"]] == [2 * 4 * (1 + 1)] * 2
+    # the loss dataset of a torchrun training is rank 0's history, candidates included
+    losses = ddp_out["training_losses"].table().to_pylist()
+    assert losses == [{k: h.get(k) for k in ("step", "loss", "lr", "candidates")} for h in info["history"]]
     single = json.loads((Path(one.path) / "irflow_training.json").read_text())
     assert [h["candidates"] for h in single["history"]] == [8 * 2] * 2
     a = load_sentence_transformer(ddp.path).state_dict()
@@ -177,7 +181,7 @@ def test_train_processes_split_the_global_batch_and_change_nothing_else(slice_ru
     refs, logs = {}, {}
     for n in (1, 2):
         r = Run(tmp_path / f"p{n}", "r", runtime=RuntimeConfig(precision="fp32", train_processes=n))
-        refs[n] = train_dual_encoder.run(r, params, **inputs)
+        refs[n] = train_dual_encoder.run(r, params, **inputs)["model"]
         logs[n] = json.loads((Path(refs[n].path) / "irflow_training.json").read_text())
     assert (logs[1]["processes"], logs[2]["processes"]) == (1, 2)
     assert logs[2]["global_batch"] == 8
@@ -188,7 +192,7 @@ def test_train_processes_split_the_global_batch_and_change_nothing_else(slice_ru
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
     again = Run(tmp_path / "p1", "again", runtime=RuntimeConfig(train_processes=2))
-    assert train_dual_encoder.run(again, params, **inputs).id == refs[1].id  # runtime is not keyed: cached
+    assert train_dual_encoder.run(again, params, **inputs)["model"].id == refs[1].id  # runtime is not keyed: cached
     with pytest.raises(Exception, match=r"runtime.train_processes: 3 processes cannot split a batch of 8 "
                                         r"\(processes x batch_size\)"):
         train_dual_encoder.run(Run(tmp_path / "p3", "r", runtime=RuntimeConfig(train_processes=3)), params,

@@ -24,12 +24,11 @@ def computed(result) -> set[str]:
 
 @pytest.fixture(scope="module")
 def setup(gpl_sample):
-    """The session's GPL sample (tests/conftest.py): test_report reads the same runs."""
     return gpl_sample
 
 
-def test_gpl_cold_run_shows_every_system(setup):
-    result = setup["first_run"]()  # the store's first run, whichever module asked for it first
+def test_gpl_cold_run_shows_every_system(setup, gpl_sample_run):
+    result = gpl_sample_run  # the first run in its store (shared with tests/test_inside.py)
     names = [s.name for s in result.stages]
     for stage in ("generate_queries[t5]", "mine_negatives", "pseudo_label", "train_student[gpl]",
                   "train_student[qgen]", "doc2query_expand", "dense_search[gpl-student]", "evaluate[gpl-student]"):

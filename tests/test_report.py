@@ -7,6 +7,7 @@ test_rocketqa ran first in the session, these reuse their first runs and compute
 
 import html
 import json
+from html import escape as html_escape
 import math
 import re
 from html.parser import HTMLParser
@@ -198,8 +199,8 @@ def check_comparisons(result, page: Page, store: Path, run_id: str) -> None:
 
 # ---- the report of a real GPL run -----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gpl(gpl_sample):
-    return {**gpl_sample, "run": gpl_sample["first_run"]()}
+def gpl(gpl_sample, gpl_sample_run):
+    return {**gpl_sample, "run": gpl_sample_run}
 
 
 def test_gpl_report_against_the_store(gpl, tmp_path):
@@ -216,8 +217,15 @@ def test_gpl_report_against_the_store(gpl, tmp_path):
     systems = {s.system for s in result.data.systems}
     assert systems == set(shown) == {"bm25-flat", "dense-bi", "hybrid", "bm25-doc2query-flat", "qgen-student",
                                      "gpl-student"}
-    # one distribution plot per system, inlined
-    assert len([a for t, a in page.tags if t == "img" and a["src"].startswith("data:image/png;base64,")]) == 6
+    # one distribution plot per system, one of the trainers' losses, one of the teacher's margins: inlined
+    assert len([a for t, a in page.tags if t == "img" and a["src"].startswith("data:image/png;base64,")]) == 6 + 2
+    assert ">Training losses</h2>" in text and "GPL teacher: pseudo-label margins" in text
+    # the run's DAG: every stage the catalog recorded for the run, drawn in the page's SVG
+    from irflow.catalog import Catalog
+
+    svg = text[text.index("<svg"):text.index("</svg>")]
+    stages = {r["stage"] for r in Catalog(store / "catalog.duckdb").stage_runs(run_id)}
+    assert stages and all(html_escape(s) in svg for s in stages)
     # the CI is of the same mean the metrics table holds, and holds it
     for s in result.data.systems:
         assert s.per_query_mean == pytest.approx(s.value, abs=1e-12)
@@ -346,9 +354,9 @@ def test_a_failed_run_still_gets_a_report(gpl, tmp_path):
 
 
 # ---- the report of a real RocketQA run ------------------------------------------------------------
-def test_rocketqa_report_against_the_store(rocketqa_sample, tmp_path):
+def test_rocketqa_report_against_the_store(rocketqa_sample, rocketqa_sample_run, tmp_path):
     store = Path(rocketqa_sample["store"])
-    run_id = rocketqa_sample["first_run"]().run_id
+    run_id = rocketqa_sample_run.run_id
     code, out, err = cli("report", run_id, "--store", store, "--out", tmp_path)
     assert code == 0, err
     text = (tmp_path / "index.html").read_text()

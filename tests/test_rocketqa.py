@@ -19,9 +19,9 @@ from irflow.teachers import fit_platt, fit_platt_on_lists, sigmoid
 from irflow.testing import beir_slice
 from irflow.testing import run_cli as cli
 
+
 @pytest.fixture(scope="module")
 def setup(rocketqa_sample):
-    """The session's RocketQA / ANCE sample (tests/conftest.py): test_report reads the same runs."""
     return rocketqa_sample
 
 
@@ -29,8 +29,8 @@ def run(setup, flow, *sets):
     return api.run(setup[flow], list(sets), store=setup["store"])
 
 
-def test_rocketqa_cold_run_every_system_then_fully_cached(setup):
-    result = setup["first_run"]()  # the store's first run, whichever module asked for it first
+def test_rocketqa_cold_run_every_system_then_fully_cached(setup, rocketqa_sample_run):
+    result = rocketqa_sample_run  # the first run in its store (shared with tests/test_inside.py)
     assert {m["system"] for m in result.metrics} == {
         "bm25-flat", "dense-bi", "md0", "md0-bm25neg", "md1-ce", "md1-fusion", "md0-hardneg", "md1-listwise", "md2",
         "mc-rerank"}

@@ -281,7 +281,8 @@ def test_train_student_margin_mse_saves_a_loadable_model_and_caches(env):
 
     run = env["run"]
     inputs = _mm_inputs(env)
-    ref = train_student.run(run, _student_params(), tag="mm", **inputs)
+    outputs = train_student.run(run, _student_params(), tag="mm", **inputs)
+    ref = outputs["student"]
     assert ref.kind == "model"
     m = SentenceTransformer(ref.path, device="cpu")
     emb = m.encode(["a query about cells", "another one"])
@@ -291,11 +292,21 @@ def test_train_student_margin_mse_saves_a_loadable_model_and_caches(env):
     log = json.loads((Path(ref.path) / "irflow_training.json").read_text())
     assert [h["step"] for h in log["history"]] == list(range(1, 7))
     assert not (Path(run.store_root) / "partial" / train_student.key(_student_params(), inputs)).exists()
+    # the loss history is a dataset too: one row per step, the model's own log, lineage to its inputs
+    losses = outputs["training_losses"]
+    assert losses.contract == "training_losses"
+    assert losses.table().to_pylist() == [dict(h, candidates=None) for h in log["history"]]
+    me, *ancestors = run.catalog.lineage(losses.id)
+    assert me["stage"] == "train_student[mm]" and me["cache_key"] == train_student.key(_student_params(), inputs)
+    assert {(p["role"], p["dataset_id"]) for p in me["parents"]} >= {
+        ("pseudo_labels", inputs["pseudo_labels"].id), ("base_model", inputs["base_model"].id)}
+    assert inputs["pseudo_labels"].id in {a["dataset_id"] for a in ancestors}
 
     run2 = Run(run.store_root, "run-2")
-    # a dict is validated into the same params: same key, same model
+    # a dict is validated into the same params: same key, same model, same losses dataset
     as_dict = _student_params().model_dump()
-    assert train_student.run(run2, as_dict, tag="mm", **inputs).id == ref.id
+    again = train_student.run(run2, as_dict, tag="mm", **inputs)
+    assert (again["student"].id, again["training_losses"].id) == (ref.id, losses.id)
     assert [s["status"] for s in run2.catalog.stage_runs("run-2")] == ["cached"]
     # the base model is an input: another base model is another key
     other = dict(inputs, base_model=env["ce_ref"])
@@ -312,7 +323,8 @@ def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, c
 
     # Reference: uninterrupted, in its own store.
     run_a = Run(str(tmp_path / "a"), "r")
-    ref_full = train_student.run(run_a, params, **inputs_for(run_a))
+    full = train_student.run(run_a, params, **inputs_for(run_a))
+    ref_full = full["student"]
 
     crash_run = Run(str(tmp_path / "b"), "r1")
     inputs = inputs_for(crash_run)
@@ -333,9 +345,15 @@ def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, c
     seen.clear()
     monkeypatch.setattr(training, "_on_step", lambda step: seen.append(step))
     with caplog.at_level(logging.INFO, logger="irflow.train"):
-        ref_resumed = train_student.run(Run(str(tmp_path / "b"), "r2"), params, **inputs)
+        resumed = train_student.run(Run(str(tmp_path / "b"), "r2"), params, **inputs)
+    ref_resumed = resumed["student"]
     assert "resuming from step 3" in caplog.text
     assert seen == [4, 5, 6, 7]  # steps 1-3 were not redone
+    # ...yet the resumed training's losses are the whole history: steps 1-3 from the checkpoint
+    a, b = (o["training_losses"].table().to_pydict() for o in (full, resumed))
+    assert b["step"] == a["step"] == list(range(1, 8))
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+    assert b["lr"] == a["lr"]
     a, b = _weights(ref_full.path), _weights(ref_resumed.path)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
@@ -353,7 +371,7 @@ def test_train_student_mnrl_with_hard_negatives(env, tmp_path):
     # bf16 autocast (what the old `bf16_autocast: true` asked for) now comes from the runtime
     run = Run(env["run"].store_root, "run-mnrl", runtime=RuntimeConfig(device="cpu", precision="bf16"))
     ref = train_student.run(run, params, tag="mnrl", queries=env["queries"], corpus=env["corpus"],
-                            qrels=env["qrels"], negatives=env["negatives"], base_model=env["bi_ref"])
+                            qrels=env["qrels"], negatives=env["negatives"], base_model=env["bi_ref"])["student"]
     assert SentenceTransformer(ref.path, device="cpu").encode(["x"]).shape == (1, 32)
     [row] = run.catalog.stage_runs("run-mnrl")
     assert row["name"] == "train_student[mnrl]" and row["runtime"]["precision"] == "bf16"
@@ -413,7 +431,7 @@ def test_recomputed_activations_train_the_same_weights_and_the_model_is_released
         run = Run(str(tmp_path / str(recompute)), "r", runtime=RuntimeConfig(
             device="cpu", precision={"train": "bf16"}, recompute_activations=recompute))
         with _ForwardSpy() as fwd:
-            ref = train_student.run(run, params, **dict(_mm_inputs(env), base_model=model(run, env["bi"])))
+            ref = train_student.run(run, params, **dict(_mm_inputs(env), base_model=model(run, env["bi"])))["student"]
         calls[recompute] = len(fwd.seen)
         weights[recompute] = _weights(ref.path)
         [row] = run.catalog.stage_runs("r")
@@ -453,10 +471,16 @@ def test_train_cross_encoder_learns_and_loads(env):
     with pytest.raises(DataError, match="no positive qrels in split 'dev'"):
         training_pairs(qrels, sorted(env["docs"]), _ce_params(split="dev"))
     before = _bce_on_pairs(env["ce"], env, ex)
-    ref = train_cross_encoder.run(env["run"], params, queries=env["queries"], corpus=env["corpus"],
-                                  qrels=env["qrels"], negatives=env["negatives"], base_model=env["ce_ref"])
+    outputs = train_cross_encoder.run(env["run"], params, queries=env["queries"], corpus=env["corpus"],
+                                      qrels=env["qrels"], negatives=env["negatives"], base_model=env["ce_ref"])
+    ref = outputs["cross_encoder"]
     after = _bce_on_pairs(ref.path, env, ex)
     assert after < 0.8 * before, (before, after)
+    # its loss per step is a dataset: the model's own log, one row per step
+    log = json.loads((Path(ref.path) / "irflow_training.json").read_text())
+    losses = outputs["training_losses"].table()
+    assert losses.column("step").to_pylist() == list(range(1, 61))
+    assert losses.to_pylist() == [dict(h, candidates=None) for h in log["history"]]
     m = AutoModelForSequenceClassification.from_pretrained(ref.path)
     assert m.config.num_labels == 1
 
@@ -475,7 +499,7 @@ def test_train_cross_encoder_from_a_bi_encoder_and_resume(env, tmp_path, monkeyp
 
     run_a = Run(str(tmp_path / "a"), "r")
     with caplog.at_level(logging.INFO, logger="irflow.train"):
-        full = train_cross_encoder.run(run_a, params, **inputs_for(run_a))
+        full = train_cross_encoder.run(run_a, params, **inputs_for(run_a))["cross_encoder"]
     assert "has no relevance head; a fresh one is trained at lr 0.001" in caplog.text  # and head_lr is unset
     caplog.clear()
 
@@ -490,7 +514,7 @@ def test_train_cross_encoder_from_a_bi_encoder_and_resume(env, tmp_path, monkeyp
     monkeypatch.setattr(training, "_on_step", lambda step: None)
     resume_run = Run(str(tmp_path / "b"), "r2")
     with caplog.at_level(logging.INFO, logger="irflow.train"):
-        resumed = train_cross_encoder.run(resume_run, params, **inputs_for(resume_run))
+        resumed = train_cross_encoder.run(resume_run, params, **inputs_for(resume_run))["cross_encoder"]
     assert "resuming from step 2" in caplog.text
     a = AutoModelForSequenceClassification.from_pretrained(full.path).state_dict()
     b = AutoModelForSequenceClassification.from_pretrained(resumed.path).state_dict()
@@ -519,7 +543,7 @@ def test_head_lr_is_the_rate_of_the_parameters_outside_the_pretrained_body(env, 
     def moved(**kw) -> tuple[float, float]:
         """(largest change of a body weight, of a head weight) after 3 steps at a negligible body lr."""
         out = train_cross_encoder.fn(_ce_params(steps=3, warmup_steps=0, lr=1e-9, weight_decay=0, **kw),
-                                     StageRuntime(workdir=tmp_path / str(kw)), **inputs)
+                                     StageRuntime(workdir=tmp_path / str(kw)), **inputs)["cross_encoder"]
         after = AutoModelForSequenceClassification.from_pretrained(out).state_dict()
         delta = {k: (after[k].float() - base[k].float()).abs().max().item() for k in base}
         return (max(v for k, v in delta.items() if not k.startswith("classifier.")),
@@ -540,7 +564,7 @@ def test_runtime_precision_reaches_cross_encoder_training(env, tmp_path):
     for precision, expect in (("bf16", {(True, torch.bfloat16)}), ("fp32", {(False, torch.float32)})):
         with _ForwardSpy() as spy:
             out = train_cross_encoder.fn(params, StageRuntime(precision=precision, workdir=tmp_path / precision),
-                                         **inputs)
+                                         **inputs)["cross_encoder"]
         assert (out / "config.json").exists()
         assert set(spy.seen) == expect, precision
 
@@ -575,6 +599,11 @@ def test_runtime_device_reaches_every_training_model_load(env, tmp_path):
 
 
 # ---- several processes (runtime.train_processes) --------------------------------------------------
+def _model(outputs: dict):
+    """The model among a trainer stage's outputs (the other one is its training_losses)."""
+    return next(ref for ref in outputs.values() if ref.kind == "model")
+
+
 def _two_process_equivalence(stage, params, inputs_for, tmp_path, base_path, load):
     """``stage`` with train_processes 1 and 2 (gloo on the CPU, fp32): one cache key, the same loss curve
     and the same weights; the second run in the first store is a cache hit."""
@@ -584,7 +613,7 @@ def _two_process_equivalence(stage, params, inputs_for, tmp_path, base_path, loa
                                                                          train_processes=n))
         inputs = inputs_for(runs[n])
         keys[n] = stage.key(params, inputs)
-        refs[n] = stage.run(runs[n], params, **inputs)
+        refs[n] = _model(stage.run(runs[n], params, **inputs))
     assert keys[1] == keys[2]  # runtime is never keyed
     [row] = runs[2].catalog.stage_runs("r")
     assert row["runtime"]["train_processes"] == 2
@@ -600,7 +629,7 @@ def _two_process_equivalence(stage, params, inputs_for, tmp_path, base_path, loa
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
     again = Run(str(tmp_path / "p1"), "again", runtime=RuntimeConfig(device="cpu", train_processes=2))
-    assert stage.run(again, params, **inputs_for(again)).id == refs[1].id
+    assert _model(stage.run(again, params, **inputs_for(again))).id == refs[1].id
     assert [s["status"] for s in again.catalog.stage_runs("again")] == ["cached"]
 
 
@@ -689,7 +718,7 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(env, tmp_path):
     def fn(processes: int, name: str) -> tuple[dict, list]:
         (tmp_path / name).mkdir()  # the runner makes both dirs
         out = train_student.fn(params, StageRuntime(train_processes=processes, workdir=tmp_path / name,
-                                                    resume_dir=resume), **inputs)
+                                                    resume_dir=resume), **inputs)["student"]
         return _weights(out), json.loads((out / "irflow_training.json").read_text())["history"]
 
     uninterrupted, _ = fn(2, "first")

@@ -287,10 +287,33 @@ DENOISE_AUDIT = Contract(
     "dropped as likely false negatives (teacher probability >= the threshold, not judged), and negatives kept.",
 )
 
+def check_steps_contiguous(table: Rows) -> list[str]:
+    """Steps are 1..n, each once: a history with a gap lost steps (a resume that dropped them)."""
+    bad = _count(table, "SELECT count(*) FROM (SELECT step, row_number() OVER (ORDER BY step) AS rn FROM t) "
+                        "WHERE step <> rn")
+    return [f"{bad} row(s) whose step is not contiguous (1..n)"] if bad else []
+
+
+TRAINING_LOSSES = Contract(
+    "training_losses",
+    pa.schema(
+        [
+            ("step", pa.int32()),
+            ("loss", pa.float64()),
+            ("lr", pa.float64()),
+            ("candidates", pa.int32()),
+        ]
+    ),
+    (check_nonempty_table, check_not_null("step", "loss", "lr"), check_steps_contiguous),
+    "A trainer's loss history, one row per optimizer step (1..n, steps done before a resume included): the "
+    "loss of the whole batch, the learning rate after the step (of the pretrained body where a fresh head has "
+    "its own), and for dual encoders the passages each query was scored against (null for other trainers).",
+)
+
 CONTRACTS: dict[str, Contract] = {
     c.name: c
     for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS, NEGATIVES, PSEUDO_LABELS,
-              TEACHER_SCORES, DENOISE_AUDIT, CANDIDATE_SCORES)
+              TEACHER_SCORES, DENOISE_AUDIT, CANDIDATE_SCORES, TRAINING_LOSSES)
 }
 
 

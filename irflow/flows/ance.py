@@ -85,7 +85,8 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
     bm25_negatives = mine_negatives(run, MineParams(strategy="topk", depth=c.warmup.bm25_depth), tag="bm25",
                                     rankings=[bm25], qrels=data.qrels)
     model = train_dual_encoder(run, c.warmup.to(TrainDualEncoderParams), tag="ance-warmup", queries=[train_q],
-                               corpus=data.corpus, base_model=base, qrels=[data.qrels], negatives=[bm25_negatives])
+                               corpus=data.corpus, base_model=base, qrels=[data.qrels],
+                               negatives=[bm25_negatives])["model"]
     systems = {"ance-warmup": model}
 
     # Rounds: the current model's own top 200 become the next negatives.
@@ -98,7 +99,7 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
         model = train_dual_encoder(run, c.round.to(TrainDualEncoderParams), tag=f"ance-round{r}",
                                    queries=[train_q], corpus=data.corpus,
                                    base_model=model if c.round.init == "previous" else base, qrels=[data.qrels],
-                                   negatives=[negatives])
+                                   negatives=[negatives])["model"]
         systems[f"ance-round{r}"] = model
 
     return evaluate_runs(run, c.evaluate, data, test_runs(run, c, data, base, systems))

@@ -261,12 +261,13 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     labels = labelling(run, c, gen, negatives, mined, base, data.corpus)
 
     # 4. Students: GPL (Margin-MSE on the teacher's margins) and the QGen baseline (MNRL on (q, pos)).
+    #    (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
     students = {"gpl-student": train_student(run, c.train.gpl_params(), tag="gpl", queries=gen["queries"],
-                                             corpus=data.corpus, base_model=base, pseudo_labels=labels)}
+                                             corpus=data.corpus, base_model=base, pseudo_labels=labels)["student"]}
     if c.train.qgen.enabled:
         positives = label_positives(run, NoParams(), pseudo_labels=labels)
         students["qgen-student"] = train_student(run, c.train.qgen_params(), tag="qgen", queries=gen["queries"],
-                                                 corpus=data.corpus, base_model=base, qrels=positives)
+                                                 corpus=data.corpus, base_model=base, qrels=positives)["student"]
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
     runs = test_runs(run, c, data, base, students, base_model=c.train.model)

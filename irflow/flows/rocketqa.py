@@ -277,7 +277,7 @@ def m_d0(run: Run, c: RocketQAConfig, data: Dataset, queries: DatasetRef, base: 
     per_line = 0 if negatives == "none" else max(1, de.negatives_per_line)
     return train_dual_encoder(run, de.to(TrainDualEncoderParams, negatives_per_line=per_line), tag=tag,
                               queries=[queries], corpus=data.corpus, base_model=base, qrels=[data.qrels],
-                              negatives=mined)
+                              negatives=mined)["model"]
 
 
 def m_c(run: Run, c: RocketQAConfig, data: Dataset, queries: DatasetRef, md0_list: DatasetRef) -> DatasetRef:
@@ -290,7 +290,7 @@ def m_c(run: Run, c: RocketQAConfig, data: Dataset, queries: DatasetRef, md0_lis
     negatives = mine_negatives(run, MineParams(strategy="topk", depth=depth), tag="md0-ce", rankings=[md0_list],
                                qrels=data.qrels)
     return train_cross_encoder(run, c.cross_encoder.to(TrainCrossEncoderParams), queries=queries, corpus=data.corpus,
-                               qrels=data.qrels, base_model=model, negatives=negatives)
+                               qrels=data.qrels, base_model=model, negatives=negatives)["cross_encoder"]
 
 
 def student(run: Run, c: RocketQAConfig, data: Dataset, init: DatasetRef, tag: str, queries: list[DatasetRef],
@@ -298,7 +298,7 @@ def student(run: Run, c: RocketQAConfig, data: Dataset, init: DatasetRef, tag: s
     """A dual encoder trained like M_D1: labelled (+ augmented) pairs, ``negative_lines`` lines each."""
     splits = (c.train_split, AUGMENTED_SPLIT) if len(qrels) > 1 else c.student.splits
     return train_dual_encoder(run, c.student.to(TrainDualEncoderParams, splits=splits), tag=tag, queries=queries,
-                              corpus=data.corpus, base_model=init, qrels=qrels, negatives=negatives)
+                              corpus=data.corpus, base_model=init, qrels=qrels, negatives=negatives)["model"]
 
 
 def listwise_student(run: Run, c: RocketQAConfig, data: Dataset, init: DatasetRef, queries: DatasetRef,
@@ -307,7 +307,7 @@ def listwise_student(run: Run, c: RocketQAConfig, data: Dataset, init: DatasetRe
     p = c.student.to(TrainDualEncoderParams, loss="listwise_kl", negatives_per_line=0, negative_lines=1,
                      list_size=c.ablations.list_size)
     return train_dual_encoder(run, p, tag="md1-listwise", queries=[queries], corpus=data.corpus, base_model=init,
-                              qrels=[data.qrels], teacher_scores=scores)
+                              qrels=[data.qrels], teacher_scores=scores)["model"]
 
 
 def unlabelled_queries(run: Run, c: RocketQAConfig, data: Dataset) -> DatasetRef:

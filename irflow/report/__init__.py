@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from irflow import dag, inside
 from irflow.catalog import Catalog
 from irflow.report import html
+from irflow.store import Store
 from irflow.report.data import ReportData, report_data
 from irflow.report.runs import UnknownRun, resolve_run
 
@@ -65,6 +67,7 @@ def build_report(catalog: Catalog, run_id: str, out_dir: str | Path, baselines: 
     built = [Section(f"Metrics and {metric} 95% confidence intervals", html.metrics_table(data)),
              Section(f"{metric} per query", html.distributions(data)),
              Section("Against the baselines", html.comparisons(data))]
+    built += _inside(catalog, run_id) + [_drawn("Pipeline", lambda: dag.dag_section(catalog, run_id)[1])]
     context = ReportContext(catalog, run_id, data)
     built += [s for s in (b(context) for b in SECTION_BUILDERS) if s is not None]
     built += list(sections)
@@ -73,3 +76,24 @@ def build_report(catalog: Catalog, run_id: str, out_dir: str | Path, baselines: 
     path = out / "index.html"
     path.write_text(html.page(data, [(s.title, s.html) for s in built]), encoding="utf-8")
     return ReportResult(path, run_id, data)
+
+
+def _inside(catalog: Catalog, run_id: str) -> list[Section]:
+    """What the teachers and trainers did (``irflow.inside``): losses, margins, denoising."""
+    try:
+        return [Section(t, h) for t, h in inside.inside_sections(catalog, Store(catalog.root), run_id)]
+    except Exception as e:  # a page with what it has beats no page: say what could not be drawn
+        return [Section("Teachers and trainers", _could_not(e))]
+
+
+def _drawn(title: str, fragment: Callable[[], str]) -> Section:
+    try:
+        return Section(title, fragment())
+    except Exception as e:
+        return Section(title, _could_not(e))
+
+
+def _could_not(e: Exception) -> str:
+    import html as escape
+
+    return f"<p><em>could not be drawn: {escape.escape(f'{type(e).__name__}: {e}')}</em></p>"

@@ -1,5 +1,5 @@
 """The end of every flow: record the run's metrics in the catalog and show them (and, in Prefect,
-the metrics table and every denoising histogram of the run as artifacts).
+the metrics table, a summary of the run and every denoising histogram of the run as artifacts).
 
 Not a cached stage: it costs nothing and must happen in every run, cached or not, so that
 `SELECT * FROM metrics WHERE run_id = ...` always answers for the run.
@@ -81,6 +81,28 @@ def histogram_markdown(data: dict, png: str, dataset_id: str) -> str:
     return "\n".join(lines + ["", f"PNG: `{png}` (dataset {dataset_id})"])
 
 
+def summary_markdown(run: Run, rows: list[dict]) -> str:
+    """The run in a few lines of markdown (Prefect's artifact): what its stages did, its metrics, and
+    the commands that show more (the HTML report, the graph)."""
+    stages = run.catalog.stage_runs(run.run_id)
+    counts = {st: sum(s["status"] == st for s in stages) for st in ("computed", "cached")}
+    skipped = list(dict.fromkeys(s["name"] for s in run.skipped))
+    lines = [f"## irflow run {run.run_id}", "",
+             f"{len(stages)} stages: {counts['computed']} computed, {counts['cached']} cached"
+             + (f"; not run (--to): {', '.join(skipped)}" if skipped else ""), ""]
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
+    if rows:
+        lines += ["| system | dataset | split | " + " | ".join(cols) + " |", "|---" * (3 + len(cols)) + "|"]
+        lines += [f"| {r['system']} | {r['dataset']} | {r['split']} | "
+                  + " | ".join("" if r.get(c) is None else f"{r[c]:.4f}" for c in cols) + " |" for r in rows]
+    else:
+        lines.append("(no metrics)")
+    store = run.store_root
+    lines += ["", f"HTML report: `irflow report {run.run_id} --store {store} --out {store}/reports/{run.run_id}`",
+              f"Graph: `irflow dag {run.run_id} --store {store} --out {run.run_id}.svg`"]
+    return "\n".join(lines)
+
+
 def report(run: Run, evals: list[dict]) -> list[dict]:
     rows = record_metrics(run, evals)
     try:
@@ -88,6 +110,7 @@ def report(run: Run, evals: list[dict]) -> list[dict]:
 
         description = f"irflow run {run.run_id}"
         create_table_artifact(key="metrics", table=rows, description=description)
+        create_markdown_artifact(key="run-summary", markdown=summary_markdown(run, rows), description=description)
         for s in run.catalog.stage_runs(run.run_id):  # denoise[ce] -> artifact denoise-ce
             if "histogram" in s["outputs"]:
                 where = run.store.object_dir(s["outputs"]["histogram"])

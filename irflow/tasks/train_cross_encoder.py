@@ -37,7 +37,7 @@ from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
 from irflow.text import doc_texts, query_texts
-from irflow.training import BatchPlan, LoopParams, seed_everything, train_loop
+from irflow.training import TRAINING_LOG, BatchPlan, LoopParams, seed_everything, train_loop, training_losses
 
 log = logging.getLogger("irflow.train")
 
@@ -128,12 +128,16 @@ def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], ba
     return model, tok, history
 
 
-@stage("train_cross_encoder", version="2", outputs=Output("cross_encoder", kind="model", check=_check_cross_encoder),
+# version 3: also the loss history as a dataset (training_losses)
+@stage("train_cross_encoder", version="3",
+       outputs=[Output("cross_encoder", kind="model", check=_check_cross_encoder),
+                Output("training_losses", "training_losses")],
        work="train", resumable=True)
 def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
-                        qrels: DatasetRef, base_model: DatasetRef, negatives: DatasetRef | None = None) -> Path:
+                        qrels: DatasetRef, base_model: DatasetRef, negatives: DatasetRef | None = None) -> dict:
     """A cross-encoder fine-tuned from ``base_model`` (a fresh 1-logit head where it has none) on the
-    positives of ``qrels`` and negatives (from ``negatives``, else random passages)."""
+    positives of ``qrels`` and negatives (from ``negatives``, else random passages); and its loss per
+    step (``training_losses``)."""
     corpus_t = corpus.table()
     ex = training_pairs(qrels.table(), corpus_t.column("doc_id").to_pylist(), p,
                         negatives.table() if negatives is not None else None)
@@ -149,7 +153,7 @@ def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries
     job = {"ex": ex, "qtext": qtext, "dtext": dtext, "base_model": base_model.path, "out": str(out),
            "params": p.model_dump(mode="json")}
     distributed.run(fit_and_save, job, rt, rt.train_processes)
-    return out
+    return {"cross_encoder": out, "training_losses": training_losses(out)}
 
 
 def fit_and_save(job: dict, rt: StageRuntime) -> None:
@@ -164,6 +168,6 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
     out = Path(job["out"])
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    (out / "irflow_training.json").write_text(json.dumps(
+    (out / TRAINING_LOG).write_text(json.dumps(
         {"pairs": len(ex["q"]), "positives": int(sum(ex["label"])), "processes": world, "steps": len(history),
          "history": history}, indent=1))

@@ -38,6 +38,7 @@ from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
 from irflow.text import doc_texts, query_texts
+from irflow.training import training_losses
 
 log = logging.getLogger("irflow.train")
 
@@ -107,12 +108,15 @@ def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_i
     return ex
 
 
-@stage("train_dual_encoder", version="1", outputs=Output("model", kind="model"), work="train", resumable=True)
+# version 2: also the loss history as a dataset (training_losses)
+@stage("train_dual_encoder", version="2",
+       outputs=[Output("model", kind="model"), Output("training_losses", "training_losses")],
+       work="train", resumable=True)
 def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: list[DatasetRef],
                        corpus: DatasetRef, base_model: DatasetRef, qrels: list[DatasetRef],
-                       negatives: list[DatasetRef] | None = None, teacher_scores: DatasetRef | None = None) -> Path:
+                       negatives: list[DatasetRef] | None = None, teacher_scores: DatasetRef | None = None) -> dict:
     """A dual encoder trained from ``base_model`` on the positives of ``qrels`` (+ ``negatives``, or a
-    re-ranker's ``teacher_scores`` for listwise_kl)."""
+    re-ranker's ``teacher_scores`` for listwise_kl); and its loss per step (``training_losses``)."""
     corpus_t = corpus.table()
     ex = training_examples(p, [t.table() for t in qrels], corpus_t.column("doc_id").to_pylist(),
                            [t.table() for t in negatives or []],
@@ -144,4 +148,4 @@ def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: 
         train(job, rt)  # the job as it is: no JSON copy of its texts
     else:
         distributed.run(train_json, asdict(job), rt, processes)
-    return Path(job.out_dir)
+    return {"model": Path(job.out_dir), "training_losses": training_losses(job.out_dir)}

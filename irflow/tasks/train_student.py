@@ -32,7 +32,7 @@ from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
 from irflow.text import doc_texts, query_texts
-from irflow.training import BatchPlan, LoopParams, seed_everything, train_loop
+from irflow.training import TRAINING_LOG, BatchPlan, LoopParams, seed_everything, train_loop, training_losses
 
 log = logging.getLogger("irflow.train")
 
@@ -96,13 +96,15 @@ def _check_student(path: Path) -> None:
 
 
 
-@stage("train_student", version="2", outputs=Output("student", kind="model", check=_check_student), work="train",
-       resumable=True)
+# version 3: also the loss history as a dataset (training_losses)
+@stage("train_student", version="3", outputs=[Output("student", kind="model", check=_check_student),
+                                              Output("training_losses", "training_losses")],
+       work="train", resumable=True)
 def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
                   base_model: DatasetRef, pseudo_labels: DatasetRef | None = None, qrels: DatasetRef | None = None,
-                  negatives: DatasetRef | None = None) -> Path:
+                  negatives: DatasetRef | None = None) -> dict:
     """A student trained from ``base_model``: on ``pseudo_labels`` (loss margin_mse) or on ``qrels``
-    [+ ``negatives``] (loss mnrl)."""
+    [+ ``negatives``] (loss mnrl); and its loss per step (``training_losses``)."""
     corpus_t = corpus.table()
     if p.loss == "margin_mse":
         if pseudo_labels is None:
@@ -130,7 +132,7 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
     job = {"ex": {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in ex.items()}, "qtext": qtext,
            "dtext": dtext, "base_model": base_model.path, "out": str(out), "params": p.model_dump(mode="json")}
     distributed.run(fit_and_save, job, rt, rt.train_processes)
-    return out
+    return {"student": out, "training_losses": training_losses(out)}
 
 
 def fit_and_save(job: dict, rt: StageRuntime) -> None:
@@ -176,6 +178,6 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
     out = Path(job["out"])
     model.eval()
     model.save(str(out), create_model_card=False)
-    (out / "irflow_training.json").write_text(json.dumps(
+    (out / TRAINING_LOG).write_text(json.dumps(
         {"loss": p.loss, "similarity": p.similarity, "examples": len(ex["q"]), "processes": world,
          "steps": len(history), "history": history}, indent=1))
