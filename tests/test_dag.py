@@ -241,7 +241,7 @@ def test_a_trained_model_has_its_lineage(setup):
     params = TrainStudentParams(loss="mnrl", split="test", steps=2, batch_size=4, max_seq_length=32,
                                 warmup_steps=0, checkpoint_every=0, similarity="cos")
     student = train_student.run(run, params, tag="mnrl", queries=data["queries"], corpus=data["corpus"],
-                                qrels=data["qrels"], base_model=base)
+                                qrels=data["qrels"], base_model=base)["student"]
     g = dag.run_graph(run.catalog, "toy-train")
     node = next(d for d in g.models() if d.key == student.id)
     assert node.lineage["stage"] == "train_student[mnrl]" and node.lineage["run_id"] == "toy-train"
