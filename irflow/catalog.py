@@ -200,19 +200,6 @@ class Catalog:
             info[k] = json.loads(info[k]) if info.get(k) else None
         return info
 
-    def resolve_run(self, prefix: str) -> str:
-        """A full run id from a unique prefix (like ``resolve`` for datasets)."""
-        with self.connect() as con:
-            rows = [r[0] for r in con.execute("SELECT run_id FROM runs WHERE starts_with(run_id, ?) ORDER BY run_id",
-                                              [prefix]).fetchall()]
-        if prefix in rows:
-            return prefix
-        if not rows:
-            raise KeyError(f"no run with id starting '{prefix}' in {self.path}")
-        if len(rows) > 1:
-            raise KeyError(f"'{prefix}' is ambiguous: runs {', '.join(rows[:5])}")
-        return rows[0]
-
     # ---- cache + lineage ------------------------------------------------------------------
     def lookup(self, cache_key: str) -> dict:
         """output name -> DatasetRef for a cache key, if recorded."""

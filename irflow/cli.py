@@ -98,12 +98,10 @@ def _write(out: str, text: str) -> None:
 
 def cmd_dag(args) -> int:
     from irflow import dag
+    from irflow.report.runs import resolve_run
 
     catalog = _catalog(args)
-    try:
-        run_id = catalog.resolve_run(args.run_id)
-    except KeyError as e:
-        raise UserError(str(e).strip("'\"")) from None
+    run_id = resolve_run(catalog, args.run_id)  # an id, a unique prefix, or latest; else names recent runs
     _write(args.out, dag.to_svg(dag.run_graph(catalog, run_id), args.engine))
     if args.out != "-":
         print(f"{run_id}: {args.out}")

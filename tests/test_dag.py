@@ -175,8 +175,8 @@ def test_to_an_unknown_stage_is_one_line(setup, command):
 
 def test_dag_errors_are_one_line(setup, tmp_path, monkeypatch):
     code, _, err = cli("dag", "no-such-run", "--store", setup["store"])
-    assert code == 2 and err.strip().splitlines() == ["irflow: error: no run with id starting 'no-such-run' in "
-                                                      f"{setup['store'].resolve() / 'catalog.duckdb'}"]
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("irflow: error: no run 'no-such-run' in ") and "recent runs:" in err
     code, _, err = cli("dag", setup["first"].run_id, "--store", setup["store"], "--out", tmp_path / "no" / "x.svg")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no directory" in err
     monkeypatch.setenv("PATH", str(tmp_path))  # no Graphviz here
