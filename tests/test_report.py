@@ -224,7 +224,7 @@ def test_gpl_report_against_the_store(gpl, tmp_path):
     from irflow.catalog import Catalog
 
     svg = text[text.index("<svg"):text.index("</svg>")]
-    stages = {r["stage"] for r in Catalog(store / "catalog.duckdb").stage_runs(run_id)}
+    stages = {r["name"] for r in Catalog(store / "catalog.duckdb").stage_runs(run_id)}
     assert stages and all(html_escape(s) in svg for s in stages)
     # the CI is of the same mean the metrics table holds, and holds it
     for s in result.data.systems:
