@@ -121,7 +121,7 @@ def _torchrun(spec: Path, processes: int, threads: int) -> None:
         log_path.write_text(proc.stdout)
         if proc.returncode == 0:
             break
-        signal = _root_cause_signal(proc.stdout)
+        signal = _killing_signal(proc.stdout)
         # Once, a CI run saw rank 1 die of SIGABRT in its first step, never seen again in 20 runs here. A
         # process killed by a signal other than ours (an abort in gloo's native code) gets one more try
         # with a fresh process group (resuming from rank 0's last checkpoint when there is one); a Python
@@ -143,10 +143,20 @@ def _torchrun(spec: Path, processes: int, threads: int) -> None:
         log.debug("torchrun: %s", line)
 
 
-def _root_cause_signal(output: str) -> int | None:
-    """The signal that killed the process torchrun names as the root cause, if a signal did."""
-    m = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", output, re.S)
-    return -int(m.group(1)) if m and int(m.group(1)) < 0 else None
+def _killing_signal(output: str) -> int | None:
+    """The signal that killed one of the processes, other than a stop (2, 9, 15), if one did.
+
+    Not only torchrun's "Root Cause": when rank 1 aborts, rank 0 can see its socket close and exit 1
+    before torchrun notices the abort, and torchrun then names rank 0 and stops rank 1 itself (seen in
+    CI). So every failure's exit code counts, and so does an abort's own line in the output."""
+    codes = {-int(c) for c in re.findall(r"exitcode\s*:\s*(-\d+)", output)} - {2, 9, 15}
+    if codes:
+        return min(codes)
+    for line, sig in (("Fatal Python error: Aborted", 6), ("Fatal Python error: Segmentation fault", 11),
+                      ("terminate called", 6)):
+        if line in output:
+            return sig
+    return None
 
 
 _SAYS_WHY = re.compile(r"terminate called|what\(\)|Error|Exception|Aborted|Signal|gloo", re.I)

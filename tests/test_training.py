@@ -753,10 +753,24 @@ def test_a_training_process_killed_by_a_signal_gets_one_more_try_and_a_python_er
         return n
 
     assert attempts(abort="once") == 2
-    assert "exitcode: -6" in (tmp_path / "torchrun.failed.log").read_text()
+    assert distributed._killing_signal((tmp_path / "torchrun.failed.log").read_text()) == 6
     with pytest.raises(RuntimeError, match=r"torchrun with 2 processes failed \(rc 1; its whole output: "):
         attempts(abort="always")
-    assert "exitcode: -6" in (tmp_path / "torchrun.log").read_text()
+    assert distributed._killing_signal((tmp_path / "torchrun.log").read_text()) == 6
     with pytest.raises(RuntimeError, match=r"(?s)failed.*ValueError: a Python error in rank 1"):
         attempts(**{"raise": True})
     assert len((tmp_path / "attempts").read_text().splitlines()) == 1  # no second try
+
+
+def test_an_abort_counts_even_when_torchrun_names_the_peer_that_saw_it_as_the_root_cause():
+    """CI once saw rank 0 exit 1 (its socket closed) before torchrun noticed rank 1's abort."""
+    from irflow.distributed import _killing_signal
+
+    peer_first = ("Fatal Python error: Aborted\n\nCurrent thread 0x00007f (most recent call first):\n"
+                  "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+                  "  exitcode  : 1 (pid: 12)\n")
+    assert _killing_signal(peer_first) == 6
+    python_error = ("ValueError: a Python error in rank 1\nFailures:\n[1]:\n  exitcode  : -15 (pid: 11)\n"
+                    "Root Cause (first observed failure):\n[0]:\n  exitcode  : 1 (pid: 12)\n")
+    assert _killing_signal(python_error) is None  # torchrun stopping the other rank is not a crash
+    assert _killing_signal("failed (exitcode: -11) local_rank: 1 (pid: 3)") == 11
