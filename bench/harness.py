@@ -10,11 +10,13 @@ import csv
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -146,3 +148,31 @@ def write_json(path: str | Path, data: dict) -> Path:
     tmp.write_text(json.dumps({**data, "machine": data.get("machine") or machine()}, indent=2, default=str) + "\n")
     tmp.replace(path)
     return path
+
+
+def prior_results(path: str | Path) -> dict:
+    """The ``results`` already in a benchmark's JSON (a script adds its runs to them), or {}."""
+    path = Path(path)
+    return json.loads(path.read_text()).get("results", {}) if path.exists() else {}
+
+
+def run_log_dir(given: str | None, prefix: str) -> Path:
+    """Where each run's stderr goes: ``given``, or a new temporary folder (kept: it is what to read when
+    a run fails)."""
+    folder = Path(given or tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    log(f"stderr of each run under {folder}")
+    return folder
+
+
+@contextmanager
+def data_dir(given: str | None, prefix: str):
+    """A folder for generated input data: ``given`` (kept for the next run), or a temporary one removed
+    at the end."""
+    folder = Path(given) if given else Path(tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield folder
+    finally:
+        if not given:
+            shutil.rmtree(folder, ignore_errors=True)

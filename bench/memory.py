@@ -377,13 +377,9 @@ def main() -> int:
         ap.error(f"unknown case(s) {sorted(unknown)}; choose from {', '.join(CASES)}")
     os.chdir(ROOT)
     out_path = Path(args.out)
-    data = json.loads(out_path.read_text()) if out_path.exists() else {}
-    results: dict = data.get("results", {})
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="irflow-mem-logs-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log(f"stderr of each run under {log_dir}")
-    synth = Path(tempfile.mkdtemp(prefix="irflow-mem-data-"))
-    try:
+    results = harness.prior_results(out_path)
+    log_dir = harness.run_log_dir(args.log_dir, "irflow-mem-logs-")
+    with harness.data_dir(None, "irflow-mem-data-") as synth:
         for name in cases:
             sets: list[str] = []
             extra = {}
@@ -418,8 +414,6 @@ def main() -> int:
                                 "before_emulation": f"runtime.jvm_heap={BEFORE_HEAP} (the JVM default, 1/4 of RAM)"},
                 "results": results, "summary": summarise(results)}
             harness.write_json(out_path, data)
-    finally:
-        shutil.rmtree(synth, ignore_errors=True)
     table(results)
     g = summarise(results).get("growth")
     if g:

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -156,14 +154,9 @@ def main() -> int:
     # The `irflow` subprocess must import this checkout's irflow, not whichever is installed
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     out_path = Path(args.out)
-    data = json.loads(out_path.read_text()) if out_path.exists() else {}
-    results: dict = data.get("results", {})
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="irflow-scale-logs-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log(f"stderr of each run under {log_dir}")
-    synth = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="irflow-scale-data-"))
-    synth.mkdir(parents=True, exist_ok=True)
-    try:
+    results = harness.prior_results(out_path)
+    log_dir = harness.run_log_dir(args.log_dir, "irflow-scale-logs-")
+    with harness.data_dir(args.data_dir, "irflow-scale-data-") as synth:
         for scale in scales:
             folder, n = synthetic_scifact(scale, synth, args.seed)
             load0 = harness.loadavg()
@@ -175,9 +168,6 @@ def main() -> int:
                 "description": "peak RSS and seconds per stage of cold `irflow run` flows over SciFact with "
                                "synthetic distractor passages, at several corpus sizes (bench/scale.py); bytes",
                 "results": results, "summary": summarise(results)})
-    finally:
-        if not args.data_dir:
-            shutil.rmtree(synth, ignore_errors=True)
     print_tables(results)
     for part, s in summarise(results).items():
         for scale, g in s["growth"].items():
