@@ -70,7 +70,8 @@ def cmd_status(args) -> int:
 
         sets = "".join(f" --set {s}" for s in args.set or [])
         _write(args.graph, dag.to_svg(dag.planned_graph(plan, _catalog(args, must_exist=False),
-                                                        title=f"irflow status {args.config}{sets}"), args.engine))
+                                                        title=f"irflow status {args.config}{sets}"), args.engine,
+                                    args.direction))
     if args.json:
         print(json.dumps([vars(p) for p in plan]))
         return 0
@@ -102,7 +103,7 @@ def cmd_dag(args) -> int:
 
     catalog = _catalog(args)
     run_id = resolve_run(catalog, args.run_id)  # an id, a unique prefix, or latest; else names recent runs
-    _write(args.out, dag.to_svg(dag.run_graph(catalog, run_id), args.engine))
+    _write(args.out, dag.to_svg(dag.run_graph(catalog, run_id), args.engine, args.direction))
     if args.out != "-":
         print(f"{run_id}: {args.out}")
     return 0
@@ -306,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_flag(sp):
         sp.add_argument("--engine", choices=("plain", "dot"), default="plain",
                         help="graph layout: plain (built in) or dot (Graphviz's dot on PATH)")
+        sp.add_argument("--direction", choices=("LR", "TB"), default="LR",
+                        help="graph direction: LR (left to right) or TB (top to bottom, for wide graphs)")
 
     s = sub.add_parser("status", help="which stages of a config are cached or stale, and why")
     common(s)

@@ -257,36 +257,46 @@ def _depths(g: Graph) -> dict[str, int]:
     return depth
 
 
-def layout(g: Graph) -> dict[str, tuple[float, float, float, float]]:
-    """Node key -> (x, y, width, height): columns by depth, left to right; in a column, nodes ordered by
-    the mean row of what feeds them (fewer crossings)."""
+def layout(g: Graph, direction: str = "LR") -> dict[str, tuple[float, float, float, float]]:
+    """Node key -> (x, y, width, height): layers by depth, left to right (``LR``) or top to bottom
+    (``TB``: what a page that scrolls down reads best when the graph is wide); in a layer, nodes ordered
+    by the mean place of what feeds them (fewer crossings)."""
+    if direction not in ("LR", "TB"):
+        raise UserError(f"unknown graph direction '{direction}'; use LR or TB")
     depth = _depths(g)
     lines = {s.key: stage_lines(s) for s in g.stages} | {d.key: dataset_lines(d) for d in g.datasets}
     preds: dict[str, list[str]] = {}
     for a, b, _ in g.edges:
         preds.setdefault(b, []).append(a)
-    columns: dict[int, list[str]] = {}
+    layers: dict[int, list[str]] = {}
     for k in lines:
-        columns.setdefault(depth[k], []).append(k)
-    row: dict[str, float] = {}
-    for c in sorted(columns):
-        order = {k: i for i, k in enumerate(columns[c])}
-        columns[c].sort(key=lambda k: (sum(row[p] for p in preds.get(k, []) if p in row)
-                                       / max(1, sum(p in row for p in preds.get(k, [])))
-                                       if any(p in row for p in preds.get(k, [])) else order[k], order[k]))
-        row.update({k: i for i, k in enumerate(columns[c])})
+        layers.setdefault(depth[k], []).append(k)
+    place: dict[str, float] = {}
+    for c in sorted(layers):
+        order = {k: i for i, k in enumerate(layers[c])}
+        layers[c].sort(key=lambda k: (sum(place[p] for p in preds.get(k, []) if p in place)
+                                      / max(1, sum(p in place for p in preds.get(k, [])))
+                                      if any(p in place for p in preds.get(k, [])) else order[k], order[k]))
+        place.update({k: i for i, k in enumerate(layers[c])})
     size = {k: (max(len(t) for t in ls) * CHAR_W + 2 * PAD, len(ls) * LINE_H + 2 * PAD - 2) for k, ls in lines.items()}
-    heights = {c: sum(size[k][1] + ROW_GAP for k in ks) - ROW_GAP for c, ks in columns.items()}
-    tallest = max(heights.values(), default=0)
-    boxes, x = {}, 0.0
-    for c in sorted(columns):
-        width = max(size[k][0] for k in columns[c])
-        y = (tallest - heights[c]) / 2
-        for k in columns[c]:
+    # along: the axis a layer's nodes are spread on (y for LR, x for TB); across: the layers' axis
+    along, across = (1, 0) if direction == "LR" else (0, 1)
+    gap_along = ROW_GAP if direction == "LR" else COL_GAP / 2 + 2 * ELLIPSE_RIM
+    gap_across = COL_GAP if direction == "LR" else COL_GAP / 2 + ROW_GAP
+    spans = {c: sum(size[k][along] + gap_along for k in ks) - gap_along for c, ks in layers.items()}
+    longest = max(spans.values(), default=0)
+    boxes, at = {}, 0.0
+    for c in sorted(layers):
+        thick = max(size[k][across] for k in layers[c])
+        pos = (longest - spans[c]) / 2
+        for k in layers[c]:
             w, h = size[k]
-            boxes[k] = (x + (width - w) / 2, y, w, h)
-            y += h + ROW_GAP
-        x += width + COL_GAP
+            if direction == "LR":
+                boxes[k] = (at + (thick - w) / 2, pos, w, h)
+            else:
+                boxes[k] = (pos, at + (thick - h) / 2, w, h)
+            pos += size[k][along] + gap_along
+        at += thick + gap_across
     return boxes
 
 
@@ -331,14 +341,14 @@ def _legend(y: float) -> tuple[str, float]:
     return "".join(parts), x + 25 + 5 * CHAR_W
 
 
-def to_svg(g: Graph, engine: str = "plain") -> str:
+def to_svg(g: Graph, engine: str = "plain", direction: str = "LR") -> str:
     """The graph as a standalone SVG document. ``plain``: the layout above, no dependency; ``dot``:
-    Graphviz's layout (its ``dot`` must be on PATH)."""
+    Graphviz's layout (its ``dot`` must be on PATH). ``direction``: LR (left to right) or TB."""
     if engine == "dot":
-        return _dot_svg(g)
+        return _dot_svg(g, direction)
     if engine != "plain":
         raise UserError(f"unknown graph engine '{engine}'; use plain or dot")
-    boxes = layout(g)
+    boxes = layout(g, direction)
     top = 52  # title and legend above the graph
     legend, legend_w = _legend(26)
     width = max([x + w for x, _, w, _ in boxes.values()] + [legend_w]) + 20
@@ -351,10 +361,15 @@ def to_svg(g: Graph, engine: str = "plain") -> str:
            f'<g class="legend">{legend}</g>', f'<g transform="translate(0,{top})">']
     rim = {d.key: ELLIPSE_RIM for d in g.datasets}  # an ellipse reaches past its text box
     for a, b, role in g.edges:
-        (ax, ay, aw, ah), (bx, by, _, bh) = boxes[a], boxes[b]
-        x1, y1, x2, y2 = ax + aw + rim.get(a, 0), ay + ah / 2, bx - rim.get(b, 0), by + bh / 2
-        mid = (x1 + x2) / 2
-        curve = f"M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f} {mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}"
+        (ax, ay, aw, ah), (bx, by, bw, bh) = boxes[a], boxes[b]
+        if direction == "LR":  # from the right of a to the left of b
+            x1, y1, x2, y2 = ax + aw + rim.get(a, 0), ay + ah / 2, bx - rim.get(b, 0), by + bh / 2
+            mid = (x1 + x2) / 2
+            curve = f"M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f} {mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}"
+        else:  # from the bottom of a to the top of b
+            x1, y1, x2, y2 = ax + aw / 2, ay + ah, bx + bw / 2, by
+            mid = (y1 + y2) / 2
+            curve = f"M{x1:.1f},{y1:.1f} C{x1:.1f},{mid:.1f} {x2:.1f},{mid:.1f} {x2:.1f},{y2:.1f}"
         out.append(f'<path class="edge" d="{curve}" '
                    f'fill="none" stroke="#888" marker-end="url(#arrow)"><title>{html.escape(role)}</title></path>')
     for s in g.stages:
@@ -382,9 +397,9 @@ def _dot_id(key: str) -> str:
     return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def to_dot(g: Graph) -> str:
-    """The graph in Graphviz's DOT language (left to right; same colours and texts as the plain SVG)."""
-    out = ["digraph irflow {", "rankdir=LR;", f"label={_dot_id(g.title)}; labelloc=t;",
+def to_dot(g: Graph, direction: str = "LR") -> str:
+    """The graph in Graphviz's DOT language (same colours and texts as the plain SVG)."""
+    out = ["digraph irflow {", f"rankdir={direction};", f"label={_dot_id(g.title)}; labelloc=t;",
            'node [fontname="monospace", fontsize=10];']
     for s in g.stages:
         label = "\\n".join(stage_lines(s)).replace('"', "'")
@@ -400,12 +415,12 @@ def to_dot(g: Graph) -> str:
     return "\n".join(out + ["}"])
 
 
-def _dot_svg(g: Graph) -> str:
+def _dot_svg(g: Graph, direction: str = "LR") -> str:
     dot = shutil.which("dot")
     if dot is None:
         raise UserError("the dot engine needs Graphviz's `dot` on PATH (Debian: apt install graphviz); "
                         "without --engine dot the built-in layout needs nothing")
-    done = subprocess.run([dot, "-Tsvg"], input=to_dot(g), capture_output=True, text=True, timeout=120)
+    done = subprocess.run([dot, "-Tsvg"], input=to_dot(g, direction), capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         said = done.stderr.strip().splitlines()
         raise UserError(f"dot failed: {said[-1] if said else f'exit {done.returncode}'}")
@@ -434,10 +449,21 @@ def lineage_html(g: Graph) -> str:
             "<th>params digest</th></tr>" + "".join(rows) + "</table>")
 
 
+PAGE_WIDTH = 1100  # px: about the report page's text width (72em of 14px, less margins)
+
+
+def _svg_width(svg: str) -> float:
+    return float(re.search(r'<svg[^>]*? width="([0-9.]+)', svg).group(1))
+
+
 def dag_section(catalog, run_id: str, engine: str = "plain") -> tuple[str, str]:
     """(title, HTML) of a report section: the run's graph as inline SVG, then each model's lineage."""
     g = run_graph(catalog, run_id)
     svg = to_svg(g, engine)
+    if engine == "plain" and _svg_width(svg) > PAGE_WIDTH:
+        # Wider than the page (a whole recipe is 10 or more layers): top to bottom, if that is narrower
+        tall = to_svg(g, engine, "TB")
+        svg = tall if _svg_width(tall) < _svg_width(svg) else svg
     svg = svg[svg.index("<svg"):]  # Graphviz starts with an XML declaration and a doctype: not inline HTML
     return "Pipeline", (f'<figure class="dag" style="overflow-x: auto; margin: 0">{svg}</figure>\n'
                         f"<h3>Models</h3>\n{lineage_html(g)}")

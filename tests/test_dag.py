@@ -83,6 +83,16 @@ def test_run_graph_is_the_catalogs_run(setup):
     # edges point at nodes that exist, and the layout keeps an edge's source left of its target
     boxes = dag.layout(g)
     assert all(boxes[a][0] < boxes[b][0] for a, b, _ in g.edges)
+    # top to bottom (for wide graphs): a source above its target, and no two nodes of a layer overlap
+    tall = dag.layout(g, "TB")
+    assert all(tall[a][1] + tall[a][3] < tall[b][1] for a, b, _ in g.edges)
+    layers: dict = {}
+    for x, y, w, h in tall.values():
+        layers.setdefault(round(y + h / 2, 3), []).append((x, x + w))
+    for spans in layers.values():
+        spans.sort()
+        assert all(a[1] + 2 * dag.ELLIPSE_RIM <= b[0] for a, b in zip(spans, spans[1:]))
+    assert svg_stages(dag.to_svg(g, direction="TB")) == drawn
 
 
 def test_rerun_is_cached_in_the_graph_and_in_prefect(setup, tmp_path):
