@@ -4,7 +4,7 @@ Params are typed: a source's settings are validated when its params model is bui
 pydantic ValidationError before any stage runs); the generator is an input ref (``model``), keyed by
 its weights; device, precision and threads come from the run's runtime and are not keyed.
 
-generate_queries is sharded by corpus (irflow.shards): shards of a few passages give the same datasets
+Both stages are sharded by corpus (irflow.shards): shards of a few passages give the same datasets
 (same ids) as one shard -- t5 too, its shards rounded up to whole batches --, ``queries_per_passage:
 auto`` counts the whole corpus, and a failed shard leaves the others' parts for the next run."""
 
@@ -504,3 +504,18 @@ def test_doc2query_stage_expands_every_passage(data, baseline):
     with pytest.raises(ValidationError, match="max_queries"):
         Doc2QueryParams(max_queries=0)
 
+
+def test_doc2query_shards_give_the_same_corpus_as_one_shard(data):
+    """doc2query_expand in shards of 3 passages (each reading the queries whole) gives the expanded corpus
+    of one shard, byte for byte (all queries, and at most one per passage)."""
+    _, gen = run_gq(data, "store-mf", ICTSource(source="ict", queries_per_passage=2, seed=3))
+    corpus = data["refs"]["corpus"]
+    for params in (Doc2QueryParams(), Doc2QueryParams(max_queries=1)):
+        whole_ctx = Run(str(data["root"] / "store-d2q-whole"), "r", runtime=RUNTIME)
+        whole = doc2query_expand.run(whole_ctx, params, corpus=corpus, queries=gen["queries"], qrels=gen["qrels"])
+        ctx = Run(str(data["root"] / "store-d2q-sharded"), "r", runtime=sharded(3))
+        out = doc2query_expand.run(ctx, params, corpus=corpus, queries=gen["queries"], qrels=gen["qrels"])
+        assert len(last_shards(ctx)) == -(-corpus.num_rows() // 3) > 5 and len(last_shards(whole_ctx)) == 1
+        assert out.id == whole.id
+        expanded = out.table().column("text").to_pylist()
+        assert sum(new != old for new, old in zip(expanded, corpus.table().column("text").to_pylist())) > 3
