@@ -1,32 +1,27 @@
-"""Pseudo-query generators on plain arguments (passage ids and texts, a model path, a folder for
-shards): no refs, config or stage runtime. The ``generate_queries`` stage calls them; its module doc
-says what each source is and where it comes from.
+"""Pseudo-query generators on plain arguments (passage ids and texts, a model path, row positions):
+no refs, config or stage runtime. The ``generate_queries`` stage calls them; its module doc says what
+each source is and where it comes from.
 
 - A seq2seq query generator (docT5query): ``load_generator``; ``BatchGenerator`` samples in batches
-  and halves the batch on out-of-memory; ``generate_sharded`` runs it over a corpus in shards kept
-  in a folder, so an interrupted run resumes at the first unfinished shard.
-- Model-free: ``ict_queries`` (a random sentence) and ``crop_queries`` (a random span).
+  and halves the batch on out-of-memory; ``generate_batches`` runs it over a run of corpus rows in
+  batches that start at multiples of the batch size in the whole corpus, each seeded from the seed and
+  its batch number, so that a passage's queries do not depend on how the corpus was sharded.
+- Model-free: ``ict_queries`` (a random sentence) and ``crop_queries`` (a random span), seeded per passage.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-import os
 import random
 import re
-import tempfile
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from irflow.text import passage_text
 
 log = logging.getLogger("irflow.generate_queries")  # the stage's logger: its lines read as they did
-
-SHARD_SCHEMA = pa.schema([("query_id", pa.string()), ("doc_id", pa.string()), ("text", pa.string())])
 
 
 def _passage_rng(seed: int, doc_id: str) -> random.Random:
@@ -161,10 +156,10 @@ def _clean(q: str) -> str:
     return " ".join(q.split())
 
 
-def generate_shard(generator: BatchGenerator, doc_ids: list[str], texts: list[str], n: int, max_rounds: int,
-                   bar=None, id_tag: str = "q") -> dict[str, list]:
+def generate_passages(generator: BatchGenerator, doc_ids: list[str], texts: list[str], n: int, max_rounds: int,
+                      bar=None, id_tag: str = "q") -> tuple[dict[str, list], int]:
     """``n`` distinct non-empty queries per passage where sampling allows it, with ids
-    ``<doc_id>-<id_tag><j>``.
+    ``<doc_id>-<id_tag><j>``; and how many passages were left with fewer.
 
     Sampling can repeat itself or stop at once (an empty query); those are dropped, and passages left
     short get up to ``max_rounds - 1`` more rounds of sampling for the missing ones only.
@@ -183,59 +178,50 @@ def generate_shard(generator: BatchGenerator, doc_ids: list[str], texts: list[st
             if len(kept[i]) < n:
                 still.append(i)
         todo = still
-    if todo:
-        log.info("generate_queries: %d passage(s) have fewer than %d distinct queries after %d rounds",
-                 len(todo), n, max_rounds)
     out: dict[str, list] = {"query_id": [], "doc_id": [], "text": []}
     for doc_id, qs in zip(doc_ids, kept):
         for j, q in enumerate(qs):
             out["query_id"].append(f"{doc_id}-{id_tag}{j}")
             out["doc_id"].append(doc_id)
             out["text"].append(q)
-    return out
+    return out, len(todo)
 
 
-def _shard_path(shard_dir: Path, index: int) -> Path:
-    return shard_dir / f"shard-{index:06d}.parquet"
+def batch_seed(seed: int, batch: int) -> int:
+    """torch's seed for batch number ``batch`` of the whole corpus (its rows [batch * size, (batch + 1) *
+    size)): a function of the seed and the batch only, never of the shard the batch is computed in."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{batch}".encode()).digest()[:8], "little") >> 1
 
 
-def _write_shard(shard_dir: Path, index: int, rows: dict[str, list]) -> Path:
-    """Write a finished shard atomically: a shard file that exists is complete."""
-    path = _shard_path(shard_dir, index)
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(pa.table(rows, schema=SHARD_SCHEMA), tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def generate_sharded(generator: BatchGenerator, doc_ids: list[str], titles: list[str], bodies: list[str], n: int,
-                     *, shard_dir: Path | None, shard_size: int, seed: int, max_rounds: int, id_tag: str = "q"
-                     ) -> pa.Table:
-    """``generate_shard`` over the passages (``title + " " + text``) in shards of ``shard_size``, each
-    written to ``shard_dir`` when finished; shards found there are not generated again. Without a
-    ``shard_dir`` (nothing to resume from) a temporary folder holds them. Returns every shard's rows
-    (query_id, doc_id, text), in corpus order."""
-    if shard_dir is None:
-        with tempfile.TemporaryDirectory(prefix="irflow-generate-") as tmp:
-            return generate_sharded(generator, doc_ids, titles, bodies, n, shard_dir=Path(tmp), shard_size=shard_size,
-                                    seed=seed, max_rounds=max_rounds, id_tag=id_tag)
+def generate_batches(generator: BatchGenerator, doc_ids: list[str], titles: list[str], bodies: list[str], n: int,
+                     *, first_row: int, batch_size: int, seed: int, max_rounds: int, id_tag: str = "q"
+                     ) -> dict[str, list]:
+    """``generate_passages`` over passages (``title + " " + text``) that are the corpus's rows
+    [first_row, first_row + len(doc_ids)), batch by batch: batch k is the corpus's rows [k * batch_size,
+    (k + 1) * batch_size) (cut to the rows given), torch is seeded with ``batch_seed(seed, k)`` before
+    it, and its passages left short are sampled again within the batch. Sampling draws depend on the
+    seed and on which passages share a batch (on a given device): so a passage's queries are the same
+    whether the corpus is generated whole or in shards, provided each shard starts at a multiple of
+    ``batch_size`` (the stage asks the runner for that). An out-of-memory halving (``BatchGenerator``)
+    changes the draws from the batch it happens in on. Returns (query_id, doc_id, text) lists, in
+    corpus order."""
     import torch
 
-    shard_dir = Path(shard_dir)
-    num_shards = (len(doc_ids) + shard_size - 1) // shard_size
-    done = {i for i in range(num_shards) if _shard_path(shard_dir, i).exists()}
-    if done:
-        log.info("generate_queries: resuming, %d of %d shard(s) already done", len(done), num_shards)
+    out: dict[str, list] = {"query_id": [], "doc_id": [], "text": []}
+    short = 0
+    lo = 0
     with tqdm(total=len(doc_ids), desc=f"generate queries (n={n})", unit=" passages") as bar:
-        bar.update(sum(min(shard_size, len(doc_ids) - i * shard_size) for i in done))
-        for index in range(num_shards):
-            if index in done:
-                continue
-            lo, hi = index * shard_size, min(len(doc_ids), (index + 1) * shard_size)
-            # Re-seeded per shard: a shard generated after a restart equals the one an
-            # uninterrupted run would have produced (same device, same batch size).
-            torch.manual_seed(seed * 1_000_003 + index)
+        while lo < len(doc_ids):
+            k = (first_row + lo) // batch_size
+            hi = min(len(doc_ids), (k + 1) * batch_size - first_row)
+            torch.manual_seed(batch_seed(seed, k))
             texts = [passage_text(t, x) for t, x in zip(titles[lo:hi], bodies[lo:hi])]
-            rows = generate_shard(generator, doc_ids[lo:hi], texts, n, max_rounds, bar, id_tag)
-            _write_shard(shard_dir, index, rows)
-    return pa.concat_tables([pq.read_table(_shard_path(shard_dir, i)) for i in range(num_shards)])
+            rows, left = generate_passages(generator, doc_ids[lo:hi], texts, n, max_rounds, bar, id_tag)
+            for c in out:
+                out[c].extend(rows[c])
+            short += left
+            lo = hi
+    if short:
+        log.info("generate_queries: %d passage(s) have fewer than %d distinct queries after %d rounds",
+                 short, n, max_rounds)
+    return out

@@ -1,24 +1,35 @@
 """Sharded stages: one stage computed as row-range shards of one input, then assembled.
 
-A stage declared with ``shard="corpus"`` (encode_corpus) or ``shard="queries"`` (the searches and
-the cross-encoder scorers) is a map over that input's rows: rows [a, b) of the input give rows of the
-output that depend on nothing else in the input, in the input's order. The runner then computes it as
-shards of ``runtime.shard_rows`` input rows:
+A stage declared with ``shard="corpus"`` (encode_corpus, generate_queries, doc2query_expand) or
+``shard="queries"`` (the searches and the cross-encoder scorers) is a map over that input's rows:
+rows [a, b) of the input give rows of each output that depend on nothing else in the input, in the
+input's order. The runner then computes it as shards of ``runtime.shard_rows`` input rows:
 
-- each shard reads only its row range (``DatasetRef.slice``: the Parquet row groups that hold it) and
-  writes its part, validated against the output's contract, into ``<store>/partial/<stage key>/``
-  (written to a temporary name, then renamed: a part is whole or absent);
-- a part already there is reused, so a run killed mid-stage resumes with the missing shards only;
+- each shard reads only its row range (``DatasetRef.slice``: the Parquet row groups that hold it; the
+  slice still knows where it starts in the whole table and the whole table's row count, for a stage
+  whose rows depend on them: ``DatasetRef.row_offset``, ``DatasetRef.total_rows``) and writes one part
+  per output, validated against that output's contract, into ``<store>/partial/<stage key>/``:
+  ``part-<a>-<b>.parquet`` for a stage with one output, ``part-<a>-<b>.<output>.parquet`` for each
+  output of a stage with several (generate_queries: queries and qrels). Each part is written to a
+  temporary name, then renamed (a part is whole or absent), and a shard is done when all its parts are;
+- a shard already done is reused, so a run killed mid-stage resumes with the missing shards only;
+- a stage may ask for shard boundaries on multiples of ``align`` rows (``stage(shard_align=...)``, a
+  function of its params): generate_queries with t5 samples in batches that start at multiples of its
+  batch size, so that no batch straddles two shards; ``shard_rows`` is then rounded up to a multiple;
+- a stage may be sharded for some params only (``stage(shard_when=...)``): generate_queries'
+  ``unlabelled`` source reads the dataset's queries, not the corpus, and is computed whole;
 - with ``runtime.executor: ray`` the shards are Prefect tasks on the flow's ``RayTaskRunner`` (they
   return a small record, never a table: Ray keeps returned objects in the driver, prefect-ray#93);
   with ``local`` they run here, one after another;
-- the parts are assembled, in order and streaming, into one table with fixed row groups
+- each output's parts are assembled, in order and streaming, into one table with fixed row groups
   (``irflow.store.write_parts``): the same rows give the same bytes and the same content id whether
-  they came in 1 shard or 100, so everything downstream stays cached.
+  they came in 1 shard or 100, so everything downstream stays cached. Every output is assembled and
+  checked before any is published.
 
 A shard that raises is retried once (Prefect's retry, on Ray); if it fails again, or its worker is
 lost, the stage fails naming the shard's row range and nothing is published: the finished parts stay,
-and the next run computes only the missing ones.
+and the next run computes only the missing ones. A user error a shard raises (a model that cannot be
+loaded, data that cannot support the params) fails the stage as that error, as it would unsharded.
 The key of a sharded stage is the key of the whole stage: shard_rows, the executor and the workers
 are runtime, never keyed.
 """
@@ -61,21 +72,37 @@ class ShardJob:
     role: str  # the sharded input
     params: Params
     inputs: dict
-    part: str  # where the part goes
+    parts: dict[str, str]  # output -> where its part goes
     runtime: RuntimeConfig
     threads: int
 
 
-def plan(num_rows: int, shard_rows: int) -> list[tuple[int, int]]:
-    """Row ranges [start, stop) of ``shard_rows`` rows (the last one shorter); one empty range for an
-    empty input, so that the stage still runs once and says what it thinks of empty input."""
+def aligned(shard_rows: int, align: int = 1) -> int:
+    """``shard_rows`` rounded up to a multiple of ``align``."""
+    align = max(1, int(align))
+    return -(-shard_rows // align) * align
+
+
+def plan(num_rows: int, shard_rows: int, align: int = 1) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of ``shard_rows`` rows, rounded up to a multiple of ``align`` (the last
+    one shorter); one empty range for an empty input, so that the stage still runs once and says what it
+    thinks of empty input."""
     if num_rows == 0:
         return [(0, 0)]
-    return [(a, min(a + shard_rows, num_rows)) for a in range(0, num_rows, shard_rows)]
+    rows = aligned(shard_rows, align)
+    return [(a, min(a + rows, num_rows)) for a in range(0, num_rows, rows)]
 
 
-def part_name(start: int, stop: int) -> str:
-    return f"part-{start:012d}-{stop:012d}.parquet"
+def part_name(start: int, stop: int, output: str | None = None) -> str:
+    """The part of rows [start, stop): of the stage's only output, or of ``output`` among several."""
+    return f"part-{start:012d}-{stop:012d}{'.' + output if output else ''}.parquet"
+
+
+def part_names(stage, start: int, stop: int) -> dict[str, str]:
+    """output name -> its part's file name, for one shard of ``stage`` (one part per output)."""
+    if len(stage.outputs) == 1:
+        return {stage.outputs[0].name: part_name(start, stop)}
+    return {o.name: part_name(start, stop, o.name) for o in stage.outputs}
 
 
 def run_shard(job: ShardJob) -> dict:
@@ -87,25 +114,41 @@ def run_shard(job: ShardJob) -> dict:
 
     stage = getattr(importlib.import_module(job.module), job.attr)
     t0 = time.perf_counter()
-    part = Path(job.part)
-    workdir = part.parent / f".work-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    parts = {name: Path(p) for name, p in job.parts.items()}
+    folder = next(iter(parts.values())).parent
+    workdir = folder / f".work-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     workdir.mkdir(parents=True)
+    tmps: dict[str, Path] = {}
     try:
         rt = replace(stage_runtime(job.runtime, stage.work, workdir), threads=job.threads)
         inputs = {**job.inputs, job.role: job.inputs[job.role].slice(job.start, job.stop)}
         with torch_threads(rt.threads) if stage.work else contextlib.nullcontext():
             result = stage.fn(job.params, rt, **inputs)
         check_interrupted()
-        if isinstance(result, dict):
-            result = result[stage.outputs[0].name]
-        tmp = part.with_name(f".{part.name}.{os.getpid()}.tmp")
-        # Conformed and checked as the whole output will be -- except that a shard may be empty (a
-        # query shard none of whose queries is judged); the assembled output is checked whole.
-        empty = isinstance(result, pa.Table) and result.num_rows == 0
-        rows = write_parts(stage.outputs[0].contract, [result], tmp, check=not empty)
-        os.replace(tmp, part)  # whole or absent: a killed shard leaves no part
+        if not isinstance(result, dict):
+            result = {stage.outputs[0].name: result}
+        missing = [o.name for o in stage.outputs if o.name not in result]
+        if missing:
+            raise RuntimeError(f"stage {stage.name} did not return outputs {missing}")
+        rows = {}
+        # Every output's part is written and checked before any is renamed into place.
+        for o in stage.outputs:
+            value = result[o.name]
+            tmps[o.name] = parts[o.name].with_name(f".{parts[o.name].name}.{os.getpid()}.tmp")
+            # Conformed and checked as the whole output will be -- except that a shard may be empty (a
+            # query shard none of whose queries is judged); the assembled output is checked whole.
+            empty = isinstance(value, pa.Table) and value.num_rows == 0
+            rows[o.name] = write_parts(o.contract, [value], tmps[o.name], check=not empty)
+        # Whole or absent: a killed shard leaves no part, or (killed between two renames) some of its
+        # parts only, and a shard counts as done only when all of its parts are there.
+        for name, tmp in tmps.items():
+            os.replace(tmp, parts[name])
     finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
         shutil.rmtree(workdir, ignore_errors=True)
+    if len(rows) == 1:
+        rows = next(iter(rows.values()))
     return {"index": job.index, "rows": [job.start, job.stop], "output_rows": rows, "host": socket.gethostname(),
             "pid": os.getpid(), "device": rt.device, "seconds": round(time.perf_counter() - t0, 3),
             "status": "computed"}
@@ -134,27 +177,36 @@ def per_worker(key: Any, make: Callable[[], Any]) -> Any:
 
 # ---- running every shard of a stage ---------------------------------------------------------------
 class ShardFailed(RuntimeError):
-    pass
+    """A shard failed; ``cause`` is what it raised (a user error is reported as the stage's own)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
 
 
 def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeConfig, resume_dir: Path,
             ) -> list[dict]:
-    """Every shard's part in ``resume_dir`` (computing the missing ones); their records, in order."""
+    """Every shard's parts in ``resume_dir`` (computing the missing ones); their records, in order."""
     role = stage.shard
-    ranges = plan(inputs[role].num_rows(), runtime.shard_rows)
+    align = stage.shard_align(params) if stage.shard_align else 1
+    shard_rows = aligned(runtime.shard_rows, align)
+    if shard_rows != runtime.shard_rows:
+        log.info("%s: shard_rows %d rounded up to %d, a multiple of %d (shards start on the stage's batch "
+                 "boundaries)", label, runtime.shard_rows, shard_rows, align)
+    ranges = plan(inputs[role].num_rows(), shard_rows)
     records: list[dict | None] = [None] * len(ranges)
     jobs = []
     for i, (a, b) in enumerate(ranges):
-        part = resume_dir / part_name(a, b)
-        if part.exists():
+        parts = {name: str(resume_dir / f) for name, f in part_names(stage, a, b).items()}
+        if all(Path(p).exists() for p in parts.values()):
             records[i] = {"index": i, "rows": [a, b], "host": None, "pid": None, "device": None, "seconds": 0.0,
                           "status": "resumed"}
             continue
-        jobs.append(ShardJob(stage.fn.__module__, stage.fn.__name__, label, i, a, b, role, params, inputs, str(part),
+        jobs.append(ShardJob(stage.fn.__module__, stage.fn.__name__, label, i, a, b, role, params, inputs, parts,
                              runtime, worker_threads(runtime)))
     if len(ranges) > 1 or runtime.executor == "ray":
         log.info("%s: %d shard(s) of %d %s rows (%d to compute, %d resumed), executor %s", label, len(ranges),
-                 runtime.shard_rows, role, len(jobs), len(ranges) - len(jobs), runtime.executor)
+                 shard_rows, role, len(jobs), len(ranges) - len(jobs), runtime.executor)
     if runtime.executor == "ray" and jobs:
         done = _on_ray(stage, jobs, runtime)
     else:
@@ -175,7 +227,7 @@ def _here(jobs: list[ShardJob]) -> list[dict]:
                 done.append(run_shard(job))
             except Exception as e:
                 raise ShardFailed(f"shard {job.index} (rows {job.start}-{job.stop} of {job.role}) failed: "
-                                  f"{type(e).__name__}: {e}") from e
+                                  f"{type(e).__name__}: {e}", e) from e
         return done
     finally:
         _KEEPING -= 1
@@ -239,5 +291,5 @@ def _on_ray(stage, jobs: list[ShardJob], runtime: RuntimeConfig) -> list[dict]:
         job, e = failed[0]
         raise ShardFailed(f"shard {job.index} (rows {job.start}-{job.stop} of {job.role}) failed: "
                           f"{type(e).__name__}: {e}" + (f" ({len(failed) - 1} more shard(s) failed)"
-                                                        if len(failed) > 1 else "")) from e
+                                                        if len(failed) > 1 else ""), e) from e
     return done

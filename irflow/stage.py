@@ -138,9 +138,12 @@ class Stage:
     """A declared stage (see the module doc)."""
 
     def __init__(self, fn: Callable, name: str, version: str, outputs: list[Output], work: str | None,
-                 resumable: bool, shard: str | None = None):
+                 resumable: bool, shard: str | None = None, shard_when: Callable[[Params], bool] | None = None,
+                 shard_align: Callable[[Params], int] | None = None):
         self.fn = fn
         self.shard = shard
+        self.shard_when = shard_when
+        self.shard_align = shard_align
         self.name = name
         self.version = version
         self.outputs = outputs
@@ -161,9 +164,10 @@ class Stage:
         kw = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
         self.required_inputs = {p.name for p in kw if p.default is inspect.Parameter.empty}
         self.optional_inputs = {p.name for p in kw if p.default is not inspect.Parameter.empty}
-        if shard is not None and (shard not in self.required_inputs or len(outputs) != 1
-                                  or outputs[0].kind != "table"):
-            raise TypeError(f"stage {name}: shard= names a required input of a stage with one table output")
+        if shard is not None and (shard not in self.required_inputs or any(o.kind != "table" for o in outputs)):
+            raise TypeError(f"stage {name}: shard= names a required input of a stage whose outputs are tables")
+        if shard is None and (shard_when or shard_align):
+            raise TypeError(f"stage {name}: shard_when= and shard_align= need shard=")
 
     def run_name(self, tag: str | None) -> str:
         """The name of one call in a run: ``bm25_search[flat]`` (the tag tells calls apart)."""
@@ -301,8 +305,12 @@ class Stage:
                     raise StageFailed(stage_label, DataError(
                         f"input {role} {ref.id} is {problem}; it was set aside, run again to recompute it"))
 
+    def sharded(self, params: Params) -> bool:
+        """Whether these params are computed in shards (``shard``, and ``shard_when`` says yes)."""
+        return bool(self.shard) and (self.shard_when is None or bool(self.shard_when(params)))
+
     def _compute(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
-        if self.shard:
+        if self.sharded(params):
             return self._compute_shards(run, store, catalog, key, params, inputs, stage_label)
         workdir = store.staging_dir()
         resume_dir = None
@@ -371,8 +379,10 @@ class Stage:
         return {name: p[0] for name, p in published.items()}, provenance
 
     def _compute_shards(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
-        """A sharded stage (see irflow.shards): parts into partial/<key>, assembled, published."""
+        """A sharded stage (see irflow.shards): parts into partial/<key>, each output assembled from its
+        parts, then published (every output assembled and checked before any is published)."""
         from irflow import shards
+        from irflow.errors import UserError
 
         parts_dir = store.root / "partial" / key
         parts_dir.mkdir(parents=True, exist_ok=True)
@@ -383,19 +393,29 @@ class Stage:
             records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir)
         except shards.ShardFailed as e:
             check_interrupted()
+            # A user error (a model that cannot be loaded, data that cannot support the params) is the
+            # stage's, as unsharded: the CLI says it in one line; the shard's rows are in the log.
+            if isinstance(e.cause, UserError):
+                log.error("%s: %s", stage_label, e)
+                raise StageFailed(stage_label, e.cause) from e
             raise StageFailed(stage_label, e) from e
         check_interrupted()
-        o = self.outputs[0]
-        staging = store.staging_dir()
+        staged: dict[str, tuple[Path, int]] = {}
         try:
-            rows = write_parts(o.contract, [parts_dir / shards.part_name(*r["rows"]) for r in records],
-                               staging / TABLE_FILE)
-            size = tree_size(staging)
-            ref = store.publish(_ds_name(self, o), o.kind, o.contract, staging)
+            for o in self.outputs:
+                staging = store.staging_dir()
+                staged[o.name] = (staging, 0)
+                files = [parts_dir / shards.part_names(self, *r["rows"])[o.name] for r in records]
+                staged[o.name] = (staging, write_parts(o.contract, files, staging / TABLE_FILE))
+            published: dict[str, tuple[DatasetRef, int | None, int]] = {}
+            for o in self.outputs:
+                staging, rows = staged[o.name]
+                size = tree_size(staging)
+                published[o.name] = (store.publish(_ds_name(self, o), o.kind, o.contract, staging), rows, size)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            for staging, _ in staged.values():
+                shutil.rmtree(staging, ignore_errors=True)
             raise
-        published = {o.name: (ref, rows, size)}
         provenance = {**rt.provenance(), "executor": run.runtime.executor, "shard_rows": run.runtime.shard_rows,
                       "shards": len(records)}
         parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
@@ -404,7 +424,7 @@ class Stage:
                                runtime=provenance)
         catalog.record_shards(run.run_id, stage_label, key, records)
         remove_tree(parts_dir)
-        return {o.name: ref}, provenance
+        return {name: p[0] for name, p in published.items()}, provenance
 
     # -- Prefect --------------------------------------------------------------------------
     @property
@@ -465,19 +485,25 @@ def _ds_name(stage: Stage, o: Output) -> str:
 
 
 def stage(name: str, version: str, outputs: list[Output] | Output, *, work: str | None = None,
-          resumable: bool = False, shard: str | None = None) -> Callable[[Callable], Stage]:
+          resumable: bool = False, shard: str | None = None, shard_when: Callable[[Params], bool] | None = None,
+          shard_align: Callable[[Params], int] | None = None) -> Callable[[Callable], Stage]:
     """Declare a stage: ``@stage("bm25_search", version="1", outputs=Output("run", "run"))``.
 
     ``work`` is the kind of work it does on a device (encode, score, generate, train; None for
     CPU-only stages): it picks the runtime's device and precision. ``resumable`` gives it a
     ``rt.resume_dir`` that survives a crash. Bump ``version`` whenever a change to the code changes
     what the stage outputs. ``shard`` names the input it maps over, row range by row range
-    (``irflow.shards``): the stage's output rows for input rows [a, b) must depend on no other row of
-    that input and come in its order.
+    (``irflow.shards``): each output's rows for input rows [a, b) must depend on no other row of that
+    input and come in its order (a shard's slice still says where it starts and how many rows the whole
+    input has: ``DatasetRef.row_offset``, ``DatasetRef.total_rows``). Every output of a sharded stage is
+    a table; each shard writes one part per output. ``shard_when(params)``: whether these params are
+    sharded (False: the stage is computed whole, e.g. a source that does not read that input);
+    ``shard_align(params)``: shards start at multiples of that many rows (``runtime.shard_rows`` is
+    rounded up to one), e.g. the stage's batch size when a batch's result depends on the batch.
     """
     outs = [outputs] if isinstance(outputs, Output) else list(outputs)
 
     def wrap(fn: Callable) -> Stage:
-        return Stage(fn, name, version, outs, work, resumable, shard)
+        return Stage(fn, name, version, outs, work, resumable, shard, shard_when, shard_align)
 
     return wrap

@@ -70,8 +70,20 @@ class DatasetRef:
             return self.rows[1] - self.rows[0]
         return pq.ParquetFile(self.parquet).metadata.num_rows
 
+    def total_rows(self) -> int:
+        """Rows of the whole table, even for a shard's view (a stage whose output depends on the size of
+        its whole input, e.g. generate_queries' ``queries_per_passage: auto``): the Parquet footer."""
+        return pq.ParquetFile(self.parquet).metadata.num_rows
+
+    @property
+    def row_offset(self) -> int:
+        """Where this view's rows start in the whole table: 0, or a shard's first row (a stage whose
+        output depends on a row's position, e.g. t5 generation's per-batch seeds)."""
+        return self.rows[0] if self.rows is not None else 0
+
     def slice(self, start: int, stop: int) -> "DatasetRef":
-        """This table's rows [start, stop) as a ref of its own (what one shard of a stage reads)."""
+        """This table's rows [start, stop) as a ref of its own (what one shard of a stage reads); it
+        keeps ``row_offset`` (``start``) and ``total_rows()`` (the whole table's)."""
         return replace(self, rows=(start, stop))
 
     def table(self, columns: list[str] | None = None) -> pa.Table:

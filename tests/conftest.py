@@ -56,7 +56,7 @@ def gpl_sample(tmp_path_factory, shared_datasets, prefect_harness):
         "flow": "gpl",
         "dataset": {"name": "slice", "source": str(data), "split": "test"},
         "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
-                     "max_length": 12, "shard_size": 32},
+                     "max_length": 12},
         "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
                  "depth": 10},
         "teacher": {"type": "cross_encoder", "model": str(ce_a), "batch_size": 16, "max_length": 64},

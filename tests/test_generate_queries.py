@@ -2,7 +2,11 @@
 
 Params are typed: a source's settings are validated when its params model is built (a bad value is a
 pydantic ValidationError before any stage runs); the generator is an input ref (``model``), keyed by
-its weights; device, precision and threads come from the run's runtime and are not keyed."""
+its weights; device, precision and threads come from the run's runtime and are not keyed.
+
+Both stages are sharded by corpus (irflow.shards): shards of a few passages give the same datasets
+(same ids) as one shard -- t5 too, its shards rounded up to whole batches --, ``queries_per_passage:
+auto`` counts the whole corpus, and a failed shard leaves the others' parts for the next run."""
 
 from __future__ import annotations
 
@@ -52,12 +56,16 @@ def data(tmp_path_factory):
 
 def t5_params(**kw) -> T5Source:
     return T5Source(**{"source": "t5", "queries_per_passage": N_QPP, "max_length": 8, "max_input_length": 64,
-                       "batch_size": 4, "shard_size": 4, "seed": 7, **kw})
+                       "batch_size": 4, "seed": 7, **kw})
 
 
 # One intra-op thread (on a busy shared CPU it avoids OpenMP spin-waiting) and a fixed device: the
 # sampled queries depend on the device, and "auto" would pick a GPU where there is one.
 RUNTIME = RuntimeConfig(device="cpu", threads=1)
+
+
+def sharded(rows: int) -> RuntimeConfig:
+    return RUNTIME.model_copy(update={"shard_rows": rows})
 
 
 def run_gq(data, store: str, params, run_id: str = "r", runtime=RUNTIME, **inputs):
@@ -135,25 +143,53 @@ def test_t5_second_run_is_cached(data, baseline, tmp_path):
     assert out["queries"].id != baseline["refs"]["queries"].id
 
 
-def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
-    params = t5_params()
-    real_write, real_generate = generation._write_shard, generation._generate_batch
-    written = []
+def ids(out) -> dict[str, str]:
+    """Output name -> dataset id (a content id: the same in any store)."""
+    return {k: r.id for k, r in out.items()}
 
-    def write_then_crash(resume_dir, index, rows):
-        real_write(resume_dir, index, rows)
-        written.append(index)
-        raise RuntimeError("simulated crash after the first shard")
 
-    monkeypatch.setattr(generation, "_write_shard", write_then_crash)
-    with pytest.raises(StageFailed, match="simulated crash") as e:
-        run_gq(data, "store-resume", params)
-    assert e.value.stage == "generate_queries[t5]" and isinstance(e.value.cause, RuntimeError)
-    assert not e.value.user_error
-    assert written == [0]
-    store = data["root"] / "store-resume"
+def last_shards(ctx) -> list[dict]:
+    """The shards of the run's last stage call, as the catalog recorded them."""
+    return ctx.catalog.stage_runs(ctx.run_id)[-1]["shards"]
+
+
+def test_t5_shards_give_the_same_datasets_as_one_shard(data, baseline, caplog):
+    """shard_rows 3 with batch_size 4: rounded up to 4 (shards never split a batch), 3 shards of the 10
+    passages; every sampled query is the one the unsharded run drew (same ids, queries and qrels)."""
+    assert [s["rows"] for s in baseline["ctx"].catalog.stage_runs("r")[0]["shards"]] == [[0, N_T5_DOCS]]
+    with caplog.at_level("INFO", logger="irflow.shards"):
+        ctx, out = run_gq(data, "store-t5-sharded", t5_params(), runtime=sharded(3))
+    assert "shard_rows 3 rounded up to 4, a multiple of 4" in caplog.text
+    assert [s["rows"] for s in last_shards(ctx)] == [[0, 4], [4, 8], [8, 10]]
+    assert {s["status"] for s in last_shards(ctx)} == {"computed"}
+    assert ids(out) == ids(baseline["refs"])  # queries and qrels: same bytes, same content ids
+    assert not any((data["root"] / "store-t5-sharded" / "partial").iterdir())  # parts removed once published
+
+
+def test_t5_failed_shard_then_only_missing_shards_run(data, baseline, monkeypatch):
+    """A shard that fails fails the stage naming its rows and publishes nothing; the finished shards'
+    parts (one per output) stay, and the next run computes only the shards without all their parts."""
+    from irflow import shards
+
+    params, store = t5_params(), data["root"] / "store-resume"
+    real_shard, real_generate = shards.run_shard, generation._generate_batch
+
+    def fail_third(job):
+        if job.index == 2:
+            raise RuntimeError("simulated crash in shard 2")
+        return real_shard(job)
+
+    monkeypatch.setattr(shards, "run_shard", fail_third)
+    with pytest.raises(StageFailed, match=r"shard 2 \(rows 8-10 of corpus\) failed: RuntimeError: simulated crash") as e:
+        run_gq(data, "store-resume", params, runtime=sharded(4))
+    assert e.value.stage == "generate_queries[t5]" and not e.value.user_error
+    assert not any(d.name.startswith(("queries-", "qrels-")) for d in (store / "objects").iterdir())
     partial = list((store / "partial").iterdir())
-    assert len(partial) == 1 and [p.name for p in partial[0].iterdir()] == ["shard-000000.parquet"]
+    assert len(partial) == 1
+    parts = {shards.part_name(a, b, o) for a, b in ((0, 4), (4, 8)) for o in ("queries", "qrels")}
+    assert {p.name for p in partial[0].iterdir()} == parts
+    # a shard killed between its two renames has one part only: it is not done, and computed again
+    (partial[0] / shards.part_name(4, 8, "qrels")).unlink()
 
     seen_texts: list[str] = []
 
@@ -161,16 +197,16 @@ def test_t5_resume_skips_finished_shards(data, baseline, monkeypatch):
         seen_texts.extend(texts)
         return real_generate(model, tokenizer, texts, n, gen, device)
 
-    monkeypatch.setattr(generation, "_write_shard", real_write)
+    monkeypatch.setattr(shards, "run_shard", real_shard)
     monkeypatch.setattr(generation, "_generate_batch", recording_generate)
-    _, out = run_gq(data, "store-resume", params)
+    ctx, out = run_gq(data, "store-resume", params, run_id="rerun", runtime=sharded(4))
+    assert [s["status"] for s in last_shards(ctx)] == ["resumed", "computed", "computed"]
     corpus = data["t5_corpus"].table()
     texts = [passage_text(t, x) for t, x in zip(corpus.column("title").to_pylist(), corpus.column("text").to_pylist())]
-    shard_size = params.shard_size
-    assert not set(texts[:shard_size]) & set(seen_texts), "shard 0 was generated again"
-    assert set(texts[shard_size:]) <= set(seen_texts)
-    # the resumed result equals an uninterrupted run's, and the partial shards are gone
-    assert out["queries"].table().equals(baseline["queries"])
+    assert not set(texts[:4]) & set(seen_texts), "shard 0 was generated again"
+    assert set(texts[4:]) <= set(seen_texts)
+    # the resumed result equals an uninterrupted (and unsharded) run's, and the parts are gone
+    assert ids(out) == ids(baseline["refs"])
     assert not any((store / "partial").iterdir())
 
 
@@ -187,7 +223,7 @@ def test_t5_oom_halves_the_batch_and_retries(data, monkeypatch):
         return real_generate(model, tokenizer, texts, n, gen, device)
 
     monkeypatch.setattr(generation, "_generate_batch", oom_above_two)
-    _, out = run_gq(data, "store-oom", t5_params(batch_size=8, shard_size=100))
+    _, out = run_gq(data, "store-oom", t5_params(batch_size=8))
     assert sizes[:3] == [8, 4, 2]
     assert all(s <= 2 for s in sizes[3:])  # the halved size is kept for the rest of the run
     n_docs = N_T5_DOCS
@@ -324,6 +360,47 @@ def test_crop_queries_are_spans_of_the_configured_length(data):
     assert len(set(q_text)) == queries.num_rows
 
 
+@pytest.mark.parametrize("params", [ICTSource(source="ict", queries_per_passage=2, seed=3),
+                                    CropSource(source="crop", queries_per_passage=3, seed=3)], ids=["ict", "crop"])
+def test_model_free_shards_give_the_same_datasets_as_one_shard(data, params):
+    tag = params.source
+    whole_ctx, whole = run_gq(data, f"store-{tag}-whole", params)
+    assert len(last_shards(whole_ctx)) == 1
+    ctx, out = run_gq(data, f"store-{tag}-sharded", params, runtime=sharded(3))
+    n = data["corpus"].num_rows
+    assert [s["rows"] for s in last_shards(ctx)] == [[a, min(a + 3, n)] for a in range(0, n, 3)]  # no rounding
+    assert ids(out) == ids(whole) and out["queries"].table().num_rows > n  # queries and qrels
+
+
+def test_auto_queries_per_passage_counts_the_whole_corpus_in_shards(data, baseline, monkeypatch):
+    """``auto`` is round(total / |C|) with |C| the whole corpus, not a shard: with ``total`` set to twice
+    the corpus size, 2 queries per passage in shards of 3 passages too (a shard's size would give 7)."""
+    monkeypatch.setattr(gq, "GPL_TOTAL_QUERIES", 2 * data["corpus"].num_rows)
+    params = CropSource(source="crop", queries_per_passage="auto", seed=3)
+    _, whole = run_gq(data, "store-auto-whole", params)
+    _, out = run_gq(data, "store-auto-sharded", params, runtime=sharded(3))
+    assert ids(out) == ids(whole)
+    per_doc: dict[str, int] = {}
+    for doc in out["qrels"].table().column("doc_id").to_pylist():
+        per_doc[doc] = per_doc.get(doc, 0) + 1
+    assert set(per_doc.values()) == {2} and len(per_doc) == data["corpus"].num_rows
+    # t5: 2 per passage of the 10, in shards of 4: the very datasets of the baseline's explicit 2
+    monkeypatch.setattr(gq, "GPL_TOTAL_QUERIES", 2 * N_T5_DOCS)
+    _, t5 = run_gq(data, "store-auto-t5", t5_params(queries_per_passage="auto"), runtime=sharded(4))
+    assert ids(t5) == ids(baseline["refs"])
+
+
+def test_unlabelled_is_not_sharded(data):
+    """unlabelled reads the dataset's queries, not the corpus: computed whole whatever shard_rows says."""
+    refs = data["refs"]
+    params = UnlabelledSource(source="unlabelled", split="train")
+    _, whole = run_gq(data, "store-unlabelled-whole", params, queries=refs["queries"], qrels=refs["qrels"])
+    ctx, out = run_gq(data, "store-unlabelled-sharded", params, runtime=sharded(2), queries=refs["queries"],
+                      qrels=refs["qrels"])
+    assert ctx.catalog.stage_runs(ctx.run_id)[-1]["status"] == "computed" and last_shards(ctx) == []
+    assert ids(out) == ids(whole) and out["queries"].table().num_rows == 5
+
+
 @pytest.mark.parametrize("ratio", [[0.6, 0.2], [0.0, 0.5], [0.1, 1.5]], ids=["reversed", "zero", "above-1"])
 def test_crop_ratio_is_validated(ratio):
     with pytest.raises(ValidationError, match="crop_ratio must be"):
@@ -426,3 +503,19 @@ def test_doc2query_stage_expands_every_passage(data, baseline):
         assert new == f"{text} {q_by_doc[doc][0]}"
     with pytest.raises(ValidationError, match="max_queries"):
         Doc2QueryParams(max_queries=0)
+
+
+def test_doc2query_shards_give_the_same_corpus_as_one_shard(data):
+    """doc2query_expand in shards of 3 passages (each reading the queries whole) gives the expanded corpus
+    of one shard, byte for byte (all queries, and at most one per passage)."""
+    _, gen = run_gq(data, "store-mf", ICTSource(source="ict", queries_per_passage=2, seed=3))
+    corpus = data["refs"]["corpus"]
+    for params in (Doc2QueryParams(), Doc2QueryParams(max_queries=1)):
+        whole_ctx = Run(str(data["root"] / "store-d2q-whole"), "r", runtime=RUNTIME)
+        whole = doc2query_expand.run(whole_ctx, params, corpus=corpus, queries=gen["queries"], qrels=gen["qrels"])
+        ctx = Run(str(data["root"] / "store-d2q-sharded"), "r", runtime=sharded(3))
+        out = doc2query_expand.run(ctx, params, corpus=corpus, queries=gen["queries"], qrels=gen["qrels"])
+        assert len(last_shards(ctx)) == -(-corpus.num_rows() // 3) > 5 and len(last_shards(whole_ctx)) == 1
+        assert out.id == whole.id
+        expanded = out.table().column("text").to_pylist()
+        assert sum(new != old for new, old in zip(expanded, corpus.table().column("text").to_pylist())) > 3

@@ -103,6 +103,10 @@ def test_gpl_slice_on_ray_equals_the_local_run(data):
     sharded_stages = {s.name for s in sharded.stages if len(s.shards) > 1}
     assert "bm25_search[miner-bm25]" in sharded_stages  # the generated queries, in shards of 16
     assert any(n.startswith("encode_corpus") for n in sharded_stages)
+    # T5 generation too, in shards of 16 passages (whole batches of 16) on the Ray workers: its queries
+    # and qrels (and so everything after them) are the ones generated unsharded here
+    gen = sharded.stage("generate_queries[t5]")
+    assert len(gen.shards) > 1 and os.getpid() not in {s["pid"] for s in gen.shards}
     assert ids(sharded) == ids(local)
     for a, b in zip(sharded.metrics, local.metrics):
         assert a["system"] == b["system"] and round(a["ndcg@10"], 4) == round(b["ndcg@10"], 4)

@@ -113,3 +113,18 @@ def test_parts_assemble_to_the_bytes_of_one_table(tmp_path, monkeypatch):
             write_parts("run", [table.slice(a, b - a)], files[-1])
         assert write_parts("run", files, tmp_path / "out.parquet") == n
         assert (tmp_path / "out.parquet").read_bytes() == expected, cuts
+
+
+def test_plan_rounds_shard_rows_up_to_the_stages_alignment_and_names_a_part_per_output():
+    from irflow.tasks.dense import encode_corpus
+    from irflow.tasks.generate_queries import generate_queries
+
+    assert shards.plan(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert shards.plan(10, 3, align=4) == [(0, 4), (4, 8), (8, 10)]  # whole batches of 4
+    assert shards.plan(10, 8, align=4) == [(0, 8), (8, 10)] and shards.plan(0, 3, align=4) == [(0, 0)]
+    # one output: the part names of before; several: one part per output, a shard done when all are there
+    assert shards.part_names(encode_corpus, 0, 5) == {"embeddings": "part-000000000000-000000000005.parquet"}
+    assert shards.part_name(0, 5) == "part-000000000000-000000000005.parquet"
+    assert shards.part_names(generate_queries, 0, 5) == {
+        "queries": "part-000000000000-000000000005.queries.parquet",
+        "qrels": "part-000000000000-000000000005.qrels.parquet"}

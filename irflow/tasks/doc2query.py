@@ -5,6 +5,11 @@ Nogueira, Yang, Lin & Cho (2019), "Document Expansion by Query Prediction", and 
 to the passage's text, then index the expanded corpus with BM25. The expansion adds the words users
 would search with (and re-weights the passage's own salient words), so it is a strong sparse
 baseline built from the same generated queries a GPL student trains on.
+
+The stage is sharded by corpus (``irflow.shards``): each shard of ``runtime.shard_rows`` passages is
+expanded on its own, reading the generated queries and qrels whole (they are small next to a shard of
+passages) and keeping the judgements of its own passages only; a passage's expansion depends on its own
+queries alone, so the expanded corpus is the same, byte for byte, for any shards.
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ def _expand(con, corpus: pa.Table, queries: pa.Table, qrels: pa.Table, separator
     con.register("qn", queries.select(["query_id", "text"]).append_column(
         "qpos", pa.array(range(queries.num_rows), pa.int64())))
     con.register("r", qrels.select(["query_id", "doc_id", "score"]))
+    # Only the judgements of these passages (a shard's): the others' expansions would be dropped anyway.
     limit = f"WHERE k <= {int(max_queries)}" if max_queries else ""
     return con.sql(f"""
         WITH pairs AS (SELECT DISTINCT r.doc_id, qn.text, qn.qpos
-                       FROM r JOIN qn USING (query_id) WHERE r.score > 0),
+                       FROM r JOIN qn USING (query_id)
+                       WHERE r.score > 0 AND r.doc_id IN (SELECT doc_id FROM cn)),
              ranked AS (SELECT *, row_number() OVER (PARTITION BY doc_id ORDER BY qpos) AS k FROM pairs),
              exp AS (SELECT doc_id, string_agg(text, ? ORDER BY qpos) AS expansion FROM ranked {limit} GROUP BY doc_id)
         SELECT cn.doc_id, cn.title,
@@ -56,9 +63,11 @@ def _expand(con, corpus: pa.Table, queries: pa.Table, qrels: pa.Table, separator
     """, params=[separator, separator]).to_arrow_table()
 
 
-@stage("doc2query_expand", version="1", outputs=Output("corpus", "corpus"))
+# version 1 still: sharding (and reading only a shard's judgements) changes no output byte
+@stage("doc2query_expand", version="1", outputs=Output("corpus", "corpus"), shard="corpus")
 def doc2query_expand(p: Doc2QueryParams, rt: StageRuntime, *, corpus: DatasetRef, queries: DatasetRef,
                      qrels: DatasetRef) -> pa.Table:
     """Expanded corpus (doc2query): the corpus, with the generated ``queries`` whose ``qrels`` point to a
-    passage appended to it. Index the result with ``bm25_index`` for the docT5query baseline."""
+    passage appended to it. Index the result with ``bm25_index`` for the docT5query baseline. Computed in
+    shards of the corpus (see the module doc)."""
     return expand_corpus(corpus.table(), queries.table(), qrels.table(), p.separator, p.max_queries)

@@ -18,6 +18,15 @@ Outputs: ``queries`` and ``qrels``. For the three generating sources each query 
 (``split="generated"``, ``score=1``) pointing to the passage it came from. ``unlabelled`` queries
 have no known positive, so their qrels table is empty (but valid).
 
+Sharding (``irflow.shards``): t5, ict and crop are maps over the corpus, computed in shards of
+``runtime.shard_rows`` passages (parts of both outputs in ``partial/<key>``, resumed after a kill, run on
+Ray workers with ``runtime.executor: ray``), and their outputs do not depend on the shards: ict and crop
+seed per passage; t5 samples in batches that start at multiples of ``batch_size`` in the whole corpus,
+each seeded from (seed, batch number), and the stage asks for shards that start on those batches (the
+runner rounds ``shard_rows`` up to a multiple of ``batch_size``). ``queries_per_passage: auto`` counts
+the whole corpus, not the shard. ``unlabelled`` is no map over the corpus (it reads the dataset's
+queries): it is computed whole, unsharded (``shard_when``).
+
 Measured on SciFact: ICT and cropping queries are too easy -- the source passage is BM25's top-1 for
 99.5% (ICT) and 97.4% (cropping) of them -- and a student trained on them barely moves; real
 unlabelled in-domain queries did move it (+0.044 nDCG@10).
@@ -59,10 +68,12 @@ class T5Source(Params):
     max_length: PositiveInt = Field(64, description="most tokens per generated query")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
     sample_top_k: PositiveInt = Field(25, description="sample among the k most likely tokens")
-    batch_size: PositiveInt = Field(32, description="passages per generation batch (halved on out-of-memory)")
-    shard_size: PositiveInt = Field(10_000, description="passages per resumable shard")
-    max_rounds: PositiveInt = Field(3, description="sampling rounds to replace empty or repeated queries")
-    seed: int = Field(42, description="sampling seed (re-seeded per shard)")
+    batch_size: PositiveInt = Field(32, description="passages per generation batch (halved on out-of-memory); "
+                                                    "batches start at its multiples and are seeded one by one, "
+                                                    "so the draws depend on it")
+    max_rounds: PositiveInt = Field(3, description="sampling rounds to replace empty or repeated queries (within "
+                                                   "a batch)")
+    seed: int = Field(42, description="sampling seed (re-seeded per batch, from the seed and the batch number)")
 
 
 class ICTSource(Params):
@@ -123,10 +134,18 @@ def _outputs(queries: dict[str, list], with_qrels: bool) -> dict[str, pa.Table]:
     return {"queries": q, "qrels": qrels}
 
 
+def _none_produced(corpus: DatasetRef, what: str) -> None:
+    """No query from these passages: a DataError when they are the whole corpus. A shard may have none
+    (passages of one sentence); the assembled ``queries`` output is then checked whole (not empty)."""
+    if corpus.num_rows() == corpus.total_rows():
+        raise DataError(what)
+
+
 # ---- ict / crop -------------------------------------------------------------------------------
-def _model_free(corpus: pa.Table, p: ICTSource | CropSource) -> dict[str, pa.Table]:
+def _model_free(corpus_ref: DatasetRef, p: ICTSource | CropSource) -> dict[str, pa.Table]:
     source = p.source
-    n = queries_per_passage(p.queries_per_passage, corpus.num_rows)
+    corpus = corpus_ref.table()
+    n = queries_per_passage(p.queries_per_passage, corpus_ref.total_rows())  # the whole corpus, not the shard
     seed, min_words = p.seed, p.min_words
     tag = ID_TAGS[source]
     out: dict[str, list] = {"query_id": [], "doc_id": [], "text": []}
@@ -142,7 +161,7 @@ def _model_free(corpus: pa.Table, p: ICTSource | CropSource) -> dict[str, pa.Tab
             out["doc_id"].append(doc_id)
             out["text"].append(q)
     if not out["query_id"]:
-        raise DataError(f"source '{source}' produced no query from {corpus.num_rows} passages")
+        _none_produced(corpus_ref, f"source '{source}' produced no query from {corpus.num_rows} passages")
     return _outputs(out, with_qrels=True)
 
 
@@ -166,26 +185,41 @@ def _unlabelled(queries, qrels, p: UnlabelledSource) -> dict[str, pa.Table]:
 
 
 # ---- t5 ---------------------------------------------------------------------------------------
-def _t5(corpus: pa.Table, p: T5Source, model: DatasetRef, rt: StageRuntime) -> dict[str, pa.Table]:
-    n = queries_per_passage(p.queries_per_passage, corpus.num_rows)
+def _t5(corpus_ref: DatasetRef, p: T5Source, model: DatasetRef, rt: StageRuntime) -> dict[str, pa.Table]:
+    from irflow.shards import per_worker
+
+    corpus = corpus_ref.table()
+    n = queries_per_passage(p.queries_per_passage, corpus_ref.total_rows())  # the whole corpus, not the shard
     gen = {"max_input_length": p.max_input_length, "max_length": p.max_length, "top_p": p.top_p,
            "sample_top_k": p.sample_top_k}
-    tokenizer, generator_model = generation.load_generator(model.path, rt.device, model.name)
+    # Loaded once per worker process (or once per stage when its shards run here), not once per shard.
+    tokenizer, generator_model = per_worker(("t5", model.path, rt.device),
+                                            lambda: generation.load_generator(model.path, rt.device, model.name))
     generator = generation.BatchGenerator(generator_model, tokenizer, gen, rt.device, p.batch_size, rt.autocast)
-    # Without a resume dir (``generate_queries.fn(p, StageRuntime(), ...)``, outside a Run) the shards
-    # go to a temporary folder: nothing to resume from.
-    table = generation.generate_sharded(
+    rows = generation.generate_batches(
         generator, corpus.column("doc_id").to_pylist(), corpus.column("title").to_pylist(),
-        corpus.column("text").to_pylist(), n, shard_dir=rt.resume_dir, shard_size=p.shard_size, seed=p.seed,
-        max_rounds=p.max_rounds, id_tag=ID_TAGS["t5"])
-    if table.num_rows == 0:
-        raise DataError("the generator produced no (non-empty) query")
-    return _outputs({c: table.column(c).to_pylist() for c in ("query_id", "doc_id", "text")}, with_qrels=True)
+        corpus.column("text").to_pylist(), n, first_row=corpus_ref.row_offset, batch_size=p.batch_size,
+        seed=p.seed, max_rounds=p.max_rounds, id_tag=ID_TAGS["t5"])
+    if not rows["query_id"]:
+        _none_produced(corpus_ref, "the generator produced no (non-empty) query")
+    return _outputs(rows, with_qrels=True)
 
 
 # ---- the stage --------------------------------------------------------------------------------
-@stage("generate_queries", version="2", outputs=[Output("queries", "queries"), Output("qrels", "qrels")],
-       work="generate", resumable=True)
+def _maps_the_corpus(p) -> bool:
+    """Sharded by corpus unless the source is ``unlabelled``: it reads the dataset's queries, not the
+    corpus, so it is computed whole (one call; shards of the corpus would have nothing to split)."""
+    return not isinstance(p, UnlabelledSource)
+
+
+def _batch_rows(p) -> int:
+    """Shards start at multiples of t5's batch size: a batch never straddles two shards (its draws
+    depend on its passages), so the output is the same for any ``shard_rows``."""
+    return p.batch_size if isinstance(p, T5Source) else 1
+
+
+@stage("generate_queries", version="3", outputs=[Output("queries", "queries"), Output("qrels", "qrels")],
+       work="generate", shard="corpus", shard_when=_maps_the_corpus, shard_align=_batch_rows)
 def generate_queries(p: GenerateParams, rt: StageRuntime, *, corpus: DatasetRef, queries: DatasetRef | None = None,
                      qrels: DatasetRef | None = None, model: DatasetRef | None = None) -> dict[str, pa.Table]:
     """Pseudo-queries for the corpus (see the module doc for the sources and papers).
@@ -193,16 +227,15 @@ def generate_queries(p: GenerateParams, rt: StageRuntime, *, corpus: DatasetRef,
     Inputs: ``corpus``; ``model`` (t5: the seq2seq generator); ``queries`` and ``qrels`` (unlabelled:
     the dataset's own, to pick the split's query texts).
 
-    The t5 source is sharded: each finished shard of ``shard_size`` passages is kept in the stage's
-    resume dir and skipped when an interrupted run is started again with the same key. Output is
-    deterministic for a seed on a given device and batch size (sampling draws depend on both; an
-    out-of-memory halving of the batch changes the draws of the shard it happens in).
+    t5, ict and crop are computed in shards of the corpus (``runtime.shard_rows`` passages; a shard
+    finished before a run was killed is not computed again), with the same output for any shards. t5's
+    output is deterministic for a seed on a given device and batch size (sampling draws depend on both;
+    an out-of-memory halving of the batch changes the draws from the batch it happens in on).
     """
     if isinstance(p, UnlabelledSource):
         return _unlabelled(queries, qrels, p)
-    table = corpus.table()
     if isinstance(p, T5Source):
         if model is None:
             raise ValueError("generate_queries: source 't5' needs the model input (the query generator)")
-        return _t5(table, p, model, rt)
-    return _model_free(table, p)
+        return _t5(corpus, p, model, rt)
+    return _model_free(corpus, p)
