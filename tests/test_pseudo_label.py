@@ -4,7 +4,6 @@ scale, the teacher's scoring in shards -- on a real SciFact slice."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,29 +22,12 @@ from irflow.tasks.fuse import FuseParams, fuse
 from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelParams,
                                        LabelScoresParams, PseudoLabelParams, build_triples, fusion_scores,
                                        label_positives, label_scores, pseudo_label, to_table)
-from irflow.testing import SHARED_DATASETS
+from irflow.testing import SHARED_DATASETS, lexical_run
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
 
 # ---- fixtures: a real slice, generated queries, two miners ----------------------------------------
-def _words(s: str) -> set[str]:
-    return {w for w in re.findall(r"[a-z0-9]+", s.lower()) if len(w) > 3}
-
-
-def lexical_run(queries: dict, docs: dict, system: str, top_k: int) -> pa.Table:
-    """A word-overlap ranking, standing in for BM25 (keeps the test free of the JVM)."""
-    rows = {"query_id": [], "doc_id": [], "rank": [], "score": [], "system": []}
-    dw = {d: _words(t) for d, t in docs.items()}
-    for q, text in queries.items():
-        qw = _words(text)
-        scored = sorted(((len(qw & w) + 1e-3 * len(w) ** 0.5, d) for d, w in dw.items()), key=lambda x: (-x[0], x[1]))
-        for r, (s, d) in enumerate(scored[:top_k], start=1):
-            rows["query_id"].append(q), rows["doc_id"].append(d), rows["rank"].append(r)
-            rows["score"].append(s), rows["system"].append(system)
-    return pa.table({**rows, "rank": pa.array(rows["rank"], pa.int32()), "score": pa.array(rows["score"], pa.float32())})
-
-
 def dense_run(model_path: str, queries: dict, docs: dict, system: str, top_k: int) -> pa.Table:
     from sentence_transformers import SentenceTransformer
 

@@ -266,7 +266,8 @@ CANDIDATE_SCORES = Contract(
      check_no_duplicate_pairs("query_id", "doc_id")),
     "A teacher's raw scores of a retriever's top candidates per labelled query: rank in the retriever's "
     "list (0: a judged positive the retriever did not return), the raw score (a logit, a fused score), "
-    "and whether the pair is a judged positive. What denoising thresholds, once calibrated.",
+    "and whether the pair is a judged positive. What denoising thresholds, once calibrated; for unlabelled "
+    "queries (augmentation) the top candidates only, none positive.",
 )
 
 TEACHER_SCORES = Contract(
