@@ -73,7 +73,7 @@ def bench_dataset(ds: str, store: str) -> dict:
             batch = s["params"]["batch_size"]
             derived[f"{key}_training_examples_per_s"] = round(steps * batch / s["seconds"], 2)
             derived[f"{key}_seconds_per_step"] = round(s["seconds"] / steps, 2)
-    pl = by_name.get("pseudo_label")
+    pl = by_name.get("label_scores")  # the teacher's scoring (pseudo_label then only scales)
     if pl and pl["num_rows"] and pl["status"] == "computed":
         derived["teacher_pairs_scored_per_s"] = round(2 * pl["num_rows"] / pl["seconds"], 1)
     metrics = {m["system"]: m for m in result["metrics"]}

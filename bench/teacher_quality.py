@@ -12,7 +12,7 @@ Teacher variants (same candidates):
 - `pipeline`: the pipeline's fusion teacher -- ``irflow.fusion.fuse_runs`` over the two miners' runs
   with the run's ``FusionSettings`` (method, rrf_k, depth; by default z-scores over each miner's
   list, a candidate missing from a list gets that list's per-query minimum), scoring exactly the
-  candidate pairs, as ``pseudo_label`` does; the BM25 weight is varied with --alphas;
+  candidate pairs, as ``label_scores`` does; the BM25 weight is varied with --alphas;
 - `exact`: every candidate scored by both retrievers (cosine from the miner's corpus embeddings with
   the query encoded as ``dense_search`` encodes it; BM25 from a deeper search, 0 where the term match
   is below its depth), z-scores over the candidates;
@@ -122,8 +122,10 @@ def main() -> None:
     [labels_id] = [json.loads(o)["pseudo_labels"] for (o,) in con.execute(
         "SELECT outputs FROM stage_runs WHERE run_id = ? AND stage = 'pseudo_label'", [run_id]).fetchall()]
     cfg = json.loads(con.execute("SELECT config FROM runs WHERE run_id = ?", [run_id]).fetchone()[0])
-    label_params = params_of(con, labels_id)
-    inputs = parents(con, labels_id)
+    # the teacher and its runs are label_scores' (the scores the labels were scaled from)
+    scores_id = next(p for r, p, _ in parents(con, labels_id) if r == "scores")
+    label_params = params_of(con, scores_id)
+    inputs = parents(con, scores_id)
     queries_id = next(p for r, p, _ in inputs if r == "queries")
     corpus_id = next(p for r, p, _ in inputs if r == "corpus")
     runs = {s: p for r, p, s in inputs if r in ("teacher_rankings", "teacher_runs")}

@@ -35,7 +35,9 @@ class StageFailed(Exception):
 
     @property
     def user_error(self) -> bool:
-        return isinstance(self.cause, UserError)
+        # A sharded stage's failure names the shard (irflow.shards.ShardFailed) and carries what the
+        # stage raised as its cause: a shard refusing the data is the stage refusing it.
+        return isinstance(self.cause, UserError) or isinstance(self.cause.__cause__, UserError)
 
     def one_line(self) -> str:
         if self.user_error:

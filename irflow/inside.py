@@ -7,7 +7,8 @@ returns ``[(title, html)]``: the PNGs of ``irflow.plots`` inlined as base64 ``<i
 one-line caption of what it shows and its numbers. Sections, when the run has what they read:
 
 - training losses: every trainer's ``training_losses`` (loss and learning rate per step);
-- GPL's teacher: the distribution of the pseudo-label margins (``pseudo_labels``);
+- GPL's teacher: the distribution of the pseudo-label margins (``pseudo_labels``; the teacher is named
+  by the params of the ``label_scores`` they were scaled from);
 - RocketQA's teachers: probabilities by rank bucket and what denoising dropped or kept, per
   ``denoise`` call (its ``scores`` and ``audit`` outputs).
 
@@ -52,6 +53,17 @@ def _table(store: Store, row: dict) -> pa.Table:
 
 def _params(row: dict) -> dict:
     return json.loads(row.get("params") or "{}")
+
+
+def _labelling_params(catalog: Catalog, row: dict) -> dict:
+    """The params of a ``pseudo_labels`` dataset (its scale) and of the teacher's scores it was made from
+    (``label_scores``: the teacher): GPL's labelling is two stages."""
+    params = {}
+    for role, parent in catalog.parents(row["dataset_id"]):
+        scores = catalog.dataset(parent) if role == "scores" else None
+        if scores is not None:
+            params.update(_params(scores))
+    return {**params, **_params(row)}
 
 
 # Numbers in captions and tables: 4 significant digits (a tiny model's margins are ~1e-5, not 0.0000).
@@ -127,7 +139,7 @@ def inside_sections(catalog: Catalog, store: Store, run_id: str) -> list[tuple[s
         by_contract = {row["contract"]: row for row in outs.values()}
         if "pseudo_labels" in by_contract:
             row = by_contract["pseudo_labels"]
-            sections.append(margins_section(label, _table(store, row), _params(row)))
+            sections.append(margins_section(label, _table(store, row), _labelling_params(catalog, row)))
         if "denoise_audit" in by_contract and "teacher_scores" in by_contract:
             audit = by_contract["denoise_audit"]
             sections.append(denoise_section(label, _table(store, by_contract["teacher_scores"]), _table(store, audit),

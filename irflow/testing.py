@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import zipfile
 from pathlib import Path
+
+import pyarrow as pa
 
 from irflow.models import minilm_path
 
@@ -163,6 +166,23 @@ def ingest_folder(run, source, dangling_qrels: str = "drop") -> dict:
 
     ref = run.external(source_ref(str(source), None, run.store.root / "downloads"), {"source": str(source)})
     return ingest_beir.run(run, IngestParams(dangling_qrels=dangling_qrels), source=ref)
+
+
+def _words(s: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z0-9]+", s.lower()) if len(w) > 3}
+
+
+def lexical_run(queries: dict[str, str], docs: dict[str, str], system: str, top_k: int) -> pa.Table:
+    """A word-overlap ranking (a ``run`` table), standing in for BM25 in tests (keeps them free of the JVM)."""
+    rows = {"query_id": [], "doc_id": [], "rank": [], "score": [], "system": []}
+    dw = {d: _words(t) for d, t in docs.items()}
+    for q, text in queries.items():
+        qw = _words(text)
+        scored = sorted(((len(qw & w) + 1e-3 * len(w) ** 0.5, d) for d, w in dw.items()), key=lambda x: (-x[0], x[1]))
+        for r, (s, d) in enumerate(scored[:top_k], start=1):
+            rows["query_id"].append(q), rows["doc_id"].append(d), rows["rank"].append(r)
+            rows["score"].append(s), rows["system"].append(system)
+    return pa.table({**rows, "rank": pa.array(rows["rank"], pa.int32()), "score": pa.array(rows["score"], pa.float32())})
 
 
 def model(run, path) -> "object":

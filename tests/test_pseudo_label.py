@@ -1,9 +1,9 @@
-"""pseudo_label: cross-encoder and fusion teachers, sampling, margin scale -- on a real SciFact slice."""
+"""GPL's labelling (label_scores, then pseudo_label): cross-encoder and fusion teachers, sampling, margin
+scale, the teacher's scoring in shards -- on a real SciFact slice."""
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,31 +19,15 @@ from irflow.fusion import fuse_runs
 from irflow.runtime import RuntimeConfig, StageRuntime
 from irflow.stage import Run
 from irflow.tasks.fuse import FuseParams, fuse
-from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, PseudoLabelParams,
-                                       build_triples, fusion_scores, label_positives, pseudo_label)
-from irflow.testing import SHARED_DATASETS
+from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelParams,
+                                       LabelScoresParams, PseudoLabelParams, build_triples, fusion_scores,
+                                       label_positives, label_scores, pseudo_label, to_table)
+from irflow.testing import SHARED_DATASETS, lexical_run
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
 
 # ---- fixtures: a real slice, generated queries, two miners ----------------------------------------
-def _words(s: str) -> set[str]:
-    return {w for w in re.findall(r"[a-z0-9]+", s.lower()) if len(w) > 3}
-
-
-def lexical_run(queries: dict, docs: dict, system: str, top_k: int) -> pa.Table:
-    """A word-overlap ranking, standing in for BM25 (keeps the test free of the JVM)."""
-    rows = {"query_id": [], "doc_id": [], "rank": [], "score": [], "system": []}
-    dw = {d: _words(t) for d, t in docs.items()}
-    for q, text in queries.items():
-        qw = _words(text)
-        scored = sorted(((len(qw & w) + 1e-3 * len(w) ** 0.5, d) for d, w in dw.items()), key=lambda x: (-x[0], x[1]))
-        for r, (s, d) in enumerate(scored[:top_k], start=1):
-            rows["query_id"].append(q), rows["doc_id"].append(d), rows["rank"].append(r)
-            rows["score"].append(s), rows["system"].append(system)
-    return pa.table({**rows, "rank": pa.array(rows["rank"], pa.int32()), "score": pa.array(rows["score"], pa.float32())})
-
-
 def dense_run(model_path: str, queries: dict, docs: dict, system: str, top_k: int) -> pa.Table:
     from sentence_transformers import SentenceTransformer
 
@@ -117,6 +101,22 @@ def _qrels_inputs(env) -> dict:
     return dict(queries=env["queries"], corpus=env["corpus"], qrels=env["qrels"], negatives=env["negatives"])
 
 
+def _label(run: Run, params: dict, tag: str | None = None, *, student=None, **inputs):
+    """Both stages, as the GPL recipe calls them: the teacher's scores of the triples, then the labels."""
+    p = LabelParams.model_validate(params)
+    scores = label_scores.run(run, p.to(LabelScoresParams), tag=tag, **inputs)
+    return pseudo_label.run(run, p.to(PseudoLabelParams), tag=tag, scores=scores, queries=inputs["queries"],
+                            corpus=inputs["corpus"], student=student)
+
+
+def _scores_params(params: dict) -> LabelScoresParams:
+    return LabelParams.model_validate(params).to(LabelScoresParams)
+
+
+def _label_params(params: dict) -> PseudoLabelParams:
+    return LabelParams.model_validate(params).to(PseudoLabelParams)
+
+
 def _direct_logits(model_path, pairs, max_length=128):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -153,7 +153,7 @@ def test_cross_encoder_scores_are_raw_logits(env):
 def test_cross_encoder_teacher_stage(env):
     run = env["run"]
     inputs = _qrels_inputs(env)
-    ref = pseudo_label.run(run, _ce_params(), tag="ce", teacher=env["ce_ref"], **inputs)
+    ref = _label(run, _ce_params(), tag="ce", teacher=env["ce_ref"], **inputs)
     t = ref.table()
     assert t.num_rows > 0
     margin = t.column("margin").to_numpy()
@@ -188,7 +188,7 @@ def test_cross_encoder_teacher_stage(env):
     fusion = {"type": "fusion"}
 
     def triples(**kw):
-        p = PseudoLabelParams.model_validate(_ce_params(teacher=fusion, **kw))
+        p = LabelParams.model_validate(_ce_params(teacher=fusion, **kw))
         return build_triples(p, StageRuntime(), tabs["queries"], tabs["corpus"], qrels=tabs["qrels"],
                              negatives=tabs["negatives"], runs=[env["lex_run"].table()])["triples"]
 
@@ -197,46 +197,60 @@ def test_cross_encoder_teacher_stage(env):
     assert a != c
     # ... and on the order of the negatives table
     shuffled = tabs["negatives"].take(pa.array(np.random.default_rng(0).permutation(tabs["negatives"].num_rows)))
-    p = PseudoLabelParams.model_validate(_ce_params(teacher=fusion))
+    p = LabelParams.model_validate(_ce_params(teacher=fusion))
     assert build_triples(p, StageRuntime(), tabs["queries"], tabs["corpus"], qrels=tabs["qrels"], negatives=shuffled,
                          runs=[env["lex_run"].table()])["triples"] == a
 
     # The second call is a cache hit: same dataset, nothing recomputed.
     run2 = Run(run.store_root, "run-2")
-    assert pseudo_label.run(run2, _ce_params(), tag="ce", teacher=env["ce_ref"], **inputs).id == ref.id
-    assert _statuses(run2) == ["cached"]
+    assert _label(run2, _ce_params(), tag="ce", teacher=env["ce_ref"], **inputs).id == ref.id
+    assert _statuses(run2) == ["cached", "cached"]
     # the teacher's max_length is part of what is computed (and keyed)
-    shorter = pseudo_label.run(run2, _ce_params(teacher={"type": "cross_encoder", "batch_size": 4, "max_length": 16}),
-                               tag="ce", teacher=env["ce_ref"], **inputs)
-    assert shorter.id != ref.id and _statuses(run2) == ["cached", "computed"]
+    shorter = _label(run2, _ce_params(teacher={"type": "cross_encoder", "batch_size": 4, "max_length": 16}),
+                     tag="ce", teacher=env["ce_ref"], **inputs)
+    assert shorter.id != ref.id and _statuses(run2) == ["cached", "cached", "computed", "computed"]
 
 
 def test_teacher_inputs_are_checked(env):
     inputs = _qrels_inputs(env)
     with pytest.raises(ValueError, match="needs the teacher input"):
-        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params()), StageRuntime(), **inputs)
+        label_scores.fn(_scores_params(_ce_params()), StageRuntime(), **inputs)
     with pytest.raises(ValueError, match="needs the teacher_rankings input"):
-        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"})), StageRuntime(),
-                        **inputs)
+        label_scores.fn(_scores_params(_ce_params(teacher={"type": "fusion"})), StageRuntime(), **inputs)
+    fused = label_scores.run(env["run"], _scores_params(_ce_params(teacher={"type": "fusion"})), tag="checked",
+                             teacher_rankings=[env["lex_run"]], **inputs)
     with pytest.raises(ValueError, match="needs the student input"):
-        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"},
-                                                                    scale={"similarity": "cos"})),
-                        StageRuntime(), teacher_rankings=[env["lex_run"]], **inputs)
+        pseudo_label.fn(_label_params(_ce_params(teacher={"type": "fusion"}, scale={"similarity": "cos"})),
+                        StageRuntime(), scores=fused, queries=env["queries"], corpus=env["corpus"])
     with pytest.raises(ValueError, match="needs the qrels and negatives"):
-        pseudo_label.fn(PseudoLabelParams.model_validate(_ce_params()), StageRuntime(), queries=env["queries"],
-                        corpus=env["corpus"], teacher=env["ce_ref"])
-    # a split without positives is a user error, named
+        label_scores.fn(_scores_params(_ce_params()), StageRuntime(), queries=env["queries"], corpus=env["corpus"],
+                        teacher=env["ce_ref"])
+    # a split without positives is a user error, named (raised in a shard of label_scores: still the user's)
     with pytest.raises(StageFailed, match="no positive qrels in split 'train'") as e:
-        pseudo_label.run(env["run"], _ce_params(split="train"), teacher=env["ce_ref"], **inputs)
-    assert e.value.user_error
+        _label(env["run"], _ce_params(split="train"), teacher=env["ce_ref"], **inputs)
+    assert e.value.user_error and e.value.stage == "label_scores"
+    # no triples at all (no negatives from the miners named): the scores are empty, the labels refuse them
+    nobody = _ce_params(teacher={"type": "fusion"}, miners=["nobody"])
+    empty = label_scores.run(env["run"], _scores_params(nobody), tag="nobody", teacher_rankings=[env["lex_run"]],
+                             **inputs)
+    assert empty.table().num_rows == 0
+    with pytest.raises(StageFailed, match="no training triples could be built") as e:
+        pseudo_label.run(env["run"], _label_params(nobody), tag="nobody", scores=empty, queries=env["queries"],
+                         corpus=env["corpus"])
+    assert e.value.user_error and e.value.stage == "pseudo_label[nobody]"
 
 
 def test_pseudo_label_params_are_validated():
-    p = PseudoLabelParams(teacher={"type": "fusion"})
+    p = LabelParams(teacher={"type": "fusion"})
     assert isinstance(p.teacher, FusionTeacher) and p.scale is None and p.negatives_per_positive == 1
-    assert isinstance(PseudoLabelParams(teacher={"type": "cross_encoder"}).teacher, CrossEncoderTeacher)
-    assert isinstance(PseudoLabelParams(teacher={"type": "fusion"}, scale={"similarity": "dot"}).scale, AutoScale)
-    assert PseudoLabelParams(teacher={"type": "fusion"}, scale=0.5).scale == 0.5
+    assert isinstance(LabelParams(teacher={"type": "cross_encoder"}).teacher, CrossEncoderTeacher)
+    assert isinstance(LabelParams(teacher={"type": "fusion"}, scale={"similarity": "dot"}).scale, AutoScale)
+    assert LabelParams(teacher={"type": "fusion"}, scale=0.5).scale == 0.5
+    # each stage gets its own part: the teacher scores, the scale labels
+    assert set(LabelScoresParams.model_fields) == set(LabelParams.model_fields) - {"scale", "scale_sample"}
+    assert set(PseudoLabelParams.model_fields) == {"scale", "scale_sample", "seed"}
+    with pytest.raises(ValidationError):
+        PseudoLabelParams(teacher={"type": "fusion"})
     bad = [
         {"teacher": {"type": "bm25"}},
         {"teacher": {"type": "cross_encoder", "model": "x"}},  # the model is an input, not a param
@@ -254,9 +268,9 @@ def test_pseudo_label_params_are_validated():
     ]
     for kw in bad:
         with pytest.raises(ValidationError):
-            PseudoLabelParams(**kw)
+            LabelParams(**kw)
     with pytest.raises(ValidationError, match="rank 1 is the positive"):
-        PseudoLabelParams(teacher={"type": "fusion"}, rank_range=(1, 5))
+        LabelParams(teacher={"type": "fusion"}, rank_range=(1, 5))
 
 
 def _run(system, q, docs_scores):
@@ -311,7 +325,7 @@ def test_teacher_top1_on_unlabelled_queries(env):
     params = {"teacher": {"type": "fusion", "method": "zscore", "weights": weights},
               "positive": "teacher_top1", "rank_range": [3, 6], "negatives_per_positive": 2, "seed": 1, "scale": None}
     runs = [env["lex_run"], env["dense_run"]]
-    ref = pseudo_label.run(run, params, tag="top1", queries=env["queries"], corpus=env["corpus"], teacher_rankings=runs)
+    ref = _label(run, params, tag="top1", queries=env["queries"], corpus=env["corpus"], teacher_rankings=runs)
     t = ref.table()
     fused = fuse_runs([r.table() for r in runs], weights=weights)
     ranked = {}
@@ -329,8 +343,8 @@ def test_teacher_top1_on_unlabelled_queries(env):
         per_q.setdefault(r["query_id"], set()).add(r["neg_doc_id"])
     assert all(len(ns) == 2 for ns in per_q.values())
     with pytest.raises(ValueError, match="reads no qrels"):
-        pseudo_label.fn(PseudoLabelParams.model_validate(params), StageRuntime(), queries=env["queries"],
-                        corpus=env["corpus"], qrels=env["qrels"], teacher_rankings=runs)
+        label_scores.fn(_scores_params(params), StageRuntime(), queries=env["queries"], corpus=env["corpus"],
+                        qrels=env["qrels"], teacher_rankings=runs)
     # label_positives: the teacher's (query, top-1) pairs as qrels of split "generated"
     qrels = label_positives.run(run, {}, pseudo_labels=ref).table()
     assert sorted(zip(qrels.column("query_id").to_pylist(), qrels.column("doc_id").to_pylist())) == sorted(
@@ -349,10 +363,10 @@ def test_fuse_stage_and_fusion_teacher_give_identical_scores(env, method, depth)
     score = {(q, d): s for q, d, s in zip(*(fused.column(c).to_pylist() for c in ("query_id", "doc_id", "score")))}
     top1 = {q: d for q, d, r in zip(*(fused.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))) if r == 1}
     teacher = {"type": "fusion", "method": method, "input_depth": depth, "weights": weights}
-    labels = pseudo_label.run(run, {"teacher": teacher, "positive": "teacher_top1", "rank_range": [2, 12],
-                                    "negatives_per_positive": 6, "seed": 0},
-                              tag=f"top1-{method}", queries=env["queries"], corpus=env["corpus"],
-                              teacher_rankings=runs).table().to_pylist()
+    labels = _label(run, {"teacher": teacher, "positive": "teacher_top1", "rank_range": [2, 12],
+                          "negatives_per_positive": 6, "seed": 0},
+                    tag=f"top1-{method}", queries=env["queries"], corpus=env["corpus"],
+                    teacher_rankings=runs).table().to_pylist()
     assert {r["query_id"] for r in labels} == set(top1)
     for r in labels:
         q = r["query_id"]
@@ -360,8 +374,8 @@ def test_fuse_stage_and_fusion_teacher_give_identical_scores(env, method, depth)
         assert r["pos_score"] == score[(q, r["pos_doc_id"])]  # float32, bit for bit
         assert r["neg_score"] == score[(q, r["neg_doc_id"])]
     # positive=qrels scores the same pairs the same way (the pairs the fused run holds)
-    qlabels = pseudo_label.run(run, {"teacher": teacher, "negatives_per_positive": 4, "seed": 0},
-                               tag=f"qrels-{method}", teacher_rankings=runs, **_qrels_inputs(env)).table().to_pylist()
+    qlabels = _label(run, {"teacher": teacher, "negatives_per_positive": 4, "seed": 0},
+                     tag=f"qrels-{method}", teacher_rankings=runs, **_qrels_inputs(env)).table().to_pylist()
     compared = 0
     for r in qlabels:
         for d, s in ((r["pos_doc_id"], r["pos_score"]), (r["neg_doc_id"], r["neg_score"])):
@@ -389,12 +403,12 @@ def test_scale_auto_matches_student_units(env):
     inputs = dict(**_qrels_inputs(env), teacher_rankings=[env["lex_run"], env["dense_run"]])
     base = {"teacher": {"type": "fusion", "method": "zscore", "weights": {"lex": 0.2, "dense": 0.8}},
             "positive": "qrels", "negatives_per_positive": 4, "seed": 3}
-    raw = pseudo_label.run(run, {**base, "scale": None}, tag="raw", **inputs).table()
-    fixed = pseudo_label.run(run, {**base, "scale": 0.5}, tag="fixed", **inputs).table()
+    raw = _label(run, {**base, "scale": None}, tag="raw", **inputs).table()
+    fixed = _label(run, {**base, "scale": 0.5}, tag="fixed", **inputs).table()
     np.testing.assert_allclose(fixed.column("margin").to_numpy(), 0.5 * raw.column("margin").to_numpy(), rtol=1e-5,
                                atol=1e-6)
-    auto = pseudo_label.run(run, {**base, "scale": {"similarity": "cos"}}, tag="auto", student=env["bi_ref"],
-                            **inputs).table()
+    auto = _label(run, {**base, "scale": {"similarity": "cos"}}, tag="auto", student=env["bi_ref"],
+                  **inputs).table()
     teacher = auto.column("margin").to_numpy().astype(np.float64)
     docs, qt = env["docs"], env["queries_text"]
     triples = [(qt[r["query_id"]], docs[r["pos_doc_id"]], docs[r["neg_doc_id"]]) for r in auto.to_pylist()]
@@ -416,22 +430,26 @@ def test_runtime_device_reaches_every_model_load(env):
     """A "meta" device cannot compute anything: a stage given one fails wherever it loads a model, which
     proves that runtime.device is what every model load uses (teacher and student alike)."""
     inputs = _qrels_inputs(env)
-    ce = PseudoLabelParams.model_validate(_ce_params())
-    auto = PseudoLabelParams.model_validate(_ce_params(teacher={"type": "fusion"}, scale={"similarity": "cos"}))
+    ce = _scores_params(_ce_params())
+    fusion = _ce_params(teacher={"type": "fusion"}, scale={"similarity": "cos"})
     runs = [env["lex_run"], env["dense_run"]]
+    scores = label_scores.run(env["run"], _scores_params(fusion), tag="fusion-meta", teacher_rankings=runs, **inputs)
+    auto, texts = _label_params(fusion), dict(queries=env["queries"], corpus=env["corpus"])
     meta = StageRuntime(device="meta")
     with pytest.raises(Exception, match="meta"):
-        pseudo_label.fn(ce, meta, teacher=env["ce_ref"], **inputs)
+        label_scores.fn(ce, meta, teacher=env["ce_ref"], **inputs)
     with pytest.raises(Exception, match="meta"):  # the fusion teacher loads nothing; the student does
-        pseudo_label.fn(auto, meta, teacher_rankings=runs, student=env["bi_ref"], **inputs)
+        pseudo_label.fn(auto, meta, scores=scores, student=env["bi_ref"], **texts)
     # the very same calls on the CPU work: the device is what failed them
-    assert pseudo_label.fn(ce, StageRuntime(device="cpu"), teacher=env["ce_ref"], **inputs).num_rows > 0
-    assert pseudo_label.fn(auto, StageRuntime(device="cpu"), teacher_rankings=runs, student=env["bi_ref"],
-                           **inputs).num_rows > 0
-    # through the runner: pseudo_label is "score" work, and the config's score device reaches it
+    assert label_scores.fn(ce, StageRuntime(device="cpu"), teacher=env["ce_ref"], **inputs).num_rows > 0
+    assert pseudo_label.fn(auto, StageRuntime(device="cpu"), scores=scores, student=env["bi_ref"], **texts).num_rows > 0
+    # through the runner: both stages are "score" work, and the config's score device reaches them
     run = Run(env["run"].store_root, "run-meta", runtime=RuntimeConfig(device={"default": "cpu", "score": "meta"}))
     with pytest.raises(StageFailed, match="meta") as e:
-        pseudo_label.run(run, _ce_params(seed=99), tag="meta", teacher=env["ce_ref"], **inputs)
+        _label(run, _ce_params(seed=99), tag="meta", teacher=env["ce_ref"], **inputs)
+    assert e.value.stage == "label_scores[meta]"
+    with pytest.raises(StageFailed, match="meta") as e:
+        pseudo_label.run(run, auto, tag="meta", scores=scores, student=env["bi_ref"], **texts)
     assert e.value.stage == "pseudo_label[meta]"
 
 
@@ -443,7 +461,7 @@ def test_teacher_max_length_default_is_written_once(monkeypatch):
 
     default = CrossEncoderTeacher.model_fields["max_length"].default
     assert default == 350
-    assert PseudoLabelParams(teacher={"type": "cross_encoder"}).teacher.max_length == default
+    assert LabelParams(teacher={"type": "cross_encoder"}).teacher.max_length == default
     assert "max_length" not in vars(gpl.CrossEncoderTeacherConfig).get("__annotations__", {})
     assert gpl.GPLConfig.model_fields["teacher"].default.max_length == default
     # a config that does not name it, through the recipe's own labelling step
@@ -456,11 +474,94 @@ def test_teacher_max_length_default_is_written_once(monkeypatch):
         def model(self, name, where):
             return f"<model {name}>"
 
+    monkeypatch.setattr(gpl, "label_scores", lambda run, p, **inputs: seen.append((p, inputs)) or "scores")
     monkeypatch.setattr(gpl, "pseudo_label", lambda run, p, **inputs: seen.append((p, inputs)))
     gpl.labelling(FakeRun(), c, {"queries": "q", "qrels": "r"}, "negatives", ["m"], "student", "corpus")
-    [(p, inputs)] = seen
-    assert type(p) is PseudoLabelParams and type(p.teacher) is CrossEncoderTeacher
+    [(p, inputs), (labels, label_inputs)] = seen
+    assert type(p) is LabelScoresParams and type(p.teacher) is CrossEncoderTeacher
+    assert type(labels) is PseudoLabelParams and label_inputs["scores"] == "scores"
     assert p.teacher.max_length == default and inputs["teacher"] == "<model some/cross-encoder>"
     # the paper config agrees with the default
     paper = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpl_scifact.yaml")
     assert paper.teacher.max_length == default
+
+
+# ---- the teacher's scoring in shards, the labels from its scores --------------------------------------
+def _fusion_top1(**kw) -> dict:
+    return {"teacher": {"type": "fusion", "method": "zscore", "weights": {"lex": 0.4, "dense": 0.6}},
+            "positive": "teacher_top1", "rank_range": [2, 8], "negatives_per_positive": 2, "seed": 5, **kw}
+
+
+@pytest.mark.parametrize("case", ["qrels-ce", "top1-fusion-auto"])
+def test_label_scores_in_shards_give_the_labels_of_one_shard_and_of_the_whole_tables(env, case):
+    """label_scores in shards of 3 queries (6 shards of the 18, some with no triple at all) publishes the
+    dataset one shard does, and so do the labels; both equal the labelling of the whole tables at once
+    (build_triples: what the single pseudo_label stage computed), rows and order included."""
+    if case == "qrels-ce":
+        params, student = _ce_params(), None
+        inputs = {**_qrels_inputs(env), "teacher": env["ce_ref"]}
+    else:  # the queries' table order (generated first) is not their id order: pseudo_label sorts
+        params, student = _fusion_top1(scale={"similarity": "cos"}, scale_sample=7), env["bi_ref"]
+        inputs = dict(queries=env["queries"], corpus=env["corpus"], negatives=env["negatives"],
+                      teacher_rankings=[env["lex_run"], env["dense_run"]])
+    # The same store, so that the inputs are the same refs; runtime is not keyed, so both are forced (one
+    # shard of 100,000 rows, then shards of 3).
+    store, forced = env["run"].store_root, {f"label_scores[{case}]"}
+    whole_run = Run(store, f"whole-{case}", force=forced)
+    whole = _label(whole_run, params, tag=case, student=student, **inputs)
+    sharded_run = Run(store, f"sharded-{case}", runtime=RuntimeConfig(shard_rows=3), force=forced)
+    sharded = _label(sharded_run, params, tag=case, student=student, **inputs)
+    one, many = (run.catalog.stage_runs(run.run_id) for run in (whole_run, sharded_run))
+    assert [len(s["shards"]) for s in one] == [1, 0] and [len(s["shards"]) for s in many] == [6, 0]
+    assert [s["status"] for s in many] == ["computed", "computed"]
+    assert [s["outputs"] for s in many] == [s["outputs"] for s in one]  # same scores id, same labels id
+    assert sharded.id == whole.id
+
+    # the labels are those of the whole tables labelled at once
+    tabs = {k: v.table() for k, v in inputs.items() if k in ("queries", "corpus", "qrels", "negatives")}
+    out = build_triples(LabelParams.model_validate(params), StageRuntime(), tabs["queries"], tabs["corpus"],
+                        qrels=tabs.get("qrels"), negatives=tabs.get("negatives"),
+                        runs=[r.table() for r in inputs.get("teacher_rankings", [])],
+                        teacher_model=inputs.get("teacher"), student_model=student)
+    labels = whole.table()
+    assert labels.equals(to_table(out["triples"], out["pos_score"], out["neg_score"], out["scale"]))
+    assert labels.column("query_id").to_pylist() == sorted(labels.column("query_id").to_pylist())
+    if case == "top1-fusion-auto":
+        assert out["scale"] != 1.0
+        order = tabs["queries"].column("query_id").to_pylist()
+        assert order != sorted(order)  # so the sort was needed
+    else:
+        # GPL's triples, written out here: per generated query (in id order) its source passage and
+        # negatives_per_positive negatives sampled (seeded per query and positive) from the miners' lists
+        from irflow.sampling import sample
+
+        negs, all_d = env["negs_t"], set(env["docs"])
+        pools = {}
+        for q, d in zip(negs.column("query_id").to_pylist(), negs.column("doc_id").to_pylist()):
+            pools.setdefault(q, set()).add(d)
+        expected = [(q, q[3:], n) for q in sorted(env["gen_q"])
+                    for n in sample([d for d in pools[q] if d != q[3:] and d in all_d], 3, 7, q, q[3:])]
+        assert list(zip(*(labels.column(c).to_pylist() for c in ("query_id", "pos_doc_id", "neg_doc_id")))) \
+            == expected
+
+
+def test_a_scale_change_relabels_without_rescoring(env):
+    """What pseudo_label decides from the teacher's scores (the scale) recomputes alone: the teacher's
+    scoring stays cached, and a scaled label is the raw one times the factor."""
+    inputs = dict(queries=env["queries"], corpus=env["corpus"], negatives=env["negatives"],
+                  teacher_rankings=[env["lex_run"], env["dense_run"]])
+    store = env["run"].store_root
+    raw = _label(Run(store, "scale-raw"), _fusion_top1(scale=None), tag="scale", **inputs)
+    run = Run(store, "scale-half")
+    half = _label(run, _fusion_top1(scale=0.5), tag="scale", **inputs)
+    assert [(s["name"], s["status"]) for s in run.catalog.stage_runs(run.run_id)] == [
+        ("label_scores[scale]", "cached"), ("pseudo_label[scale]", "computed")]
+    np.testing.assert_allclose(half.table().column("margin").to_numpy(), 0.5 * raw.table().column("margin").to_numpy(),
+                               rtol=1e-6)
+    run = Run(store, "scale-sample")
+    _label(run, _fusion_top1(scale={"similarity": "cos"}, scale_sample=5), tag="scale", student=env["bi_ref"], **inputs)
+    assert _statuses(run) == ["cached", "computed"]
+    # ... while a triples setting re-scores
+    run = Run(store, "scale-seed")
+    _label(run, _fusion_top1(scale=0.5, rank_range=[3, 8]), tag="scale", **inputs)
+    assert _statuses(run) == ["computed", "computed"]

@@ -102,6 +102,7 @@ def test_gpl_slice_on_ray_equals_the_local_run(data):
     sharded = api.run(config, RAY + ["runtime.shard_rows=16"], store=data["root"] / "gpl-ray")
     sharded_stages = {s.name for s in sharded.stages if len(s.shards) > 1}
     assert "bm25_search[miner-bm25]" in sharded_stages  # the generated queries, in shards of 16
+    assert "label_scores" in sharded_stages  # the teacher, too
     assert any(n.startswith("encode_corpus") for n in sharded_stages)
     # T5 generation too, in shards of 16 passages (whole batches of 16) on the Ray workers: its queries
     # and qrels (and so everything after them) are the ones generated unsharded here

@@ -36,8 +36,8 @@ def test_rocketqa_cold_run_every_system_then_fully_cached(setup, rocketqa_sample
         "mc-rerank"}
     names = {s.name for s in result.stages}
     for stage in ("train_dual_encoder[md0]", "dense_search[md0-train]", "train_cross_encoder", "score_candidates[ce]",
-                  "denoise[ce]", "score_candidates[fusion]", "denoise[fusion]", "augment", "train_dual_encoder[md2]",
-                  "rerank[mc]"):
+                  "denoise[ce]", "score_candidates[fusion]", "denoise[fusion]", "score_candidates[augment]", "augment",
+                  "train_dual_encoder[md2]", "rerank[mc]"):
         assert stage in names
     # M_D0's corpus embeddings are computed once: its train-query retrieval and its test run share them.
     enc = [s for s in result.stages if s.name in ("encode_corpus[md0-train]", "encode_corpus[md0]")]
@@ -48,7 +48,8 @@ def test_rocketqa_cold_run_every_system_then_fully_cached(setup, rocketqa_sample
 def test_denoise_threshold_recomputes_denoise_onward_only(setup):
     first = run(setup, "rocketqa")
     changed = run(setup, "rocketqa", "denoise.negative_threshold=0.95").computed
-    downstream = {"denoise[ce]", "denoise[fusion]", "augment", "encode_corpus[md1-augment]", "dense_search[md1-augment]"}
+    downstream = {"denoise[ce]", "denoise[fusion]", "score_candidates[augment]", "augment", "encode_corpus[md1-augment]",
+                  "dense_search[md1-augment]"}
     for name in ("md1-ce", "md1-fusion", "md2"):
         downstream |= {f"train_dual_encoder[{name}]", f"encode_corpus[{name}]", f"dense_search[{name}]",
                        f"evaluate[{name}]"}
@@ -60,11 +61,19 @@ def test_denoise_threshold_recomputes_denoise_onward_only(setup):
     assert {s.name for s in first.stages} - downstream <= run(setup, "rocketqa", "denoise.negative_threshold=0.95").cached
 
 
+def test_augment_threshold_redecides_without_rescoring(setup):
+    run(setup, "rocketqa")
+    changed = run(setup, "rocketqa", "augment.negative_threshold=0.3").computed
+    assert "augment" in changed
+    # M_C's reading of the unlabelled queries' candidates is not redone; only M_D2 can change
+    assert changed <= {"augment", "train_dual_encoder[md2]", "encode_corpus[md2]", "dense_search[md2]", "evaluate[md2]"}
+
+
 def test_cross_encoder_lr_recomputes_from_m_c_onward(setup):
     run(setup, "rocketqa")
     changed = run(setup, "rocketqa", "cross_encoder.lr=5.0e-5").computed
     m_c_onward = {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "score_candidates[ce]", "denoise[ce]",
-                  "augment",
+                  "score_candidates[augment]", "augment",
                   "train_dual_encoder[md1-listwise]", "encode_corpus[md1-augment]", "dense_search[md1-augment]"}
     for name in ("md1-ce", "md2", "md1-listwise"):
         m_c_onward |= {f"train_dual_encoder[{name}]", f"encode_corpus[{name}]", f"dense_search[{name}]",
@@ -158,6 +167,120 @@ def test_augment_keeps_confident_queries_only():
     out = augment_tables(s, pairs, prob)
     assert out["qrels"].to_pylist() == [{"query_id": "a", "doc_id": "x", "score": 1, "split": "augmented"}]
     assert sorted(out["negatives"].column("doc_id").to_pylist()) == ["w", "y"]  # z (0.5) is not a negative
+
+
+# ---- augmentation: the teacher's scoring (score_candidates, split null, sharded) and the decision --------
+@pytest.fixture(scope="module")
+def unlabelled(tmp_path_factory, shared_datasets):
+    """Augmentation's inputs on a real SciFact slice: 14 queries (their labels unused), a word-overlap
+    ranking standing in for M_D1's list, a second one (titles only) for the fusion teacher, a tiny M_C."""
+    from irflow.stage import Run
+    from irflow.testing import ingest_folder, lexical_run, make_tiny_cross_encoder, model
+    from irflow.text import passage_texts
+
+    base = tmp_path_factory.mktemp("augment")
+    run = Run(str(base / "store"), "augment")
+    beir = ingest_folder(run, beir_slice(shared_datasets / "scifact.zip", base / "slice", n_test_queries=6,
+                                         n_train_queries=8, n_extra_docs=40, seed=2))
+    corpus, queries = beir["corpus"].table(), beir["queries"].table()
+    ids = corpus.column("doc_id").to_pylist()
+    qtext = dict(zip(queries.column("query_id").to_pylist(), queries.column("text").to_pylist()))
+    pub = lambda t: run.store.publish_table("run", "run", t)[0]  # noqa: E731
+    return {"run": run, "queries": beir["queries"], "corpus": beir["corpus"], "qrels": beir["qrels"],
+            "ranking": pub(lexical_run(qtext, dict(zip(ids, passage_texts(corpus))), "md1", 12)),
+            "titles": pub(lexical_run(qtext, dict(zip(ids, corpus.column("title").to_pylist())), "bm25", 12)),
+            "ce": model(run, make_tiny_cross_encoder(base / "ce"))}
+
+
+def _augment_scoring(env, teacher: str, depth: int = 8):
+    from irflow.tasks.score_candidates import ScoreCandidatesParams
+
+    inputs = dict(ranking=env["ranking"], queries=env["queries"], corpus=env["corpus"])
+    if teacher == "cross_encoder":
+        spec, inputs["teacher"] = {"type": "cross_encoder", "batch_size": 8, "max_length": 64}, env["ce"]
+    else:
+        spec, inputs["teacher_rankings"] = {"type": "fusion"}, [env["titles"], env["ranking"]]
+    return ScoreCandidatesParams(depth=depth, split=None, teacher=spec), inputs
+
+
+def _thresholds(scores) -> dict:
+    """Thresholds from the teacher's own probabilities (sigmoid), so that some queries are kept and some
+    dropped, and negatives are found, whatever the tiny teacher's scale."""
+    prob = sigmoid(scores.column("score").to_numpy().astype(np.float64))
+    top1 = {}
+    for q, pr in zip(scores.column("query_id").to_pylist(), prob):
+        top1[q] = max(top1.get(q, 0.0), pr)
+    return {"positive_threshold": float(np.median(list(top1.values()))),
+            "negative_threshold": float(np.quantile(prob, 0.4)), "negatives_per_query": 3, "seed": 9}
+
+
+@pytest.mark.parametrize("teacher", ["cross_encoder", "fusion"])
+def test_augment_scoring_in_shards_gives_the_data_of_one_shard_and_of_the_single_stage(unlabelled, teacher):
+    """The teacher's reading of the unlabelled queries' top `depth` in shards of 4 queries publishes the
+    scores (and so the augmented qrels and negatives) one shard does; and those equal what the single
+    augment stage computed: the ranking's top depth scored at once, probabilities, the same decision."""
+    from irflow.runtime import RuntimeConfig, StageRuntime
+    from irflow.stage import Run
+    from irflow.tasks.augment import AugmentParams, augment
+    from irflow.tasks.score_candidates import score_candidates
+    from irflow.teachers import teacher_scores
+    from irflow.text import doc_texts, query_texts
+
+    env = unlabelled
+    p, inputs = _augment_scoring(env, teacher)
+    store, forced = env["run"].store_root, {"score_candidates[augment]"}  # runtime is not keyed: both computed
+    one_run = Run(store, f"one-{teacher}", force=forced)
+    many_run = Run(store, f"many-{teacher}", runtime=RuntimeConfig(shard_rows=4), force=forced)
+    scores = score_candidates.run(one_run, p, tag="augment", **inputs)
+    s = scores.table()
+    assert s.num_rows == 14 * 8 and set(s.column("query_id").to_pylist()) == set(
+        env["queries"].table().column("query_id").to_pylist())  # every query's top 8, nothing judged
+    assert not any(s.column("positive").to_pylist()) and max(s.column("rank").to_pylist()) == 8
+    a = AugmentParams(**_thresholds(s))
+    one = augment.run(one_run, a, scores=scores)
+    many = augment.run(many_run, a, scores=score_candidates.run(many_run, p, tag="augment", **inputs))
+    done = {run.run_id: run.catalog.stage_runs(run.run_id) for run in (one_run, many_run)}
+    assert [len(r["shards"]) for r in done[one_run.run_id]] == [1, 0]
+    assert [len(r["shards"]) for r in done[many_run.run_id]] == [4, 0]  # 14 queries in shards of 4
+    assert [r["outputs"] for r in done[many_run.run_id]] == [r["outputs"] for r in done[one_run.run_id]]
+    assert {k: v.id for k, v in many.items()} == {k: v.id for k, v in one.items()}
+    qrels, negatives = one["qrels"].table(), one["negatives"].table()
+    assert 0 < qrels.num_rows < 14 and negatives.num_rows > 0
+
+    # what the single stage computed: the ranking's top 8 read at once, raw scores, sigmoid, the decision
+    r = env["ranking"].table()
+    top = [t for t in zip(*(r.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))) if t[2] <= 8]
+    raw = teacher_scores(p.teacher, [(q, d) for q, d, _ in top], query_texts(env["queries"].table()),
+                         doc_texts(env["corpus"].table()), runs=[t.table() for t in inputs.get("teacher_rankings", [])],
+                         model=inputs.get("teacher"), rt=StageRuntime())
+    expected = augment_tables(a, top, sigmoid(raw))
+    assert qrels.to_pylist() == expected["qrels"].to_pylist()
+    assert negatives.to_pylist() == expected["negatives"].to_pylist()
+    # unlabelled scoring reads no qrels; labelled scoring needs them
+    with pytest.raises(ValueError, match="reads no qrels"):
+        score_candidates.fn(p, StageRuntime(), qrels=env["qrels"], **inputs)
+    with pytest.raises(ValueError, match="needs the qrels input"):
+        score_candidates.fn(p.model_copy(update={"split": "train"}), StageRuntime(), **inputs)
+
+
+def test_an_augment_threshold_change_redecides_without_rescoring(unlabelled):
+    from irflow.stage import Run
+    from irflow.tasks.augment import AugmentParams, augment
+    from irflow.tasks.score_candidates import score_candidates
+
+    env = unlabelled
+    p, inputs = _augment_scoring(env, "fusion", depth=6)
+    first = Run(env["run"].store_root, "threshold-1")
+    scores = score_candidates.run(first, p, tag="augment", **inputs)
+    t = _thresholds(scores.table())
+    before = augment.run(first, AugmentParams(**t), scores=scores)
+    second = Run(env["run"].store_root, "threshold-2")
+    higher = dict(t, positive_threshold=min(1.0, t["positive_threshold"] + 0.02))
+    rescored = score_candidates.run(second, p, tag="augment", **inputs)
+    after = augment.run(second, AugmentParams(**higher), scores=rescored)
+    assert [(r["name"], r["status"]) for r in second.catalog.stage_runs(second.run_id)] == [
+        ("score_candidates[augment]", "cached"), ("augment", "computed")]
+    assert after["qrels"].table().num_rows < before["qrels"].table().num_rows  # fewer queries confident enough
 
 
 def test_platt_recovers_a_known_calibration():

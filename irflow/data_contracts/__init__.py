@@ -224,6 +224,25 @@ PSEUDO_LABELS = Contract(
     "already scaled to the student's similarity.",
 )
 
+TRIPLE_SCORES = Contract(
+    "triple_scores",
+    pa.schema(
+        [
+            ("query_id", pa.string()),
+            ("pos_doc_id", pa.string()),
+            ("neg_doc_id", pa.string()),
+            ("pos_score", pa.float64()),
+            ("neg_score", pa.float64()),
+        ]
+    ),
+    (check_not_null("query_id", "pos_doc_id", "neg_doc_id", "pos_score", "neg_score"),),
+    "A teacher's raw scores of (query, positive, negative) training triples, in the queries' order: what "
+    "pseudo_label scales into pseudo_labels. Scores in the teacher's units (a logit, a fused score), kept "
+    "in float64 so that scaling them gives the same float32 labels as scaling the teacher's output itself. "
+    "May be empty per shard; pseudo_label refuses an empty whole.",
+)
+
+
 def check_probability(column: str) -> Callable[[Rows], list[str]]:
     def check(table: Rows) -> list[str]:
         bad = _count(table, f"SELECT count(*) FROM t WHERE {column} < 0 OR {column} > 1 OR isnan({column})")
@@ -247,7 +266,8 @@ CANDIDATE_SCORES = Contract(
      check_no_duplicate_pairs("query_id", "doc_id")),
     "A teacher's raw scores of a retriever's top candidates per labelled query: rank in the retriever's "
     "list (0: a judged positive the retriever did not return), the raw score (a logit, a fused score), "
-    "and whether the pair is a judged positive. What denoising thresholds, once calibrated.",
+    "and whether the pair is a judged positive. What denoising thresholds, once calibrated; for unlabelled "
+    "queries (augmentation) the top candidates only, none positive.",
 )
 
 TEACHER_SCORES = Contract(
@@ -313,7 +333,7 @@ TRAINING_LOSSES = Contract(
 CONTRACTS: dict[str, Contract] = {
     c.name: c
     for c in (CORPUS, QUERIES, QRELS, RUN, EMBEDDINGS, PER_QUERY_METRICS, METRICS, NEGATIVES, PSEUDO_LABELS,
-              TEACHER_SCORES, DENOISE_AUDIT, CANDIDATE_SCORES, TRAINING_LOSSES)
+              TRIPLE_SCORES, TEACHER_SCORES, DENOISE_AUDIT, CANDIDATE_SCORES, TRAINING_LOSSES)
 }
 
 

@@ -5,7 +5,9 @@
        │     ┌──────┴───────────── miners (BM25, dense models) retrieve for queries'
        │     └─> mine_negatives ──> negatives              (positives excluded; miner + rank kept)
        │                 │
-       │         pseudo_label ──> (q, pos, neg, margin)    (cross-encoder logits, or a BM25+dense fusion)
+       │         label_scores ──> (q, pos, neg, raw scores) (cross-encoder logits, or a BM25+dense fusion;
+       │                 │                                   sharded by queries)
+       │         pseudo_label ──> (q, pos, neg, margin)    (the margin scale: a change re-labels, never re-scores)
        │                 │
        │         train_student (Margin-MSE) ──> student     (and a QGen baseline: MNRL on (q, pos))
        │                 │
@@ -43,8 +45,9 @@ from irflow.tasks.evaluate import EvaluationParams
 from irflow.tasks.fuse import FuseParams, FuseSettings, fuse
 from irflow.tasks.generate_queries import CropSource, ICTSource, T5Source, UnlabelledSource, generate_queries
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
-from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelSettings,
-                                       PseudoLabelParams, label_positives, pseudo_label)
+from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelScoresParams,
+                                       LabelSettings, PseudoLabelParams, label_positives, label_scores,
+                                       pseudo_label)
 from irflow.tasks.train_student import TrainStudentParams, train_student
 
 
@@ -236,16 +239,17 @@ def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: Dataset
 
 def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined: list[DatasetRef],
               student: DatasetRef, corpus: DatasetRef) -> DatasetRef:
-    """The teacher's (q, pos, neg, margin) triples."""
+    """The teacher's (q, pos, neg, margin) triples: the teacher scores each query's triples (sharded by
+    queries), then the margins are scaled (a scale change re-labels without re-scoring)."""
     teacher = c.teacher
-    p = c.label.to(PseudoLabelParams, teacher=teacher.to(CrossEncoderTeacher) if
-                   isinstance(teacher, CrossEncoderTeacherConfig) else teacher)
-    return pseudo_label(run, p, queries=gen["queries"], corpus=corpus, negatives=negatives,
-                        qrels=gen["qrels"] if p.positive == "qrels" else None,
-                        teacher_rankings=mined if isinstance(teacher, FusionTeacher) else None,
-                        teacher=run.model(teacher.model, "teacher.model") if
-                        isinstance(teacher, CrossEncoderTeacherConfig) else None,
-                        student=student if isinstance(p.scale, AutoScale) else None)
+    cross_encoder = isinstance(teacher, CrossEncoderTeacherConfig)
+    p = c.label.to(LabelScoresParams, teacher=teacher.to(CrossEncoderTeacher) if cross_encoder else teacher)
+    scores = label_scores(run, p, queries=gen["queries"], corpus=corpus, negatives=negatives,
+                          qrels=gen["qrels"] if p.positive == "qrels" else None,
+                          teacher_rankings=mined if isinstance(teacher, FusionTeacher) else None,
+                          teacher=run.model(teacher.model, "teacher.model") if cross_encoder else None)
+    return pseudo_label(run, c.label.to(PseudoLabelParams), scores=scores, queries=gen["queries"], corpus=corpus,
+                        student=student if isinstance(c.label.scale, AutoScale) else None)
 
 
 # ---- the recipe -----------------------------------------------------------------------------------

@@ -11,13 +11,13 @@
        │                                   │
        ├──train_dual_encoder (labelled + denoised negatives) ──> M_D1   (from M_D0's starting point)
        │                                   │
-       │   unlabelled queries ──M_D1 top 50──> augment (M_C: top-1 positive if p > 0.9, negatives p < 0.1)
-       │                                   │
+       │   unlabelled queries ──M_D1 top 50──> score_candidates[augment] (M_C reads them) ──> augment
+       │                                   │   (no model: top-1 positive if p > 0.9, negatives p < 0.1)
        └──train_dual_encoder (M_D1's data + augmented data) ──> M_D2
     test queries ──> BM25 | zero-shot | M_D0 | ablations | M_D1 | M_D2 | M_C re-ranking ──> evaluate ──> report
 
 Each arrow is a stage cached on its inputs: change the denoise threshold and only denoising (not the
-teacher's scoring) and what follows recompute; change M_C's learning rate and M_C, its re-ranking, denoising and the students
+teacher's scoring) and what follows recompute (so for augmentation's thresholds); change M_C's learning rate and M_C, its re-ranking, denoising and the students
 after it recompute, while M_D0 and its retrieval are reused. The corpus embeddings of a model are
 computed once and shared by its train-query retrieval and its test evaluation.
 
@@ -206,7 +206,8 @@ class RocketQAConfig(SupervisedConfig):
 @dataclass(frozen=True)
 class Judge:
     """A teacher in a run: ``score`` reads a ranking's candidates (for denoising), ``label`` labels
-    unlabelled queries from a ranking (augmentation); ``tag`` names its stages and systems (md1-<tag>)."""
+    unlabelled queries from a ranking (augmentation: it scores their candidates, score_candidates[augment],
+    then augment decides); ``tag`` names its stages and systems (md1-<tag>)."""
 
     run: Run
     c: RocketQAConfig
@@ -229,8 +230,10 @@ class CrossEncoderJudge(Judge):
         return self.c.denoise.to(DenoiseParams)
 
     def label(self, queries: DatasetRef, ranking: DatasetRef, calibrated_on: DatasetRef) -> dict[str, DatasetRef]:
-        p = self.c.augment.to(AugmentParams, teacher=self.c.cross_encoder.scoring())
-        return augment(self.run, p, queries=queries, ranking=ranking, corpus=self.data.corpus, teacher=self.model)
+        p = self.c.augment.to(ScoreCandidatesParams, split=None, teacher=self.c.cross_encoder.scoring())
+        scores = score_candidates(self.run, p, tag="augment", ranking=ranking, queries=queries,
+                                  corpus=self.data.corpus, teacher=self.model)
+        return augment(self.run, self.c.augment.to(AugmentParams), scores=scores)
 
 
 @dataclass(frozen=True)
@@ -254,9 +257,11 @@ class FusionJudge(Judge):
 
     def label(self, queries: DatasetRef, ranking: DatasetRef, calibrated_on: DatasetRef) -> dict[str, DatasetRef]:
         bm25 = bm25_train_run(self.run, self.c.bm25, self.data, queries, self.c.augment.depth, tag="bm25-augment")
-        p = self.c.augment.to(AugmentParams, teacher=self.teacher(), calibration=self.platt)
-        return augment(self.run, p, queries=queries, ranking=ranking, corpus=self.data.corpus,
-                       teacher_rankings=[bm25, ranking], calibration=calibrated_on)
+        p = self.c.augment.to(ScoreCandidatesParams, split=None, teacher=self.teacher())
+        scores = score_candidates(self.run, p, tag="augment", ranking=ranking, queries=queries,
+                                  corpus=self.data.corpus, teacher_rankings=[bm25, ranking])
+        return augment(self.run, self.c.augment.to(AugmentParams, calibration=self.platt), scores=scores,
+                       calibration=calibrated_on)
 
 
 # ---- building blocks ------------------------------------------------------------------------------

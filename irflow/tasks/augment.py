@@ -3,7 +3,9 @@
 
 Unlabelled queries (a split's query texts with their labels unused -- never the evaluated split --
 or generated queries) are retrieved by the dual encoder; the teacher reads each query's top
-``depth``:
+``depth``: that is ``score_candidates`` with ``split: null`` (sharded by queries, raw scores), and
+this stage decides from its scores, without a model (a threshold change costs seconds, never a
+re-scoring):
 
 - the top passage by the teacher is a positive if its probability is above ``positive_threshold``
   (RocketQA: 0.9); otherwise the query is dropped (the teacher is not sure any passage answers it);
@@ -24,7 +26,6 @@ from collections import defaultdict
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from pydantic import Field, PositiveInt, model_validator
 
 from irflow.errors import DataError
@@ -33,18 +34,18 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Calibration, Teacher, fit_platt_on_lists, probabilities, teacher_scores
-from irflow.text import doc_texts, query_texts
+from irflow.teachers import Calibration, fit_platt_on_lists, probabilities
 
 log = logging.getLogger("irflow.augment")
 
 AUGMENTED_SPLIT = "augmented"
 
 
-class AugmentSettings(Params):
+class AugmentParams(Params):
+    """What augmentation keeps, from the teacher's scores of the unlabelled queries' candidates."""
+
     calibration: Calibration = Field(Calibration(), description="how teacher scores become probabilities (platt: "
                                                                 "fitted on the calibration input)")
-    depth: PositiveInt = Field(50, description="the teacher reads the dual encoder's top n per query")
     positive_threshold: float = Field(0.9, ge=0.0, le=1.0, description="the teacher's top passage is a positive "
                                                                        "if its probability is above this (else the "
                                                                        "query is dropped)")
@@ -61,11 +62,12 @@ class AugmentSettings(Params):
         return self
 
 
-class AugmentParams(AugmentSettings):
-    teacher: Teacher = Field(description="who labels: a cross-encoder or a fusion of runs")
+class AugmentSettings(AugmentParams):
+    depth: PositiveInt = Field(50, description="the teacher reads the dual encoder's top n per query "
+                                               "(score_candidates' depth)")
 
 
-def augment_tables(p: AugmentSettings, pairs: list[tuple[str, str, int]], prob: np.ndarray) -> dict[str, pa.Table]:
+def augment_tables(p: AugmentParams, pairs: list[tuple[str, str, int]], prob: np.ndarray) -> dict[str, pa.Table]:
     by_q: dict[str, list[tuple[float, int, str]]] = defaultdict(list)
     for (q, d, r), pr in zip(pairs, prob):
         by_q[q].append((float(pr), r, d))
@@ -86,23 +88,14 @@ def augment_tables(p: AugmentSettings, pairs: list[tuple[str, str, int]], prob: 
             "negatives": pa.table({**neg, "rank": pa.array(neg["rank"], pa.int32())})}
 
 
-@stage("augment", version="3", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")], work="score")
-def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, ranking: DatasetRef, corpus: DatasetRef,
-            teacher: DatasetRef | None = None, teacher_rankings: list[DatasetRef] | None = None,
-            calibration: DatasetRef | None = None):
-    """Teacher-labelled (query, positive) pairs and negatives for the unlabelled ``queries``, from
-    ``ranking`` (the dual encoder's list for them)."""
-    r = ranking.table(columns=["query_id", "doc_id", "rank"])
-    r = r.filter(pc.less_equal(r.column("rank"), p.depth))
-    triples = list(zip(*(r.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))))
-    qtext = query_texts(queries.table(), {t[0] for t in triples})
-    corpus_t = corpus.table()
-    known = set(corpus_t.column("doc_id").to_pylist())
-    triples = [t for t in triples if t[0] in qtext and t[1] in known]
-    if not triples:
-        raise DataError("augment: the run has no candidates for the unlabelled queries")
-    dtext = doc_texts(corpus_t, {t[1] for t in triples})
-    pairs = [(q, d) for q, d, _ in triples]
+@stage("augment", version="4", outputs=[Output("qrels", "qrels"), Output("negatives", "negatives")])
+def augment(p: AugmentParams, rt: StageRuntime, *, scores: DatasetRef, calibration: DatasetRef | None = None):
+    """Teacher-labelled (query, positive) pairs and negatives for the unlabelled queries, from the teacher's
+    ``scores`` (candidate_scores, split null) of their retrieved candidates."""
+    t = scores.table(columns=["query_id", "doc_id", "rank", "score"])
+    pairs = list(zip(*(t.column(c).to_pylist() for c in ("query_id", "doc_id", "rank"))))
+    if not pairs:
+        raise DataError("augment: the teacher scored no candidate of the unlabelled queries")
     fitted = None
     if p.calibration.method == "platt":
         if calibration is None:
@@ -111,14 +104,11 @@ def augment(p: AugmentParams, rt: StageRuntime, *, queries: DatasetRef, ranking:
         c = calibration.table(columns=["score", "positive", "rank"])
         fitted = fit_platt_on_lists(c.column("score").to_numpy(), np.array(c.column("positive").to_pylist(), float),
                                     c.column("rank").to_numpy())
-    log.info("augment: the %s teacher scores %d pairs (%d unlabelled queries x top %d)", p.teacher.type, len(pairs),
-             len(qtext), p.depth)
-    raw = teacher_scores(p.teacher, pairs, qtext, dtext, runs=[t.table() for t in teacher_rankings or []],
-                         model=teacher, rt=rt, stage="augment")
+    raw = t.column("score").to_numpy().astype(np.float64)
     prob, _ = probabilities(raw, p.calibration.method, fitted=fitted)
-    out = augment_tables(p, triples, prob)
-    kept = out["qrels"].num_rows
-    log.info("augment: %d of %d queries labelled (top passage p > %.2f), %d negatives", kept, len(qtext),
+    out = augment_tables(p, pairs, prob)
+    kept, asked = out["qrels"].num_rows, len({q for q, _, _ in pairs})
+    log.info("augment: %d of %d queries labelled (top passage p > %.2f), %d negatives", kept, asked,
              p.positive_threshold, out["negatives"].num_rows)
     if kept == 0:
         log.warning("augment: the teacher labelled no query (no top passage above %.2f)", p.positive_threshold)
