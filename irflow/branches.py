@@ -182,6 +182,11 @@ class Branches:
         self._runner = None
         self._stack: contextlib.ExitStack | None = None
 
+    def __reduce__(self):
+        # Prefect's task context (a stage's parameters included) is pickled into each Ray shard task;
+        # there the Branches of the driver are of no use: they arrive as None.
+        return _detached, ()
+
     # ---- the body's side --------------------------------------------------------------------
     def __enter__(self) -> "Branches":
         from prefect.task_runners import ThreadPoolTaskRunner
@@ -308,6 +313,10 @@ class Branches:
                     self._running[label] -= 1
                     if not self._running[label]:
                         del self._running[label]
+
+
+def _detached():
+    return None
 
 
 def _failed_name(run) -> str:

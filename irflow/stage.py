@@ -96,6 +96,16 @@ class Run:
         self.branches = None  # irflow.branches.Branches while stage calls run at once
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        # A Run travels with Prefect's task context to Ray shard workers (cloudpickle): without the
+        # driver's lock, its branches and its error (not needed there, and not all picklable).
+        state = self.__dict__.copy()
+        state.update(_lock=None, branches=None, error=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def fail(self, error: BaseException, failed: dict | None = None) -> None:
         """Record a stage's failure, if it is the run's first (``failed``: the stage, for its graph)."""
         with self._lock:
