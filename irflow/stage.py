@@ -78,6 +78,8 @@ class Run:
     forced too (tracked through its output ids in the catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
     ``only`` (``--to STAGE``: the stage labels it needs, see ``irflow.recipe.upstream``) skips every other
     stage: a skipped call returns placeholder refs, records nothing and is listed in ``skipped``.
+    ``branches`` (set by ``irflow.recipe.execute`` with executor ray) makes stage calls run at once
+    (``irflow.branches``); ``error`` and ``failed`` are then the first failure, whichever thread saw it.
     """
 
     def __init__(self, store_root: str | Path, run_id: str, *, runtime: RuntimeConfig | None = None,
