@@ -136,8 +136,9 @@ def _picked(value):
 
 
 class _Slots:
-    """At most ``n`` holders; among the stages waiting, the one submitted first goes first (the body's
-    order), whichever thread came to ask first."""
+    """At most ``n`` holders; among the stages waiting for a slot, the one submitted first goes first
+    (the body's order), whichever thread came to ask first. (A stage whose thread has not asked yet --
+    Prefect is still creating its task run -- can be passed by a later one.)"""
 
     def __init__(self, n: int):
         self._free = n
