@@ -2,7 +2,8 @@
 the run's thread pool. Independent stages overlap in the catalog (at most ``limit`` at once) and give the
 ids of the same calls run one after another; a key called twice at once is computed once; the first
 failure fails the run naming its stage while the stages already running finish; a Ctrl-C stops a running
-stage at its next check without waiting for it. (The same on a Ray cluster, on a real recipe: test_ray.)"""
+stage at its next check without waiting for it; a call that --to skips stays synchronous. (The same on a
+Ray cluster, on a real recipe: test_ray.)"""
 
 import threading
 import time
@@ -16,7 +17,7 @@ from irflow.branches import Branches, Deferred
 from irflow.errors import DataError, StageFailed
 from irflow.params import Params
 from irflow.processes import check_interrupted
-from irflow.stage import Output, Run, stage
+from irflow.stage import PENDING, Output, Run, stage
 
 
 class Nap(Params):
@@ -146,3 +147,14 @@ def test_a_ctrl_c_stops_the_running_stages_without_waiting_for_them(tmp_path, pr
     assert not THREADS["long"].is_alive(), "the stage's thread did not stop"
     assert run.catalog.stage_runs(run.run_id) == []  # interrupted: nothing recorded, nothing published
     check_interrupted()  # the run's stop does not outlive it
+
+
+def test_a_call_that_to_skips_is_synchronous_and_names_its_inputs(tmp_path, prefect_harness):
+    run = Run(tmp_path / "store", "to", only={"toy_nap[a]"})
+    with Branches(run, limit=2):
+        a = toy_nap(run, Nap(seconds=0.5, label="a"), tag="a")
+        skipped = toy_nap(run, Nap(seconds=0.1, label="c"), tag="c", src=a)
+        assert not isinstance(skipped, Deferred) and skipped.kind == PENDING  # a placeholder, at once
+    assert run.skipped == [{"name": "toy_nap[c]", "inputs": {"src": [a.id]},
+                            "outputs": {"out": "<toy_nap[c]:out>"}}]
+    assert [s["name"] for s in run.catalog.stage_runs(run.run_id)] == ["toy_nap[a]"]
