@@ -320,16 +320,18 @@ class Catalog:
                 [run_id, *dataset_ids]).fetchone()[0])
 
     def stage_runs(self, run_id: str, with_inputs: bool = False) -> list[dict]:
-        """What a run did per stage, in order; ``with_inputs`` adds the ids each stage read, by role."""
+        """What a run did per stage, in the order they finished (``started``: when, UTC; ``seconds``: how
+        long, so stages that ran at once show as overlapping); ``with_inputs`` adds the ids each stage
+        read, by role."""
         with self.connect() as con:
             rows = con.execute(
-                "SELECT stage, status, outputs, seconds, cache_key, runtime, detail FROM stage_runs WHERE run_id = ? "
-                "ORDER BY position",
+                "SELECT stage, status, outputs, seconds, cache_key, runtime, detail, started_at FROM stage_runs "
+                "WHERE run_id = ? ORDER BY position",
                 [run_id],
             ).fetchall()
         return [
             {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4],
-             "runtime": json.loads(r[5]) if r[5] else None,
+             "runtime": json.loads(r[5]) if r[5] else None, "started": r[7].isoformat() if r[7] else None,
              **({"inputs": json.loads(r[6] or "{}").get("inputs", {})} if with_inputs else {}),
              "shards": [{k: v for k, v in sh.items() if k != "run_id"} for sh in self.shards(r[4], run_id)]
              if r[1] == "computed" else []}

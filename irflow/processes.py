@@ -16,6 +16,7 @@ done by the next process:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import errno
 import fcntl
@@ -71,10 +72,31 @@ def interrupted() -> bool:
     return _interrupted
 
 
+# A run whose stages run in threads (irflow.branches) is stopped by its own event: the Ctrl-C reaches
+# the main thread only, and a library caller has no handler to set the flag above. Stage threads see
+# the event of the run that started them (Prefect copies the context into each thread).
+_abort: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("irflow_abort", default=None)
+
+
 def check_interrupted() -> None:
-    """Raise KeyboardInterrupt if a Ctrl-C came and was swallowed on its way."""
+    """Raise KeyboardInterrupt if a Ctrl-C came and was swallowed on its way, or if the run of this
+    thread's stage was stopped (``abort_on``)."""
     if _interrupted:
         raise KeyboardInterrupt
+    event = _abort.get()
+    if event is not None and event.is_set():
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def abort_on(event: threading.Event):
+    """``check_interrupted`` in this context, and in the threads started from it with a copy of it
+    (Prefect's task runners), also raises once ``event`` is set."""
+    token = _abort.set(event)
+    try:
+        yield
+    finally:
+        _abort.reset(token)
 
 
 def pid_alive(pid: int) -> bool:

@@ -7,6 +7,8 @@
 
 The body wires stages together (each call is a cached stage run, a Prefect task inside a flow) and
 returns the evaluation refs; the engine records the run in the catalog, the metrics, and the result.
+With executor ray, stage calls return at once and the stages that do not read each other's outputs
+run at the same time (``irflow.branches``); the body reads top-down either way.
 ``Recipe.flow`` is the recipe as a Prefect flow (what ``irflow run``, ``irflow serve`` and the
 deployments in prefect.yaml run), so Prefect's UI shows the recipe's own task runs.
 """
@@ -27,6 +29,7 @@ from typing import Any, Callable, ClassVar
 from pydantic import BaseModel, Field, model_validator
 
 from irflow import config as config_files
+from irflow.branches import branches_for
 from irflow.errors import ConfigError
 from irflow.follows import Follow, resolve
 from irflow.orchestration import configure
@@ -85,6 +88,7 @@ class StageResult:
     runtime: dict | None = None  # device/precision/threads of a computed stage
     # a computed sharded stage's shards: {index, rows: [start, stop), host, pid, device, seconds, status}
     shards: list[dict] = field(default_factory=list)
+    started: str | None = None  # when it started (UTC, ISO 8601): with seconds, which stages overlapped
 
     @property
     def dataset_id(self) -> str | None:
@@ -241,7 +245,9 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     t0 = time.perf_counter()
     status, rows = "failed", []
     try:
-        with _executor(c.runtime):
+        # executor ray: the run's Ray; and its stage calls run at once where they may (irflow.branches:
+        # leaving the block waits for every stage and raises the first failure)
+        with _executor(c.runtime), branches_for(run, c.runtime):
             evaluations = recipe.body(c, run)
         # an evaluation that --to left out has no metrics to report
         rows = report(run, [ev for ev in evaluations if ev["metrics"].kind != PENDING])
@@ -252,8 +258,8 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         raise
     finally:
         run.catalog.finish_run(run.run_id, status, flow_run_id, run.skipped, run.failed)
-    stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"), s["shards"])
-              for s in run.catalog.stage_runs(run.run_id)]
+    stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"), s["shards"],
+                          s["started"]) for s in run.catalog.stage_runs(run.run_id)]
     return RunResult(run.run_id, recipe.name, store_root, status, round(time.perf_counter() - t0, 3), stages, rows,
                      flow_run_id, _unique(s["name"] for s in run.skipped))
 

@@ -92,6 +92,10 @@ class RayConfig(Params):
                                                                      "(null: CPUs divided by workers, at least 1)")
     gpus_per_shard: float = Field(0.0, ge=0, description="GPUs each shard of a device stage asks Ray for "
                                                          "(Ray's num_gpus; fractions share a GPU; 0: CPU)")
+    concurrent_stages: PositiveInt = Field(4, description="stages that do not read each other's outputs run at "
+                                                          "the same time, at most this many (their shards share "
+                                                          "the workers; stages that compute with torch in the "
+                                                          "run's process take turns); 1: one after another")
 
 
 class RuntimeConfig(Params):
@@ -117,8 +121,8 @@ class RuntimeConfig(Params):
 
     executor: Literal["local", "ray"] = Field("local", description="local: stages and their shards run in "
                                                                    "this process, one after another; ray: shards "
-                                                                   "run as Prefect tasks on Ray workers "
-                                                                   "(runtime.ray)")
+                                                                   "run as Prefect tasks on Ray workers, and "
+                                                                   "independent stages at once (runtime.ray)")
     ray: RayConfig = Field(RayConfig(), description="the Ray cluster of executor ray")
     shard_rows: PositiveInt = Field(100_000, description="rows of a sharded stage's input per shard (corpus "
                                                          "passages, queries or pairs): the unit of parallel work, "

@@ -18,11 +18,14 @@ unlike Prefect's default cache policy (which includes the run id and pickles inp
 are recorded per stage run. A hit is reused only if its files are still in the store; a miss
 computes, validates each output against its contract, publishes atomically and records lineage.
 A hit whose files no longer match their digest is set aside and recomputed (see irflow.store), and
-so is never used; one process at a time computes a key (a file lock per key), so identical runs
-started together compute each stage once.
+so is never used; one computation of a key at a time (a file lock per key between processes, a lock
+per key between the threads of one), so identical runs started together compute each stage once.
 
 Calling a stage inside a recipe, ``bm25_search(run, params, tag="flat", bm25_index=..., queries=...)``,
-runs it as a Prefect task; ``stage.run(run, params, ...)`` runs it without Prefect (same caching);
+runs it as a Prefect task and returns its refs; with executor ray (``runtime.ray.concurrent_stages``
+above 1) it submits the task and returns at once a ``Deferred`` standing for them, so that stages
+that do not read each other's outputs run at the same time (``irflow.branches``).
+``stage.run(run, params, ...)`` runs it without Prefect (same caching);
 ``stage.fn(params, StageRuntime(), ...)`` is the plain function.
 """
 
@@ -32,9 +35,11 @@ import contextlib
 import inspect
 import logging
 import shutil
+import threading
 import time
 import typing
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
@@ -73,6 +78,8 @@ class Run:
     forced too (tracked through its output ids in the catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
     ``only`` (``--to STAGE``: the stage labels it needs, see ``irflow.recipe.upstream``) skips every other
     stage: a skipped call returns placeholder refs, records nothing and is listed in ``skipped``.
+    ``branches`` (set by ``irflow.recipe.execute`` with executor ray) makes stage calls run at once
+    (``irflow.branches``); ``error`` and ``failed`` are then the first failure, whichever thread saw it.
     """
 
     def __init__(self, store_root: str | Path, run_id: str, *, runtime: RuntimeConfig | None = None,
@@ -87,6 +94,27 @@ class Run:
         self.plan: list[dict] = []  # dry-run results, in stage order
         self.skipped: list[dict] = []  # stages left out by `only`: {name, inputs, outputs}
         self.failed: dict | None = None  # the stage that failed: {name, inputs, seconds}
+        self.error: BaseException | None = None  # the first failure (stages may run at once: irflow.branches)
+        self.branches = None  # irflow.branches.Branches while stage calls run at once
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        # A Run travels with Prefect's task context to Ray shard workers (cloudpickle): without the
+        # driver's lock, its branches and its error (not needed there, and not all picklable).
+        state = self.__dict__.copy()
+        state.update(_lock=None, branches=None, error=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def fail(self, error: BaseException, failed: dict | None = None) -> None:
+        """Record a stage's failure, if it is the run's first (``failed``: the stage, for its graph)."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+                if failed is not None:
+                    self.failed = failed
 
     def skips(self, stage_label: str) -> bool:
         return self.only is not None and stage_label not in self.only
@@ -123,7 +151,8 @@ def _as_list(v) -> list[DatasetRef]:
 
 @contextlib.contextmanager
 def torch_threads(n: int):
-    """torch's intra-op threads for the stage (process-wide; stages run one at a time)."""
+    """torch's intra-op threads for the stage (process-wide: stages that compute with torch in this
+    process take turns, ``_DRIVER_TORCH``)."""
     import torch
 
     before = torch.get_num_threads()
@@ -132,6 +161,59 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# Stages that compute with torch in this process (``work`` set, not sharded) take turns, also when
+# stages run at once (irflow.branches): torch.set_num_threads and a GPU's memory are the process's.
+_DRIVER_TORCH = threading.RLock()
+_KEY_LOCKS: dict[str, list] = {}  # cache key -> [lock, holders and waiters]: one computation per key
+_KEY_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _key_lock(key: str):
+    with _KEY_LOCKS_GUARD:
+        entry = _KEY_LOCKS.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        yield entry[0]
+    finally:
+        with _KEY_LOCKS_GUARD:
+            entry[1] -= 1
+            if not entry[1]:
+                del _KEY_LOCKS[key]
+
+
+@contextlib.contextmanager
+def _turn(lock, waiting: str):
+    """Hold ``lock``; yields the seconds spent waiting for it (``waiting`` is logged if it must wait)."""
+    waited = 0.0
+    if not lock.acquire(blocking=False):
+        log.info(waiting)
+        t = time.perf_counter()
+        lock.acquire()
+        waited = time.perf_counter() - t
+        log.info("%s: done waiting (%.1f s)", waiting.split(":")[0], waited)
+    try:
+        yield waited
+    finally:
+        lock.release()
+
+
+class _Clock:
+    """When a stage run started and how long it took, not counting its waits for other stages of the
+    run (``skip``): what the catalog records, so that stages that ran at once show as overlapping."""
+
+    def __init__(self):
+        self.started, self._t0 = now(), time.perf_counter()
+
+    def skip(self, seconds: float) -> None:
+        if seconds:
+            self.started += timedelta(seconds=seconds)
+            self._t0 += seconds
+
+    def seconds(self) -> float:
+        return round(time.perf_counter() - self._t0, 3)
 
 
 class Stage:
@@ -222,7 +304,7 @@ class Stage:
         input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
         detail = key_payload(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
         key = hash_payload(detail)  # = self.key(params, inputs), without dumping the params twice
-        started, t0 = now(), time.perf_counter()
+        clock = _Clock()
 
         forced = bool({self.name, stage_label} & run.force) or catalog.tainted(run.run_id, input_ids)
         pending_inputs = any(r.kind == PENDING for v in inputs.values() for r in _as_list(v))
@@ -242,11 +324,15 @@ class Stage:
                              "datasets": _describe(inputs, refs)})
             return self._result(refs), status
 
-        # One process at a time per key: a second run started alongside waits here for the first one's
-        # result and reuses it, instead of computing the same thing again (the kernel drops the lock
-        # of a process that dies, so a killed run never blocks the next one).
-        with file_lock(store.root / "locks" / f"{key[:32]}.lock",
-                       waiting=f"{stage_label}: waiting for another process computing the same stage"):
+        # One computation per key at a time: a second call of the same key in this process (stages
+        # run at once: irflow.branches), or a second run started alongside, waits here for the first
+        # one's result and reuses it, instead of computing the same thing again (the kernel drops the
+        # file lock of a process that dies, so a killed run never blocks the next one).
+        with _key_lock(key) as lock, \
+                _turn(lock, f"{stage_label}: waiting for another stage of this run computing the same key") as waited, \
+                file_lock(store.root / "locks" / f"{key[:32]}.lock",
+                          waiting=f"{stage_label}: waiting for another process computing the same stage"):
+            clock.skip(waited)
             hit = {} if forced else catalog.lookup(key)
             damage = self._damage(store, hit)
             for ref, problem in damage:
@@ -261,19 +347,23 @@ class Stage:
             else:
                 try:
                     self._check_inputs(store, stage_label, inputs)
-                    refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
-                except Exception:
+                    with (_turn(_DRIVER_TORCH, f"{stage_label}: waiting for another stage computing with "
+                                               f"torch in this process") if self.work and not self.shard
+                          else contextlib.nullcontext(0.0)) as waited:
+                        clock.skip(waited)
+                        check_interrupted()
+                        refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
+                except Exception as e:
                     # kept for the run's row (not stage_runs: only results go there), so that its graph
                     # shows where it failed (irflow.dag); a Ctrl-C is no failure
-                    run.failed = {"name": stage_label, "inputs": _ids(inputs),
-                                  "seconds": round(time.perf_counter() - t0, 3)}
+                    run.fail(e, {"name": stage_label, "inputs": _ids(inputs), "seconds": clock.seconds()})
                     raise
                 release_memory()
                 status = "computed"
                 if forced:
                     catalog.taint(run.run_id, [r.id for r in refs.values()])
         catalog.record_stage_run(run.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
-                                 time.perf_counter() - t0, started, detail, provenance)
+                                 clock.seconds(), clock.started, detail, provenance)
         return self._result(refs), status
 
     def _result(self, refs: dict[str, DatasetRef]):
@@ -438,8 +528,14 @@ class Stage:
             # Prefect's own result caching is off: irflow's key is the cache (see module doc).
             @task(name=self.name, cache_policy=NO_CACHE, persist_result=False,
                   task_run_name="{name}", retries=0)
-            def run_stage(run: Run, params, tag: str | None, inputs: dict, name: str):
-                result, status = stage.execute(run, params, tag, inputs)
+            def run_stage(run: Run, params, tag: str | None, inputs: dict, name: str, branches: tuple | None = None):
+                if branches is None:
+                    result, status = stage.execute(run, params, tag, inputs)
+                else:  # submitted by irflow.branches (Branches, submission number): a slot first, or a Cancelled state
+                    out = branches[0].run_stage(stage, run, params, tag, inputs, name, branches[1])
+                    if not isinstance(out, tuple):
+                        return out
+                    result, status = out
                 if status == "cached":
                     # A task that returns a state ends in it: Prefect's UI then says "Cached", as for
                     # its own cache hits, instead of "Completed" (the caller gets the state back).
@@ -453,7 +549,13 @@ class Stage:
 
     def __call__(self, run: Run, params: Params | dict, /, *, tag: str | None = None, **inputs):
         if run.dry_run or run.skips(self.run_name(tag)):  # no Prefect task run for what is not run
+            if run.branches is not None:  # a skipped call still names its inputs' ids: it waits for them
+                from irflow.branches import resolve
+
+                inputs = resolve(inputs)
             return self.run(run, params, tag=tag, **inputs)
+        if run.branches is not None:  # stages at once (executor ray): a Deferred now, the refs later
+            return run.branches.submit(self, run, params, tag, inputs)
         result = self.task(run, params, tag, inputs, name=self.run_name(tag))
         from prefect.states import State
 

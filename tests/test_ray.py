@@ -1,20 +1,24 @@
 """executor ray: a local Ray cluster with 2 workers runs the sharded stages of the baselines and of a
 GPL slice (real SciFact text, tiny local models) with the same datasets and metrics as the
-in-process executor; a run that ends, is interrupted or is killed leaves no Ray process; a worker
-killed mid-stage fails the stage, and the next run computes only the missing shards."""
+in-process executor, and runs their independent branches at once (BM25 beside the dense system); a
+failing branch fails the run naming its stage; a run that ends, is interrupted or is killed leaves no
+Ray process; a worker killed mid-stage fails the stage, and the next run computes only the missing
+shards."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 import yaml
 
 from irflow import api
-from irflow.errors import ConfigError
+from irflow.catalog import Catalog
+from irflow.errors import ConfigError, DataError, StageFailed
 from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
 
 RAY = ["runtime.executor=ray", "runtime.ray.workers=2"]
@@ -41,6 +45,20 @@ def wait_gone(before: set[int], seconds: float = 60) -> set[int]:
     while (left := ray_processes() - before) and time.monotonic() < deadline:
         time.sleep(1)
     return left
+
+
+def spans(result) -> dict[str, tuple[datetime, datetime]]:
+    """When each computed stage ran, from the catalog (started, started + seconds)."""
+    out = {}
+    for s in result.stages:
+        if s.status == "computed":
+            start = datetime.fromisoformat(s.started)
+            out[s.name] = (start, start + timedelta(seconds=s.seconds))
+    return out
+
+
+def overlap(x, y) -> bool:
+    return x[0] < y[1] and y[0] < x[1]
 
 
 def ids(result) -> dict:
@@ -76,10 +94,40 @@ def test_baselines_on_ray_equal_the_local_run_and_leave_no_ray_process(data, bas
     pids = {s["pid"] for st in sharded.stages for s in st.shards}
     assert len(pids) == 2 and os.getpid() not in pids  # two Ray workers did the shards, not this process
     assert enc.runtime["executor"] == "ray" and enc.runtime["shards"] == 4
+    # The BM25 branch and the dense branch ran at once (runtime.ray.concurrent_stages, default 4);
+    # the local executor ran its stages one after another.
+    ran = spans(sharded)
+    bm25 = [v for k, v in ran.items() if k.startswith("bm25_")]
+    dense = [v for k, v in ran.items() if k.startswith(("encode_corpus", "dense_search"))]
+    assert len(bm25) == 2 and len(dense) == 2 and any(overlap(x, y) for x in bm25 for y in dense), ran
+    one_by_one = list(spans(local).values())
+    assert not any(overlap(x, y) for i, x in enumerate(one_by_one) for y in one_by_one[i + 1:])
     assert not wait_gone(data["before"]), "Ray processes left after the run"
     # Runtime is never keyed: the in-process executor finds everything the Ray run computed.
     again = api.run(baselines, ["runtime.shard_rows=3"], store=data["root"] / "on-ray")
     assert again.computed == set()
+
+
+def test_a_failing_branch_on_ray_fails_the_run_naming_its_stage(data, baselines, monkeypatch):
+    from irflow.tasks.bm25 import bm25_index
+
+    def broken(p, rt, *, corpus):
+        time.sleep(2)  # while the dense branch encodes on the workers
+        raise DataError("the index broke on purpose")
+
+    monkeypatch.setattr(bm25_index, "fn", broken)  # bm25_index runs in the flow's process
+    store = data["root"] / "branch-fails"
+    with pytest.raises(StageFailed, match=r"^bm25_index\[flat\]: the index broke on purpose$"):
+        api.run(baselines, RAY + ["runtime.shard_rows=20"], store=store, run_id="branch-fails")
+    catalog = Catalog(store / "catalog.duckdb")
+    row = catalog.run("branch-fails")
+    assert row["status"] == "failed" and row["failed_stage"]["name"] == "bm25_index[flat]"
+    done = {s["name"]: s["status"] for s in catalog.stage_runs("branch-fails")}
+    # the other branch's stage that was under way finished and is kept for the next run; nothing that
+    # needed the failed stage ran
+    assert done["encode_corpus[zero-shot]"] == "computed"
+    assert "bm25_search[flat]" not in done and "evaluate[bm25-flat]" not in done
+    assert not wait_gone(data["before"])
 
 
 def test_gpl_slice_on_ray_equals_the_local_run(data):
