@@ -35,9 +35,8 @@ class StageFailed(Exception):
 
     @property
     def user_error(self) -> bool:
-        # A sharded stage's failure names the shard (irflow.shards.ShardFailed) and carries what the
-        # stage raised as its cause: a shard refusing the data is the stage refusing it.
-        return isinstance(self.cause, UserError) or isinstance(self.cause.__cause__, UserError)
+        # (a shard's user error is raised as the stage's own: Stage._compute_shards)
+        return isinstance(self.cause, UserError)
 
     def one_line(self) -> str:
         if self.user_error:

@@ -72,9 +72,13 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
     """Raw logits for (query text, passage text) pairs, in input order.
 
     Pairs are batched by token length, each batch padded to its length bucket
-    (``irflow.encoding.length_batches``): a pair's score does not depend on the other pairs of its
-    batch, so scoring in shards gives the scores of scoring all at once. ``autocast``: a context
-    manager factory for reduced precision (``StageRuntime.autocast``); None runs in fp32.
+    (``irflow.encoding.length_batches``) and filled up to ``batch_size`` rows (repeating its first
+    pair, whose extra scores are dropped): every batch of a bucket has one shape, so a pair's score
+    does not depend on the other pairs of its batch, and scoring in shards gives the scores of scoring
+    all at once, bit for bit on CPU. (Without the fill a short last batch changed the last bits of a
+    score: the kernels a matmul takes depend on its row count; GPL's teacher in shards of 16 queries
+    differed in 2 of 146 scores.) ``autocast``: a context manager factory for reduced precision
+    (``StageRuntime.autocast``); None runs in fp32.
     """
     import torch
 
@@ -92,7 +96,8 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
     with torch.inference_mode(), (autocast() if autocast else contextlib.nullcontext()):
         for padded, idx in tqdm(length_batches(lengths, batch_size, max_length), desc="cross-encoder scoring",
                                 unit=" batch", disable=not show_progress, mininterval=2):
-            enc = tok([pairs[i][0] for i in idx], [pairs[i][1] for i in idx], padding="max_length",
+            rows = idx + idx[:1] * (batch_size - len(idx))  # one shape per bucket (see above)
+            enc = tok([pairs[i][0] for i in rows], [pairs[i][1] for i in rows], padding="max_length",
                       truncation="longest_first", max_length=padded, return_tensors="pt").to(device)
-            out[idx] = relevance(model(**enc).logits.float()).cpu().numpy()
+            out[idx] = relevance(model(**enc).logits.float()).cpu().numpy()[:len(idx)]
     return out

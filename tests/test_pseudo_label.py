@@ -150,6 +150,21 @@ def test_cross_encoder_scores_are_raw_logits(env):
     assert not np.allclose(short, got, atol=1e-4)
 
 
+def test_a_pairs_score_does_not_depend_on_its_batch(env):
+    """Scored alone, two at a time or all at once, every pair gets the same score bit for bit: what
+    makes a sharded teacher publish the dataset one shard does (the batch's row count used to change
+    the last bits: a matmul's kernels depend on its shape)."""
+    from irflow.scoring import cross_encoder_scores
+
+    docs, queries = env["docs"], env["queries_text"]
+    pairs = [(queries[q], docs[d]) for q in sorted(queries)[:6] for d in sorted(docs)[:5]]
+    kw = dict(batch_size=8, max_length=128, show_progress=False)
+    together = cross_encoder_scores(env["ce"], pairs, **kw)
+    alone = np.concatenate([cross_encoder_scores(env["ce"], [pr], **kw) for pr in pairs])
+    twos = np.concatenate([cross_encoder_scores(env["ce"], pairs[i:i + 2], **kw) for i in range(0, len(pairs), 2)])
+    assert together.tobytes() == alone.tobytes() == twos.tobytes()
+
+
 def test_cross_encoder_teacher_stage(env):
     run = env["run"]
     inputs = _qrels_inputs(env)

@@ -12,7 +12,8 @@ is a map stage of its own and what is decided from its scores is a cheap global 
   cross-encoder's score of a pair does not depend on its batch, a fusion normalises per query.
 - ``pseudo_label`` (global, no teacher): the margin scale, fitted on a seeded sample of *all* the
   triples, and the ``pseudo_labels`` table, sorted by query id (within a query: positives sorted, then
-  negatives in sampling order) -- the rows, order and bytes of the former single stage. Changing
+  negatives in sampling order) -- from the same teacher scores, the bytes of the former single stage
+  (tests/test_pseudo_label.py compares it with ``build_triples`` on whole tables). Changing
   ``scale`` or ``scale_sample`` recomputes this stage only (seconds; ``scale: auto`` encodes its
   sample with the student).
 
