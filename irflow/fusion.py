@@ -107,7 +107,11 @@ def fuse_runs(tables: Sequence[pa.Table], *, method: str = "zscore", weights: Ma
         else:
             con.register("pairs_in", pairs.select(["query_id", "doc_id"]))
             con.execute("CREATE TEMP TABLE cand AS SELECT DISTINCT query_id, doc_id FROM pairs_in")
-        win = "OVER (PARTITION BY r, query_id)"
+        # Rows in a fixed order (doc_id is unique per run and query after the GROUP BY below): a sum's last
+        # bits depend on the order of its terms, and DuckDB's threads hand a partition's rows over in any
+        # order; a teacher's score of a query must not depend on which other queries were scored with it
+        # (label_scores in shards of 3 queries differed from one shard in the last bit).
+        win = "OVER (PARTITION BY r, query_id ORDER BY doc_id ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)"
         if method == "zscore":
             norm = f"coalesce((score - avg(score) {win}) / nullif(stddev_pop(score) {win}, 0), 0)"
         elif method == "minmax":
@@ -124,7 +128,7 @@ def fuse_runs(tables: Sequence[pa.Table], *, method: str = "zscore", weights: Ma
                  floors AS (SELECT r, query_id, min(ns) AS floor FROM norm GROUP BY r, query_id),
                  grid AS (SELECT cand.query_id, cand.doc_id, weights.r, weights.w FROM cand CROSS JOIN weights),
                  fused AS (
-                     SELECT g.query_id, g.doc_id, sum(g.w * coalesce(n.ns, {missing})) AS score
+                     SELECT g.query_id, g.doc_id, sum(g.w * coalesce(n.ns, {missing}) ORDER BY g.r) AS score
                      FROM grid g
                      LEFT JOIN norm n ON n.r = g.r AND n.query_id = g.query_id AND n.doc_id = g.doc_id
                      LEFT JOIN floors m ON m.r = g.r AND m.query_id = g.query_id

@@ -186,7 +186,9 @@ def test_an_interrupted_or_killed_run_leaves_no_ray_process(data, baselines, how
     proc = cli_run(baselines, store, *RAY, "runtime.shard_rows=2")
     wait_for_parts(store, 2, proc)
     proc.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
-    proc.communicate(timeout=120)
+    # what this checks is that nothing is left, not how fast: one CI run on a loaded machine (load 4 on
+    # 2 cores) took over 120 s to stop (71 s for the whole test on a quieter one)
+    proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert not wait_gone(data["before"]), f"Ray processes left after {how}"
 
