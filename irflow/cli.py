@@ -452,7 +452,23 @@ def entry() -> None:
         code = main()
     except KeyboardInterrupt:
         code = 130
+    if code == 130:
+        _exit_now_if_threads_linger(code)
     raise SystemExit(code)
+
+
+def _exit_now_if_threads_linger(code: int) -> None:
+    """After a Ctrl-C, once the run is recorded as interrupted: a stage thread of a Ray run still
+    blocked in ``ray.get`` on a shard (or on the future of a stage that will never run) would keep the
+    interpreter from exiting, for ever (seen once in CI: still running 40 min after the Ctrl-C). Exit
+    without joining them, as a kill would; what the run started dies with it (the Ray cluster's
+    watchdog, the children's parent-death signal), as after a kill -9 (tests/test_ray.py)."""
+    import threading
+
+    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
