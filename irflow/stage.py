@@ -451,22 +451,32 @@ class Stage:
                 for staging, _ in staged.values():
                     shutil.rmtree(staging, ignore_errors=True)
                 raise
-            published: dict[str, tuple[DatasetRef, int | None, int]] = {}
-            for o in self.outputs:
-                staging, rows = staged[o.name]
-                size = tree_size(staging)
-                ref = store.publish(_ds_name(self, o), o.kind, o.contract, staging)
-                published[o.name] = (ref, rows, size)
+            published = self._publish(store, staged)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         provenance = rt.provenance()
+        self._record(run, catalog, stage_label, key, params, inputs, published, provenance)
+        if resume_dir is not None:
+            remove_tree(resume_dir)
+        return {name: p[0] for name, p in published.items()}, provenance
+
+    def _publish(self, store: Store, staged: dict[str, tuple[Path, int | None]]
+                 ) -> dict[str, tuple[DatasetRef, int | None, int]]:
+        """Every staged output into the store, in declared order: output -> (ref, rows, bytes)."""
+        published = {}
+        for o in self.outputs:
+            staging, rows = staged[o.name]
+            size = tree_size(staging)
+            published[o.name] = (store.publish(_ds_name(self, o), o.kind, o.contract, staging), rows, size)
+        return published
+
+    def _record(self, run: Run, catalog: Catalog, stage_label: str, key: str, params, inputs: dict,
+                published: dict, provenance: dict) -> None:
+        """The outputs' lineage in the catalog: this stage, its key, params, run and input ids."""
         parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
         catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
                                params=params.key_dump(), run_id=run.run_id, outputs=published, parents=parents,
                                runtime=provenance)
-        if resume_dir is not None:
-            remove_tree(resume_dir)
-        return {name: p[0] for name, p in published.items()}, provenance
 
     def _compute_shards(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
         """A sharded stage (see irflow.shards): parts into partial/<key>, each output assembled from its
@@ -497,21 +507,14 @@ class Stage:
                 staged[o.name] = (staging, 0)
                 files = [parts_dir / shards.part_names(self, *r["rows"])[o.name] for r in records]
                 staged[o.name] = (staging, write_parts(o.contract, files, staging / TABLE_FILE))
-            published: dict[str, tuple[DatasetRef, int | None, int]] = {}
-            for o in self.outputs:
-                staging, rows = staged[o.name]
-                size = tree_size(staging)
-                published[o.name] = (store.publish(_ds_name(self, o), o.kind, o.contract, staging), rows, size)
+            published = self._publish(store, staged)
         except BaseException:
             for staging, _ in staged.values():
                 shutil.rmtree(staging, ignore_errors=True)
             raise
         provenance = {**rt.provenance(), "executor": run.runtime.executor, "shard_rows": run.runtime.shard_rows,
                       "shards": len(records)}
-        parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
-        catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
-                               params=params.key_dump(), run_id=run.run_id, outputs=published, parents=parents,
-                               runtime=provenance)
+        self._record(run, catalog, stage_label, key, params, inputs, published, provenance)
         catalog.record_shards(run.run_id, stage_label, key, records)
         remove_tree(parts_dir)
         return {name: p[0] for name, p in published.items()}, provenance
