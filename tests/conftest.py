@@ -7,7 +7,10 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="irflow-prefect-home-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # each pytest-xdist worker has a Prefect (test server) of its own
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"irflow-prefect-home-{os.environ['PYTEST_XDIST_WORKER']}-")
+else:
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="irflow-prefect-home-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
@@ -24,6 +27,23 @@ def pytest_sessionstart(session):
         if not (SHARED_DATASETS / name).exists():
             raise pytest.UsageError(f"real BEIR data not found: {SHARED_DATASETS / name} "
                                     "(../shared/datasets beside the checkout, or set IRFLOW_SHARED_DATASETS)")
+
+
+# `make test` runs the tests on 2 pytest-xdist workers (-n 2 --dist loadgroup): most tests use one core
+# (runtime.threads: 1, tiny models), so the other core would idle. Tests that share a session fixture's
+# run go to one worker, or each worker would compute it again; the Ray tests go to one worker because
+# they count the machine's Ray processes.
+_GROUPS = {"gpl_sample": "gpl-sample", "rocketqa_sample": "rocketqa-sample"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = next((g for f, g in _GROUPS.items() if f in getattr(item, "fixturenames", ())), None)
+        if group is None and item.module.__name__.rsplit(".", 1)[-1] == "test_ray":
+            group = "ray"
+        if group and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

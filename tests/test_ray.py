@@ -39,7 +39,7 @@ def ray_processes() -> set[int]:
     return out
 
 
-def wait_gone(before: set[int], seconds: float = 60) -> set[int]:
+def wait_gone(before: set[int], seconds: float = 180) -> set[int]:
     """Ray processes started since ``before`` that are still alive after ``seconds`` (empty: none)."""
     deadline = time.monotonic() + seconds
     while (left := ray_processes() - before) and time.monotonic() < deadline:
