@@ -75,6 +75,25 @@ Quantization = Literal["none", "int8"]
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens")
 
 
+class _Drop(logging.Filter):
+    """Drops log records whose message starts with one of ``prefixes`` (noise that says nothing here)."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+# torch's exporter notes every torchvision op it cannot register (no torchvision here, none needed);
+# the quantiser suggests its optional pre-processing (shape inference, graph optimisation before
+# quantising), skipped here: the MatMuls, most of the time, are quantised without it (int8 encoding
+# ~3x torch's rate, bench/inference.py).
+logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_Drop("torchvision is not installed"))
+logging.getLogger().addFilter(_Drop("Please consider to run pre-processing before quantization"))
+
+
 class OnnxUnsupported(UserError, ValueError):
     """A model this backend cannot run as the model itself would (a module it does not implement)."""
 
