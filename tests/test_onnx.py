@@ -121,9 +121,10 @@ def slice_refs(tmp_path_factory, shared_datasets, tiny):
     return {"root": root, "data": data}
 
 
-def _stages(store, data, tiny, backend: str, quantization: str = "none"):
+def _stages(store, data, tiny, backend: str, quantization: str = "none", shard_rows: int = 100_000):
     """encode_corpus, dense_search and rerank of a SciFact slice in ``store`` with tiny models."""
-    run = Run(store, f"r-{backend}-{quantization}", runtime=RuntimeConfig(backend=backend, threads=2))
+    run = Run(store, f"r-{backend}-{quantization}",
+              runtime=RuntimeConfig(backend=backend, threads=2, shard_rows=shard_rows))
     refs = ingest_folder(run, data)
     bi, ce = model(run, tiny["bi"]), model(run, tiny["ce"])
     emb, status = encode_corpus.execute(run, EncodeParams(batch_size=8, quantization=quantization), None,
@@ -177,6 +178,12 @@ def test_backend_onnx_is_not_keyed_int8_is_and_exports_are_stored_once(slice_ref
     assert names["export_onnx[embed-int8]"] == "cached" and names["export_onnx[score-int8]"] == "computed"
     e8 = np.array(_table(int8["embeddings"])["embedding"])
     assert (e8 * b).sum(1).min() > 0.95  # normalised embeddings, close to the exact ones
+
+    # in shards of 4 passages / 4 queries: the same bytes, so the same ids, for fp32 and int8 alike
+    for backend, quantization, whole in (("onnx", "none", onnx_out), ("torch", "int8", int8)):
+        _, sharded = _stages(root / f"shards-{quantization}", data, tiny, backend, quantization, shard_rows=4)
+        assert [sharded[k].id for k in ("embeddings", "run", "rerank")] == \
+            [whole[k].id for k in ("embeddings", "run", "rerank")]
 
 
 def test_a_bad_backend_is_refused_naming_the_key(tmp_path):
