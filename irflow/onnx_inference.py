@@ -326,11 +326,23 @@ class OnnxCrossEncoder(OnnxModel):
         return self.run(enc)
 
 
+def cpu_has_int8_dot() -> bool:
+    """VNNI (AVX-512 or AVX) or AMX int8: where int8 matmuls run on integer dot-product instructions."""
+    from irflow.runtime import cpu_flags
+
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+
+
 def load(path: str, threads: int, max_seq_length: int | None = None) -> OnnxBiEncoder | OnnxCrossEncoder:
     """The exported model at ``path`` (an ``export`` directory) in a session with ``threads`` threads."""
     from transformers import AutoTokenizer
 
     meta = json.loads((Path(path) / META_FILE).read_text())
+    if meta.get("quantization") == "int8" and not cpu_has_int8_dot():
+        # The model is the same everywhere (it is keyed and stored); only its speed follows the CPU.
+        log.warning("quantization int8 on a CPU without VNNI or AMX int8 (no avx512_vnni / avx_vnni / amx_int8 "
+                    "flag): ONNX Runtime's int8 kernels gain little there, and their u8s8 products can saturate; "
+                    "quantization none (fp32) may be as fast")
     cls = OnnxBiEncoder if meta["task"] == "embed" else OnnxCrossEncoder
     model = cls(path, meta, _session(str(Path(path) / MODEL_FILE), threads), AutoTokenizer.from_pretrained(path))
     if isinstance(model, OnnxBiEncoder):
