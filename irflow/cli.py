@@ -141,11 +141,14 @@ def _fmt_runtime(value) -> str | None:
         parts.append(f"{rt['train_processes']} training processes")
     if rt.get("gpu"):
         parts.append(rt["gpu"])
+    if rt.get("backend", "torch") != "torch" or rt.get("onnx_models"):  # runtime.backend, int8 models
+        parts.append(f"backend {rt.get('backend', 'torch')}" + "".join(
+            f", {Path(src).name} ran as {dst}" for src, dst in (rt.get("onnx_models") or {}).items()))
     if rt.get("executor"):
         parts.append(f"executor {rt['executor']}, {rt.get('shards')} shard(s) of {rt.get('shard_rows')} rows")
     versions = rt.get("versions") or {}
     libs = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "sentence-transformers", "pyserini")
-                     if k in versions)
+                     + (("onnxruntime",) if rt.get("onnx_models") else ()) if k in versions)
     return ", ".join(parts) + (f"; {libs}" if libs else "")
 
 

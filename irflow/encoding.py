@@ -8,6 +8,10 @@ a matrix product over another length sums in another order (measured with MiniLM
 every batch of a group is padded to exactly that length: the same text always meets the same shapes
 (bitwise equal embeddings for any batching, checked on CPU; tests/test_shards.py). Sorting by length
 also keeps padding low: at most BUCKET - 1 tokens per text.
+
+The model is a SentenceTransformer (torch), or an ``irflow.onnx_inference.OnnxBiEncoder`` (ONNX
+Runtime: ``runtime.backend: onnx`` or ``quantization: int8``; ``irflow.models.load_sentence_transformer``
+gives whichever the stage's runtime says): the same batches, tokenised the same way.
 """
 
 from __future__ import annotations
@@ -40,15 +44,23 @@ def length_batches(lengths: list[int], batch_size: int, max_length: int) -> list
 
 def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, desc: str = "encode",
                  autocast=None) -> np.ndarray:
-    """Embeddings of ``texts`` (see the module doc for the batching). ``autocast``: a context manager
-    factory for reduced precision (None: fp32)."""
+    """Embeddings of ``texts`` (see the module doc for the batching). ``st_model``: a SentenceTransformer
+    or an OnnxBiEncoder (the backend); ``autocast``: a context manager factory for reduced precision
+    (None: fp32; torch only)."""
+    from irflow.onnx_inference import OnnxBiEncoder
+
+    onnx = isinstance(st_model, OnnxBiEncoder)
     max_length = int(st_model.max_seq_length)
     lengths = [len(ids) for ids in st_model.tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
     out = np.zeros((len(texts), embedding_dim(st_model)), dtype=np.float32)
     with tqdm(total=len(texts), desc=desc, unit=" texts", mininterval=2) as bar, \
-            (autocast() if autocast else contextlib.nullcontext()):
+            (autocast() if autocast and not onnx else contextlib.nullcontext()):
         for padded, idx in length_batches(lengths, batch_size, max_length):
             check_interrupted()
+            if onnx:
+                out[idx] = st_model.embed([texts[i] for i in idx], padded, normalize)
+                bar.update(len(idx))
+                continue
             emb = st_model.encode([texts[i] for i in idx], batch_size=len(idx), convert_to_tensor=True,
                                   normalize_embeddings=normalize, show_progress_bar=False,
                                   processing_kwargs={"text": {"padding": "max_length", "max_length": padded,

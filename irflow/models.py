@@ -91,9 +91,18 @@ def model_ref(name: str, store_root: str | None, where: str) -> DatasetRef:
     return ref
 
 
-def load_sentence_transformer(path: str, device: str = "cpu", max_seq_length: int | None = None):
-    """The model at ``path`` (once per shard worker process: ``irflow.shards.per_worker``)."""
+def load_sentence_transformer(path: str, device: str = "cpu", max_seq_length: int | None = None, *,
+                              onnx: str | None = None, threads: int = 1):
+    """The model at ``path`` (once per shard worker process: ``irflow.shards.per_worker``); with ``onnx``
+    (its exported directory, ``StageRuntime.onnx_model``) an ``OnnxBiEncoder`` on ``threads`` threads,
+    which ``irflow.encoding.encode_texts`` runs in its place."""
     from irflow.shards import per_worker
+
+    if onnx:
+        from irflow import onnx_inference
+
+        return per_worker(("onnx", onnx, threads, max_seq_length),
+                          lambda: onnx_inference.load(onnx, threads, max_seq_length))
 
     def load():
         from sentence_transformers import SentenceTransformer

@@ -7,15 +7,16 @@
 - every field has a description (checked when the class is defined): the description is the
   documentation, shown by ``irflow config --explain``.
 
-A stage's cache key holds ``params.model_dump(mode="json")``; its defaults are written once, in
-its params model. A config section that feeds a stage inherits that stage's params (or a part of
+A stage's cache key holds ``params.key_dump()``: ``params.model_dump(mode="json")``, less the fields
+marked ``KEYED_WHEN_SET`` that hold their default (see ``KEYED_WHEN_SET``); its defaults are written
+once, in its params model. A config section that feeds a stage inherits that stage's params (or a part of
 them) and adds what only the recipe knows (which model, which variants); ``section.to(StageParams,
 **per_call)`` projects it onto one call's params.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Iterator, TypeVar
+from typing import Annotated, Any, Iterator, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,8 +40,54 @@ class Params(BaseModel):
         return cls(**own, **fields)
 
     def key_dump(self) -> dict:
-        """What a cache key holds: the JSON dump of every field."""
-        return self.model_dump(mode="json")
+        """What a cache key holds: the JSON dump of every field, less ``KEYED_WHEN_SET`` fields at
+        their default (at any depth)."""
+        return _drop_unset(self, self.model_dump(mode="json"))
+
+
+class _KeyedWhenSet:
+    """Marks a field that enters cache keys only when it differs from its default."""
+
+    def __repr__(self) -> str:
+        return "KEYED_WHEN_SET"
+
+
+#: A field added to a stage's params after stores were made with it, whose default is what the
+#: stage computed before the field existed (``quantization: none``): left out of the key while it
+#: holds its default, so that adding it keeps every existing cache key (a store made before
+#: recomputes nothing), and keyed as soon as it is set to anything else. It goes in the field's
+#: ``Annotated`` metadata: ``x: Annotated[Literal[...], KEYED_WHEN_SET] = Field(default, description=...)``.
+KEYED_WHEN_SET = _KeyedWhenSet()
+
+#: Quantisation of the model an inference stage runs (``irflow.onnx_inference``): lossy, so keyed;
+#: ``none`` (exact) is what these stages computed before the field existed, so it is not keyed.
+Quantization = Annotated[Literal["none", "int8"], KEYED_WHEN_SET]
+QUANTIZATION_DOC = ("none: the model as it is (fp32; runtime.backend picks torch or ONNX Runtime, same result); "
+                    "int8: ONNX Runtime's dynamic int8 quantisation of the exported model (per-channel weights; "
+                    "runs on the CPU with onnxruntime whatever runtime.backend says; lossy, so keyed: its "
+                    "outputs are stored apart from the exact ones)")
+
+
+def _drop_unset(obj: Any, dumped: Any) -> Any:
+    """``dumped`` (obj's JSON dump) without the KEYED_WHEN_SET fields that hold their default."""
+    if isinstance(obj, BaseModel) and isinstance(dumped, dict):
+        for name, info in type(obj).model_fields.items():
+            if name not in dumped:
+                continue
+            value = getattr(obj, name)
+            if any(m is KEYED_WHEN_SET for m in info.metadata) and \
+                    value == info.get_default(call_default_factory=True):
+                del dumped[name]
+            else:
+                _drop_unset(value, dumped[name])
+    elif isinstance(obj, (list, tuple)) and isinstance(dumped, list):
+        for o, d in zip(obj, dumped):
+            _drop_unset(o, d)
+    elif isinstance(obj, dict) and isinstance(dumped, dict):
+        for k, o in obj.items():
+            if str(k) in dumped:
+                _drop_unset(o, dumped[str(k)])
+    return dumped
 
 
 class NoParams(Params):

@@ -16,6 +16,11 @@ natively (a CUDA GPU that supports it; a CPU with AVX-512 BF16 or AMX), fp32 els
 uses fp32 (its outputs -- embeddings, scores -- are what other stages and the metrics read). A forced
 choice that is slow on this machine is honoured with a warning: on an AVX2-only CPU one MiniLM
 training step took 39.4 s under bf16 autocast against 1.57 s in fp32.
+
+``backend`` (torch | onnx) is how inference runs: ``onnx`` runs the stages that encode or score with
+a model (encoding, dense search, the cross-encoder teachers, rerank) on ONNX Runtime, on the CPU, with
+the model exported once into the store (``irflow.onnx_inference``). It is exact (fp32, allclose to
+torch), so it is runtime, never keyed; int8 is not exact and is a keyed param (``quantization``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import logging
 import os
 import platform
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +45,8 @@ log = logging.getLogger("irflow.runtime")
 WORK_KINDS = ("encode", "score", "generate", "train")
 Work = Literal["encode", "score", "generate", "train"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Backend = Literal["torch", "onnx"]
+INFERENCE_WORK = ("encode", "score")  # the kinds of work runtime.backend applies to
 _DEVICE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu)(:\d+)?)$")
 
 
@@ -106,6 +113,12 @@ class RuntimeConfig(Params):
     precision: PrecisionMap = Field(PrecisionMap(), description="precision per kind of work; a string sets all")
     threads: int | None = Field(None, ge=1, description="CPU threads for torch, faiss and Lucene (null: every "
                                                         "CPU this process may use)")
+    backend: Backend = Field("torch", description="how encoding and cross-encoder scoring run (corpus and query "
+                                                  "encoding, dense search, the cross-encoder teachers, rerank): "
+                                                  "torch; or onnx: ONNX Runtime on the CPU, fp32, the model "
+                                                  "exported once into the store (export_onnx). Exact either way "
+                                                  "(allclose), so never keyed; int8 is each stage's keyed "
+                                                  "`quantization`")
     train_processes: int = Field(1, ge=1, description="processes (torchrun; one per GPU on CUDA) that share "
                                                       "each training step: every batch is split between them "
                                                       "and their gradients averaged, so the result is that of "
@@ -127,6 +140,17 @@ class RuntimeConfig(Params):
     shard_rows: PositiveInt = Field(100_000, description="rows of a sharded stage's input per shard (corpus "
                                                          "passages, queries or pairs): the unit of parallel work, "
                                                          "of memory, and of resuming a killed run")
+
+    @model_validator(mode="after")
+    def _onnx_on_cpu(self):
+        if self.backend == "onnx":
+            gpu = sorted({d for w in INFERENCE_WORK for d in [self.device.for_work(w)] if d not in ("auto", "cpu")})
+            if gpu:
+                # Not silently moved: the user asked for that device. onnxruntime here is the CPU build.
+                raise ValueError(f"backend onnx runs on the CPU (onnxruntime's CPU provider), but runtime.device "
+                                 f"puts encoding or scoring on {', '.join(gpu)}; use runtime.backend torch there, "
+                                 f"or runtime.device.encode/score cpu (or auto)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -250,6 +274,15 @@ class StageRuntime:
     resume_dir: Path | None = None  # survives a crash; checkpoints and shards of this cache key
     work: str | None = None
     train_processes: int = 1  # RuntimeConfig.train_processes
+    backend: str = "torch"  # RuntimeConfig.backend (encode and score work; else torch)
+    # source model path -> its exported ONNX model's directory, for the models this stage runs on ONNX
+    # Runtime (backend onnx, or quantization int8): exported by the stage runner before it computes
+    # (irflow.stage, the export_onnx stage), so that stage code only asks ``onnx_model(model)``.
+    onnx_models: dict = field(default_factory=dict)
+
+    def onnx_model(self, model) -> str | None:
+        """The exported ONNX model to run instead of ``model`` (a DatasetRef or a path), or None: torch."""
+        return self.onnx_models.get(getattr(model, "path", model))
 
     def autocast(self):
         """torch autocast for this stage's precision (a no-op context for fp32)."""
@@ -261,21 +294,28 @@ class StageRuntime:
         return torch.autocast(device_type=torch.device(self.device).type, dtype=dtype)
 
     def provenance(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("workdir", "resume_dir")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("workdir", "resume_dir", "onnx_models")}
+        if self.onnx_models:  # which exported models ran: their store ids (the directory's name)
+            d["onnx_models"] = {src: Path(dst).name for src, dst in self.onnx_models.items()}
         d.update(host_info(self.device))
         return d
 
 
 def stage_runtime(rt: RuntimeConfig, work: str | None, workdir: Path | None = None,
-                  resume_dir: Path | None = None) -> StageRuntime:
+                  resume_dir: Path | None = None, *, onnx_capable: bool = False) -> StageRuntime:
+    """``onnx_capable``: the stage can run its models on ONNX Runtime (``stage(onnx=...)``); the others
+    run torch whatever ``backend`` says (the trainers; the student's margins in pseudo_label)."""
+    backend = rt.backend if onnx_capable and work in INFERENCE_WORK else "torch"
     if work is None:
         device, precision = "cpu", "fp32"
+    elif backend == "onnx":
+        device, precision = "cpu", "fp32"  # ONNX Runtime's CPU provider, exact (the config refuses a GPU)
     else:
         device = resolve_device(rt.device.for_work(work))
         precision = resolve_precision(rt.precision.for_work(work), work, device)
     return StageRuntime(device=device, precision=precision, threads=rt.cpu_threads(), jvm_heap=rt.jvm_heap,
                         recompute_activations=rt.recompute_activations, workdir=workdir, resume_dir=resume_dir,
-                        work=work, train_processes=rt.train_processes)
+                        work=work, train_processes=rt.train_processes, backend=backend)
 
 
 def resolved_plan(rt: RuntimeConfig) -> dict[str, dict]:
@@ -288,8 +328,8 @@ def resolved_plan(rt: RuntimeConfig) -> dict[str, dict]:
     return out
 
 
-_VERSIONED = ("torch", "transformers", "sentence-transformers", "pyserini", "faiss-cpu", "duckdb", "pyarrow",
-              "prefect", "irflow")
+_VERSIONED = ("torch", "transformers", "sentence-transformers", "onnxruntime", "pyserini", "faiss-cpu", "duckdb",
+              "pyarrow", "prefect", "irflow")
 
 
 @functools.lru_cache(maxsize=1)

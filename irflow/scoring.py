@@ -68,7 +68,7 @@ def relevance(logits):
 
 def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, batch_size: int,
                          max_length: int, device: str = "cpu", autocast=None,
-                         show_progress: bool = True) -> np.ndarray:
+                         show_progress: bool = True, onnx: str | None = None, threads: int = 1) -> np.ndarray:
     """Raw logits for (query text, passage text) pairs, in input order.
 
     Pairs are batched by token length, each batch padded to its length bucket
@@ -78,13 +78,21 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
     all at once, bit for bit on CPU. (Without the fill a short last batch changed the last bits of a
     score: the kernels a matmul takes depend on its row count; GPL's teacher in shards of 16 queries
     differed in 2 of 146 scores.) ``autocast``: a context manager factory for reduced precision
-    (``StageRuntime.autocast``); None runs in fp32.
+    (``StageRuntime.autocast``); None runs in fp32. ``onnx``: the model's exported directory
+    (``StageRuntime.onnx_model``): scored on ONNX Runtime with ``threads`` threads, same batches
+    (``irflow.onnx_inference``).
     """
     import torch
 
     from irflow.shards import per_worker
 
-    tok, model = per_worker(("cross_encoder", model_path, device), lambda: load_cross_encoder(model_path, device))
+    if onnx:
+        from irflow import onnx_inference
+
+        model = per_worker(("onnx", onnx, threads, None), lambda: onnx_inference.load(onnx, threads))
+        tok = model.tokenizer
+    else:
+        tok, model = per_worker(("cross_encoder", model_path, device), lambda: load_cross_encoder(model_path, device))
     from irflow.encoding import length_batches
 
     n = len(pairs)
@@ -93,9 +101,14 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
         return out
     lengths = [len(ids) for ids in tok([q for q, _ in pairs], [d for _, d in pairs], truncation="longest_first",
                                        max_length=max_length)["input_ids"]]
-    with torch.inference_mode(), (autocast() if autocast else contextlib.nullcontext()):
+    with torch.inference_mode(), (autocast() if autocast and not onnx else contextlib.nullcontext()):
         for padded, idx in tqdm(length_batches(lengths, batch_size, max_length), desc="cross-encoder scoring",
                                 unit=" batch", disable=not show_progress, mininterval=2):
+            if onnx:
+                # int8 runs pair by pair (onnx_inference: batch invariance), so no fill is needed there
+                rows = idx if model.row_wise else idx + idx[:1] * (batch_size - len(idx))
+                out[idx] = relevance(model.logits([pairs[i] for i in rows], padded).astype(np.float32))[:len(idx)]
+                continue
             rows = idx + idx[:1] * (batch_size - len(idx))  # one shape per bucket (see above)
             enc = tok([pairs[i][0] for i in rows], [pairs[i][1] for i in rows], padding="max_length",
                       truncation="longest_first", max_length=padded, return_tensors="pt").to(device)

@@ -75,6 +75,7 @@ class ShardJob:
     parts: dict[str, str]  # output -> where its part goes
     runtime: RuntimeConfig
     threads: int
+    onnx_models: dict | None = None  # StageRuntime.onnx_models: exported by the driver before the shards
 
 
 def aligned(shard_rows: int, align: int = 1) -> int:
@@ -120,7 +121,8 @@ def run_shard(job: ShardJob) -> dict:
     workdir.mkdir(parents=True)
     tmps: dict[str, Path] = {}
     try:
-        rt = replace(stage_runtime(job.runtime, stage.work, workdir), threads=job.threads)
+        rt = replace(stage_runtime(job.runtime, stage.work, workdir, onnx_capable=stage.onnx is not None),
+                     threads=job.threads, onnx_models=job.onnx_models or {})
         inputs = {**job.inputs, job.role: job.inputs[job.role].slice(job.start, job.stop)}
         with torch_threads(rt.threads) if stage.work else contextlib.nullcontext():
             result = stage.fn(job.params, rt, **inputs)
@@ -185,7 +187,7 @@ class ShardFailed(RuntimeError):
 
 
 def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeConfig, resume_dir: Path,
-            ) -> list[dict]:
+            onnx_models: dict | None = None) -> list[dict]:
     """Every shard's parts in ``resume_dir`` (computing the missing ones); their records, in order."""
     role = stage.shard
     align = stage.shard_align(params) if stage.shard_align else 1
@@ -203,7 +205,7 @@ def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeCon
                           "status": "resumed"}
             continue
         jobs.append(ShardJob(stage.fn.__module__, stage.fn.__name__, label, i, a, b, role, params, inputs, parts,
-                             runtime, worker_threads(runtime)))
+                             runtime, worker_threads(runtime), onnx_models))
     if len(ranges) > 1 or runtime.executor == "ray":
         log.info("%s: %d shard(s) of %d %s rows (%d to compute, %d resumed), executor %s", label, len(ranges),
                  shard_rows, role, len(jobs), len(ranges) - len(jobs), runtime.executor)

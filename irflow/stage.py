@@ -38,7 +38,7 @@ import shutil
 import threading
 import time
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
@@ -221,8 +221,10 @@ class Stage:
 
     def __init__(self, fn: Callable, name: str, version: str, outputs: list[Output], work: str | None,
                  resumable: bool, shard: str | None = None, shard_when: Callable[[Params], bool] | None = None,
-                 shard_align: Callable[[Params], int] | None = None):
+                 shard_align: Callable[[Params], int] | None = None,
+                 onnx: Callable[[Params], dict[str, tuple[str, str]]] | None = None):
         self.fn = fn
+        self.onnx = onnx
         self.shard = shard
         self.shard_when = shard_when
         self.shard_align = shard_align
@@ -250,6 +252,8 @@ class Stage:
             raise TypeError(f"stage {name}: shard= names a required input of a stage whose outputs are tables")
         if shard is None and (shard_when or shard_align):
             raise TypeError(f"stage {name}: shard_when= and shard_align= need shard=")
+        if onnx is not None and work is None:
+            raise TypeError(f"stage {name}: onnx= is for stages that run models (work encode or score)")
 
     def run_name(self, tag: str | None) -> str:
         """The name of one call in a run: ``bm25_search[flat]`` (the tag tells calls apart)."""
@@ -286,13 +290,15 @@ class Stage:
         return {o.name: DatasetRef(f"<{stage_label}:{o.name}>", o.name, PENDING, o.contract, "")
                 for o in self.outputs}
 
-    def execute(self, run: Run, params: Params | dict, tag: str | None, inputs: dict) -> tuple[Any, str]:
-        """(the output ref, or a dict of them; status: computed | cached | stale | skipped)."""
+    def execute(self, run: Run, params: Params | dict, tag: str | None, inputs: dict, *,
+                needed: bool = False) -> tuple[Any, str]:
+        """(the output ref, or a dict of them; status: computed | cached | stale | skipped). ``needed``:
+        run even if ``--to`` leaves it out (a stage another stage's computation asks for: export_onnx)."""
         check_interrupted()
         params, inputs = self._check(params, inputs)
         store, catalog = run.store, run.catalog
         stage_label = self.run_name(tag)
-        if run.skips(stage_label):
+        if run.skips(stage_label) and not needed:
             refs = self._placeholders(stage_label)
             entry = {"name": stage_label, "inputs": _ids(inputs), "outputs": {k: r.id for k, r in refs.items()}}
             if run.dry_run:
@@ -352,7 +358,9 @@ class Stage:
                           else contextlib.nullcontext(0.0)) as waited:
                         clock.skip(waited)
                         check_interrupted()
-                        refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label)
+                        onnx_models = self._onnx_models(run, params, inputs)
+                        refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label,
+                                                         onnx_models)
                 except Exception as e:
                     # kept for the run's row (not stage_runs: only results go there), so that its graph
                     # shows where it failed (irflow.dag); a Ctrl-C is no failure
@@ -399,9 +407,29 @@ class Stage:
         """Whether these params are computed in shards (``shard``, and ``shard_when`` says yes)."""
         return bool(self.shard) and (self.shard_when is None or bool(self.shard_when(params)))
 
-    def _compute(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
+    def _onnx_models(self, run: Run, params: Params, inputs: dict) -> dict[str, str]:
+        """source model path -> exported ONNX model directory, for each model input this stage runs on
+        ONNX Runtime: all of them with ``runtime.backend: onnx``, and those whose ``quantization`` is
+        int8 (``onnx=``: params -> {input role: (task, quantization)}). Each export is the export_onnx
+        stage, run here (in the driver: it records lineage in the catalog) and cached in the store under
+        (source model id, opset, quantization), so a model is exported once for every later stage and run."""
+        if self.onnx is None:
+            return {}
+        from irflow.tasks.export_onnx import ExportParams, export_onnx
+
+        out = {}
+        for role, (task, quantization) in self.onnx(params).items():
+            model = inputs.get(role)
+            if model is None or (quantization == "none" and run.runtime.backend != "onnx"):
+                continue
+            ref, _ = export_onnx.execute(run, ExportParams(task=task, quantization=quantization),
+                                         f"{task}-{quantization}", {"model": model}, needed=True)
+            out[model.path] = ref.path
+        return out
+
+    def _compute(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label, onnx_models=None):
         if self.sharded(params):
-            return self._compute_shards(run, store, catalog, key, params, inputs, stage_label)
+            return self._compute_shards(run, store, catalog, key, params, inputs, stage_label, onnx_models or {})
         workdir = store.staging_dir()
         resume_dir = None
         if self.resumable:
@@ -409,10 +437,12 @@ class Stage:
             # with the same key are found here again. Removed once the outputs are published.
             resume_dir = store.root / "partial" / key
             resume_dir.mkdir(parents=True, exist_ok=True)
-        rt = stage_runtime(run.runtime, self.work, workdir, resume_dir)
+        rt = replace(stage_runtime(run.runtime, self.work, workdir, resume_dir,
+                                   onnx_capable=self.onnx is not None), onnx_models=onnx_models or {})
         try:
             log.info("%s: computing (%s)", stage_label,
-                     f"{rt.device}, {rt.precision}, {rt.threads} threads" if self.work else f"{rt.threads} threads")
+                     f"{rt.device}, {rt.precision}, {rt.threads} threads{_backend(rt)}" if self.work
+                     else f"{rt.threads} threads")
             try:
                 with torch_threads(rt.threads) if self.work else contextlib.nullcontext():
                     result = self.fn(params, rt, **inputs)
@@ -478,7 +508,8 @@ class Stage:
                                params=params.key_dump(), run_id=run.run_id, outputs=published, parents=parents,
                                runtime=provenance)
 
-    def _compute_shards(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label):
+    def _compute_shards(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label,
+                        onnx_models: dict[str, str]):
         """A sharded stage (see irflow.shards): parts into partial/<key>, each output assembled from its
         parts, then published (every output assembled and checked before any is published)."""
         from irflow import shards
@@ -486,11 +517,11 @@ class Stage:
 
         parts_dir = store.root / "partial" / key
         parts_dir.mkdir(parents=True, exist_ok=True)
-        rt = stage_runtime(run.runtime, self.work)
+        rt = replace(stage_runtime(run.runtime, self.work, onnx_capable=self.onnx is not None), onnx_models=onnx_models)
         log.info("%s: computing (%s)", stage_label,
-                 f"{rt.device}, {rt.precision}" if self.work else "cpu")
+                 f"{rt.device}, {rt.precision}{_backend(rt)}" if self.work else "cpu")
         try:
-            records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir)
+            records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir, onnx_models)
         except shards.ShardFailed as e:
             check_interrupted()
             # A user error (a model that cannot be loaded, data that cannot support the params) is the
@@ -585,13 +616,21 @@ def _params_members(ann) -> tuple[type, ...]:
     return members if args and len(members) == len(args) else ()
 
 
+def _backend(rt) -> str:
+    """How a stage's models run, for its log line: '' (torch), or the backend and how many of its
+    models run on ONNX Runtime (backend onnx, or int8 models under backend torch)."""
+    return "" if rt.backend == "torch" and not rt.onnx_models else f", {rt.backend} backend" + \
+        (f", {len(rt.onnx_models)} model(s) on ONNX Runtime" if rt.onnx_models else "")
+
+
 def _ds_name(stage: Stage, o: Output) -> str:
     return o.name if len(stage.outputs) > 1 or o.name != "out" else stage.name
 
 
 def stage(name: str, version: str, outputs: list[Output] | Output, *, work: str | None = None,
           resumable: bool = False, shard: str | None = None, shard_when: Callable[[Params], bool] | None = None,
-          shard_align: Callable[[Params], int] | None = None) -> Callable[[Callable], Stage]:
+          shard_align: Callable[[Params], int] | None = None,
+          onnx: Callable[[Params], dict[str, tuple[str, str]]] | None = None) -> Callable[[Callable], Stage]:
     """Declare a stage: ``@stage("bm25_search", version="1", outputs=Output("run", "run"))``.
 
     ``work`` is the kind of work it does on a device (encode, score, generate, train; None for
@@ -605,10 +644,14 @@ def stage(name: str, version: str, outputs: list[Output] | Output, *, work: str 
     sharded (False: the stage is computed whole, e.g. a source that does not read that input);
     ``shard_align(params)``: shards start at multiples of that many rows (``runtime.shard_rows`` is
     rounded up to one), e.g. the stage's batch size when a batch's result depends on the batch.
+    ``onnx(params)``: the model inputs the stage runs inference with, ``{role: (task, quantization)}``
+    (task embed: a bi-encoder, score: a cross-encoder; quantization: the params' none | int8): the runner
+    exports those it runs on ONNX Runtime (``runtime.backend: onnx``, or int8) before computing, and the
+    stage finds them with ``rt.onnx_model(model)`` (``irflow.onnx_inference``).
     """
     outs = [outputs] if isinstance(outputs, Output) else list(outputs)
 
     def wrap(fn: Callable) -> Stage:
-        return Stage(fn, name, version, outs, work, resumable, shard, shard_when, shard_align)
+        return Stage(fn, name, version, outs, work, resumable, shard, shard_when, shard_align, onnx)
 
     return wrap

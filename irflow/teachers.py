@@ -27,13 +27,14 @@ import pyarrow as pa
 from pydantic import Field, PositiveInt
 
 from irflow.fusion import FusionSettings, fuse_runs
-from irflow.params import Params
+from irflow.params import QUANTIZATION_DOC, Params, Quantization
 
 
 class CrossEncoderTeacher(Params):
     type: Literal["cross_encoder"] = Field(description="a cross-encoder's raw logits (GPL)")
     batch_size: PositiveInt = Field(32, description="pairs per scoring batch")
     max_length: PositiveInt = Field(350, description="tokens of (query, passage) the cross-encoder reads")
+    quantization: Quantization = Field("none", description=QUANTIZATION_DOC)
 
 
 class FusionTeacher(FusionSettings):
@@ -43,6 +44,13 @@ class FusionTeacher(FusionSettings):
 
 
 Teacher = Annotated[Union[CrossEncoderTeacher, FusionTeacher], Field(discriminator="type")]
+
+
+def teacher_model(p) -> dict:
+    """``stage(onnx=...)`` of a stage whose params hold a ``teacher``: its ``teacher`` input is a
+    cross-encoder that may run on ONNX Runtime (a fusion teacher reads no model)."""
+    t = p.teacher
+    return {"teacher": ("score", t.quantization)} if isinstance(t, CrossEncoderTeacher) else {}
 
 
 def fusion_scores(runs: Sequence[pa.Table], teacher: FusionTeacher, pairs: list[tuple[str, str]],
@@ -73,7 +81,8 @@ def teacher_scores(teacher: CrossEncoderTeacher | FusionTeacher, pairs: list[tup
             raise ValueError(f"{stage}: teacher.type cross_encoder needs the teacher input (a model)")
         return cross_encoder_scores(model.path, [(qtext[q], dtext[d]) for q, d in pairs],
                                     batch_size=teacher.batch_size, max_length=teacher.max_length,
-                                    device=rt.device if rt else "cpu", autocast=rt.autocast if rt else None
+                                    device=rt.device if rt else "cpu", autocast=rt.autocast if rt else None,
+                                    onnx=rt.onnx_model(model) if rt else None, threads=rt.threads if rt else 1
                                     ).astype(np.float64)
     return fusion_scores(list(runs), teacher, pairs, stage)
 

@@ -81,9 +81,10 @@ class CrossEncoderConfig(TrainCrossEncoderParams):
                                                                  "top-n (system mc-rerank)")
 
     def scoring(self) -> CrossEncoderTeacher:
-        """How M_C scores pairs (denoising, augmentation): at the length it was trained on."""
+        """How M_C scores pairs (denoising, augmentation): at the length it was trained on, quantised as
+        it re-ranks (one M_C: ``cross_encoder.rerank.quantization`` applies to all its scoring)."""
         return CrossEncoderTeacher(type="cross_encoder", batch_size=self.rerank.batch_size,
-                                   max_length=self.max_length)
+                                   max_length=self.max_length, quantization=self.rerank.quantization)
 
 
 class FusionConfig(FusionSettings):

@@ -7,7 +7,9 @@ their text. ``similarity: cos`` L2-normalises both sides; ``dot`` uses raw inner
 vectors and an exact re-ranking of a shortlist (approximate, for corpora too big for flat).
 
 The model is an input ref: a model named in the config (``Run.model``) or one trained by an earlier
-stage -- the same code path either way. Encoding runs on the runtime's ``encode`` device.
+stage -- the same code path either way. Encoding runs on the runtime's ``encode`` device, with torch or
+ONNX Runtime (``runtime.backend``, exact); ``quantization: int8`` encodes with an int8 ONNX model
+(keyed: its embeddings are not the model's exact ones; ``irflow.onnx_inference``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from irflow import ann
 from irflow.ann import IVF_KINDS
 from irflow.encoding import encode_texts
 from irflow.models import load_sentence_transformer
-from irflow.params import Params
+from irflow.params import QUANTIZATION_DOC, Params, Quantization
 from irflow.runtime import StageRuntime
 from irflow.shards import per_worker
 from irflow.stage import Output, stage
@@ -41,6 +43,7 @@ class EncodeParams(Params):
     batch_size: PositiveInt = Field(64, description="texts per encoding batch")
     max_seq_length: PositiveInt | None = Field(None, description="truncate texts to this many tokens (null: the "
                                                                  "model's own limit, 256 for MiniLM)")
+    quantization: Quantization = Field("none", description=QUANTIZATION_DOC)
 
 
 class DenseRetrieval(EncodeParams):
@@ -91,10 +94,16 @@ def embeddings_to_numpy(table: pa.Table) -> np.ndarray:
     return flat.reshape(n, -1)
 
 
-@stage("encode_corpus", version="3", outputs=Output("embeddings", "embeddings"), work="encode", shard="corpus")
+def _bi_encoder(p: EncodeParams) -> dict:
+    return {"model": ("embed", p.quantization)}  # the model input runs on ONNX Runtime for onnx / int8
+
+
+@stage("encode_corpus", version="3", outputs=Output("embeddings", "embeddings"), work="encode", shard="corpus",
+       onnx=_bi_encoder)
 def encode_corpus(p: EncodeParams, rt: StageRuntime, *, corpus: DatasetRef, model: DatasetRef) -> pa.Table:
     """One embedding per passage of ``corpus`` with ``model``, in corpus order."""
-    st = load_sentence_transformer(model.path, rt.device, p.max_seq_length)
+    st = load_sentence_transformer(model.path, rt.device, p.max_seq_length, onnx=rt.onnx_model(model),
+                                   threads=rt.threads)
     c = corpus.table()
     emb = encode_texts(st, passage_texts(c), p.batch_size, p.similarity == "cos", desc="encode corpus",
                        autocast=rt.autocast)
@@ -137,14 +146,15 @@ def _index(embeddings: DatasetRef, p: DenseRetrieval, rt: StageRuntime):
                                 threads=rt.threads, work_dir=rt.workdir)
 
 
-@stage("dense_search", version="3", outputs=Output("run", "run"), work="encode", shard="queries")
+@stage("dense_search", version="3", outputs=Output("run", "run"), work="encode", shard="queries", onnx=_bi_encoder)
 def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetRef, queries: DatasetRef,
                  model: DatasetRef) -> pa.Table:
     """Top ``depth`` passages per query: queries encoded with ``model``, searched in ``embeddings``."""
     import faiss
 
     faiss.omp_set_num_threads(rt.threads)
-    st = load_sentence_transformer(model.path, rt.device, p.max_seq_length)
+    st = load_sentence_transformer(model.path, rt.device, p.max_seq_length, onnx=rt.onnx_model(model),
+                                   threads=rt.threads)
     q = queries.table()
     qids = q.column("query_id").to_pylist()
     q_emb = encode_texts(st, q.column("text").to_pylist(), p.batch_size, p.similarity == "cos",

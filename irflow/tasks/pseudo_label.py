@@ -60,7 +60,8 @@ from irflow.qrels import group, judged_positives, positives
 from irflow.runtime import StageRuntime
 from irflow.sampling import rng, sample
 from irflow.stage import Output, stage
-from irflow.teachers import CrossEncoderTeacher, FusionTeacher, Teacher, fusion_scores, teacher_scores  # noqa: F401
+from irflow.teachers import (CrossEncoderTeacher, FusionTeacher, Teacher, fusion_scores, teacher_model,  # noqa: F401
+                             teacher_scores)
 from irflow.store import DatasetRef
 from irflow.text import doc_texts, query_texts
 
@@ -334,7 +335,8 @@ def build_triples(p: LabelParams, rt: StageRuntime, queries: pa.Table, corpus: p
                  queries, corpus, student_model)
 
 
-@stage("label_scores", version="1", outputs=Output("out", "triple_scores"), work="score", shard="queries")
+@stage("label_scores", version="1", outputs=Output("out", "triple_scores"), work="score", shard="queries",
+       onnx=teacher_model)
 def label_scores(p: LabelScoresParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
                  qrels: DatasetRef | None = None, negatives: DatasetRef | None = None,
                  teacher_rankings: list[DatasetRef] | None = None, teacher: DatasetRef | None = None) -> pa.Table:

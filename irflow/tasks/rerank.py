@@ -3,7 +3,8 @@
 Users of GPL and RocketQA ask to see how good a teacher is before trusting its labels (gpl #35): a
 cross-encoder re-ranking the first stage's top 100 on the test queries is that number. The output is
 a run (ranks 1..depth by the cross-encoder's score); passages below ``depth`` are not kept, so
-R@depth equals the first stage's.
+R@depth equals the first stage's. The cross-encoder runs with torch or ONNX Runtime
+(``runtime.backend``), or as an int8 ONNX model (``quantization``, keyed; ``irflow.onnx_inference``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, PositiveInt
 
-from irflow.params import Params
+from irflow.params import QUANTIZATION_DOC, Params, Quantization
 from irflow.runtime import StageRuntime
 from irflow.scoring import cross_encoder_scores
 from irflow.stage import Output, stage
@@ -29,6 +30,7 @@ class RerankSettings(Params):
     depth: PositiveInt = Field(100, description="re-rank the first stage's top n per query")
     batch_size: PositiveInt = Field(32, description="pairs per scoring batch")
     max_length: PositiveInt = Field(256, description="tokens of (query, passage) the cross-encoder reads")
+    quantization: Quantization = Field("none", description=QUANTIZATION_DOC)
 
 
 class RerankParams(RerankSettings):
@@ -53,7 +55,8 @@ def rerank_table(run: pa.Table, scores: np.ndarray, system: str, query_order: li
                      "system": [system] * n})
 
 
-@stage("rerank", version="3", outputs=Output("run", "run"), work="score", shard="queries")
+@stage("rerank", version="3", outputs=Output("run", "run"), work="score", shard="queries",
+       onnx=lambda p: {"model": ("score", p.quantization)})
 def rerank(p: RerankParams, rt: StageRuntime, *, ranking: DatasetRef, queries: DatasetRef, corpus: DatasetRef,
            model: DatasetRef) -> pa.Table:
     """``ranking``'s top ``depth`` per query of ``queries``, re-ordered by the cross-encoder ``model``."""
@@ -66,5 +69,5 @@ def rerank(p: RerankParams, rt: StageRuntime, *, ranking: DatasetRef, queries: D
     log.info("rerank: %d pairs (%d queries x top %d)", len(qids), len(qtext), p.depth)
     scores = cross_encoder_scores(model.path, [(qtext[q], dtext[d]) for q, d in zip(qids, dids)],
                                   batch_size=p.batch_size, max_length=p.max_length, device=rt.device,
-                                  autocast=rt.autocast)
+                                  autocast=rt.autocast, onnx=rt.onnx_model(model), threads=rt.threads)
     return rerank_table(r, scores, p.system, asked.to_pylist())

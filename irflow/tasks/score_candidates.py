@@ -29,7 +29,7 @@ from irflow.qrels import judged_positives, positives
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Teacher, teacher_scores
+from irflow.teachers import Teacher, teacher_model, teacher_scores
 from irflow.text import doc_texts, query_texts
 
 log = logging.getLogger("irflow.score_candidates")
@@ -64,7 +64,8 @@ def candidate_pairs(run: pa.Table, pos_by_q: dict[str, set[str]], depth: int) ->
     return out, ranks
 
 
-@stage("score_candidates", version="3", outputs=Output("out", "candidate_scores"), work="score", shard="queries")
+@stage("score_candidates", version="3", outputs=Output("out", "candidate_scores"), work="score", shard="queries",
+       onnx=teacher_model)
 def score_candidates(p: ScoreCandidatesParams, rt: StageRuntime, *, ranking: DatasetRef, queries: DatasetRef,
                      corpus: DatasetRef, qrels: DatasetRef | None = None, teacher: DatasetRef | None = None,
                      teacher_rankings: list[DatasetRef] | None = None) -> pa.Table:
