@@ -26,11 +26,11 @@ install: $(VENV)/.installed
 demo: install
 	$(IRFLOW) run configs/demo.yaml --store $(STORE)
 
-# Two pytest-xdist workers: most tests use one core (tiny models, runtime.threads 1), so one process
+# Two pytest-xdist workers, one test file each at a time: most tests use one core (tiny models, runtime.threads 1), so one process
 # leaves the other core idle. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: bench-baselines
 

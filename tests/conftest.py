@@ -29,21 +29,10 @@ def pytest_sessionstart(session):
                                     "(../shared/datasets beside the checkout, or set IRFLOW_SHARED_DATASETS)")
 
 
-# `make test` runs the tests on 2 pytest-xdist workers (-n 2 --dist loadgroup): most tests use one core
-# (runtime.threads: 1, tiny models), so the other core would idle. Tests that share a session fixture's
-# run go to one worker, or each worker would compute it again; the Ray tests go to one worker because
-# they count the machine's Ray processes.
-_GROUPS = {"gpl_sample": "gpl-sample", "rocketqa_sample": "rocketqa-sample"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = next((g for f, g in _GROUPS.items() if f in getattr(item, "fixturenames", ())), None)
-        if group is None and item.module.__name__.rsplit(".", 1)[-1] == "test_ray":
-            group = "ray"
-        if group and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(group))
+# `make test` runs the tests on 2 pytest-xdist workers, a test file per worker (-n 2 --dist loadfile):
+# most tests use one core (runtime.threads: 1, tiny models), so the other core would idle. By file, not
+# by test: the Ray tests count the machine's Ray processes, so one worker runs them all. (--dist
+# loadgroup would group by mark, but xdist 3.8 renames item._nodeid, which pytest 9 no longer reads.)
 
 
 @pytest.fixture(scope="session")
