@@ -78,6 +78,10 @@ def test_int8_is_close_and_does_not_depend_on_the_batch(tiny):
     assert not list(bi8.glob(onnx_inference.FP32_FILE + "*"))  # only the int8 graph is kept
     a, b = _embed(tiny["bi"], bi8, batch_size=3), _embed(tiny["bi"], bi8, batch_size=16)
     np.testing.assert_array_equal(a, b)
+    # threads 2: two callers of a one-thread session, each text alone -- the same rows in the same order
+    alone = onnx_inference.load(str(bi8), threads=1)
+    assert alone.callers == 1 and onnx_inference.load(str(bi8), threads=2).callers == 2
+    np.testing.assert_array_equal(alone.embed(TEXTS, 64, False), a)
     cos = (a * _embed(tiny["bi"])).sum(1)
     assert cos.min() > 0.95, cos  # lossy, but the same embedding
     ce8 = onnx_inference.export(str(tiny["ce"]), tiny["root"] / "ce-int8", "score", "int8")

@@ -27,7 +27,7 @@ class ExportParams(Params):
     opset: int = Field(onnx_inference.OPSET, description="ONNX opset of the exported graph")
 
 
-@stage("export_onnx", version="1", outputs=Output("onnx_model", kind="model", check=onnx_inference.check_export))
+@stage("export_onnx", version="2", outputs=Output("onnx_model", kind="model", check=onnx_inference.check_export))
 def export_onnx(p: ExportParams, rt: StageRuntime, *, model: DatasetRef):
     """``model`` exported with torch.onnx (and quantised), checked against torch on a sample batch."""
     return onnx_inference.export(model.path, rt.workdir / "onnx", p.task, p.quantization, p.opset)
