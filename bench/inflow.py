@@ -22,6 +22,7 @@ intra-op threads, the thread it ran on, the load average. Writes ``bench/results
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import threading
@@ -74,6 +75,9 @@ class Probe:
             finally:
                 probe.encode_seconds += time.perf_counter() - t0
 
+        # The stage runner finds a shard's function by the stage's module and name (irflow.shards): the
+        # wrapper keeps them, so the lookup finds this stage, whose fn is now the wrapper.
+        @functools.wraps(self.inner_fn)
         def timed_stage(params, rt, **inputs):
             probe.last_args = (params, rt, inputs)
             return probe.measure(lambda: probe.inner_fn(params, rt, **inputs))
