@@ -6,8 +6,8 @@
 A developer saw ``encode_corpus`` inside ``irflow run`` about 1.5x slower than the same stage function
 alone. This runs both in one process, on the same inputs, alternating:
 
-- **flow**: the baselines recipe through ``irflow.api.run`` (Prefect's temporary server, ingest, BM25
-  with the JVM in this process, encode_corpus, dense search, evaluation), as ``irflow run`` does; the
+- **flow**: the baselines recipe through ``irflow.api.run`` (Prefect's temporary server, ingest, BM25,
+  encode_corpus, dense search, evaluation), as ``irflow run`` does; the
   first time cold, then with ``encode_corpus`` forced (``--from encode_corpus``: it and what follows it
   recompute). The stage function is wrapped: its call inside the flow is timed and its arguments kept.
 - **alone**: right after, the same stage function with those same arguments (params, the stage's
@@ -16,7 +16,12 @@ alone. This runs both in one process, on the same inputs, alternating:
 
 Per call: wall seconds of the stage function and of ``encode_texts`` inside it, this process's CPU
 seconds, the CPU seconds of its child processes (Prefect's server) over the same interval, torch's
-intra-op threads, the thread it ran on, the load average. Writes ``bench/results/inflow.json``.
+intra-op threads, the thread it ran on, whether a JVM is loaded in this process (BM25's Lucene runs in
+a spawned child since 7cf7325; before, it ran in this process), the load average. Writes
+``bench/results/inflow.json``.
+
+To time an older commit's code with this probe, run it from a checkout of that commit with the
+checkout first on ``sys.path`` (the venv's editable install otherwise imports this one's irflow).
 """
 
 from __future__ import annotations
@@ -46,10 +51,8 @@ def children_cpu() -> float:
 
 
 def jvm_running() -> bool:
-    """Whether Pyserini's JVM has started in this process (BM25 computed here)."""
-    import sys
-
-    return bool(getattr(sys.modules.get("jnius_config"), "vm_running", False))
+    """Whether a JVM (Pyserini's) has started in this process: libjvm is mapped into it."""
+    return "libjvm.so" in Path("/proc/self/maps").read_text()
 
 
 class Probe:
@@ -116,8 +119,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "configs/demo_baselines.yaml"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value, as irflow run --set")
     ap.add_argument("--reps", type=int, default=3, help="flow/alone pairs")
-    ap.add_argument("--store", default=None, help="a store to (re)use (default: a fresh temporary one). A store "
-                                                  "that already holds the run's BM25 results: the JVM never starts")
+    ap.add_argument("--store", default=None, help="a store to (re)use (default: a fresh temporary one); one that "
+                                                  "holds the run already: every rep forces encode_corpus")
     ap.add_argument("--out", default=str(ROOT / "bench/results/inflow.json"))
     args = ap.parse_args()
 
@@ -142,7 +145,7 @@ def main() -> None:
             rows.append({"rep": rep, "flow": flow_row, "alone": alone_row,
                          "ratio_flow_to_alone": round(flow_row["seconds"] / alone_row["seconds"], 3)})
     params, rt, inputs = probe.last_args
-    passages = inputs["corpus"].num_rows
+    passages = inputs["corpus"].num_rows()
     print(f"\nencode_corpus, {passages} passages, backend {rt.backend}, {rt.threads} threads, precision {rt.precision}")
     harness.table(["rep", "flow s", "alone s", "flow/alone", "flow encode_texts s", "alone encode_texts s",
                    "flow thread", "Prefect server CPU s (flow)", "JVM"],

@@ -99,6 +99,10 @@ class _Drop(logging.Filter):
 # ~3x torch's rate, bench/inference.py).
 logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_Drop("torchvision is not installed"))
 logging.getLogger().addFilter(_Drop("Please consider to run pre-processing before quantization"))
+# The exporter's graph passes log each step at INFO ("Removed 21 unused nodes", constant folding skipped
+# for graph inputs): a run's log is not the place.
+for _name in ("onnx_ir", "onnxscript"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 class OnnxUnsupported(UserError, ValueError):
