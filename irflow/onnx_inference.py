@@ -285,6 +285,11 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
+def _row_wise(meta: dict) -> bool:
+    """int8: one text per call, unpadded (see the module doc: batch invariance)."""
+    return meta.get("quantization") == "int8"
+
+
 @dataclass
 class OnnxModel:
     """An exported model loaded into an ONNX Runtime session (``load``)."""
@@ -298,8 +303,7 @@ class OnnxModel:
 
     @property
     def row_wise(self) -> bool:
-        """int8: one text per call, unpadded (see the module doc: batch invariance)."""
-        return self.meta.get("quantization") == "int8"
+        return _row_wise(self.meta)
 
     def run(self, enc) -> np.ndarray:
         feeds = {n: np.asarray(enc[n], dtype=np.int64) for n in self.meta["inputs"]}
@@ -371,7 +375,7 @@ def load(path: str, threads: int, max_seq_length: int | None = None) -> OnnxBiEn
                     "flag): ONNX Runtime's int8 kernels gain little there, and their u8s8 products can saturate; "
                     "quantization none (fp32) may be as fast")
     cls = OnnxBiEncoder if meta["task"] == "embed" else OnnxCrossEncoder
-    row_wise = meta.get("quantization") == "int8"  # one text per call: `threads` callers of a 1-thread session
+    row_wise = _row_wise(meta)  # one text per call: `threads` callers of a 1-thread session
     model = cls(path, meta, _session(str(Path(path) / MODEL_FILE), 1 if row_wise else threads),
                 AutoTokenizer.from_pretrained(path))
     model.callers = max(1, int(threads)) if row_wise else 1
