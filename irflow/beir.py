@@ -318,3 +318,50 @@ def read_beir(path: Path, workdir: Path, dangling: str = "keep") -> dict[str, ob
 def _relative_hint(source: str) -> str:
     # Relative sources are read from the working directory (the configs in configs/ assume the repo root).
     return "" if Path(source).is_absolute() else f" (relative to the working directory {Path.cwd()})"
+
+
+# ---- a dev cut of the train split -------------------------------------------------------------
+def train_dev_split(source: str | Path, out: str | Path, *, train_split: str = "train", dev_share: float = 0.2,
+                    seed: int = 7, max_dev_queries: int | None = None) -> dict[str, int]:
+    """Write a BEIR folder for choosing settings without the test split: the judged queries of
+    ``train_split`` are cut (seeded, by query) into ``train`` (fit) and ``dev``; every other split's
+    qrels, and every query not judged in ``train_split``, are left out, so no run on the folder can
+    read a test query or judgement. The corpus is copied unchanged (same ids). Returns the counts.
+
+    Run any recipe on it with ``dataset.source=<out>``, ``dataset.split=dev`` (``train_split`` and
+    unlabelled query sources keep reading ``train``, now the fit part); ``bench/train_dev.py`` does."""
+    import random
+    import shutil
+
+    if not 0 < dev_share < 1:
+        raise ValueError(f"dev_share must be in (0, 1), got {dev_share}")
+    src = BeirSource(Path(source).expanduser())
+    member = src.root + f"qrels/{train_split}.tsv"
+    if member not in src.names:
+        raise IngestError(f"{source}: no qrels/{train_split}.tsv to cut a dev part from")
+    qrels = _read_qrels(src, member, train_split)
+    judged = sorted(set(qrels.column("query_id").to_pylist()))
+    n_dev = max(1, round(dev_share * len(judged)))
+    if max_dev_queries:
+        n_dev = min(n_dev, max_dev_queries)
+    dev = set(random.Random(seed).sample(judged, n_dev))
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "qrels").mkdir(parents=True)
+    with src.open(src.find("corpus.jsonl")) as r, open(tmp / "corpus.jsonl", "wb") as w:
+        shutil.copyfileobj(r, w)
+    keep = set(judged)
+    with open(tmp / "queries.jsonl", "w", encoding="utf-8") as w:
+        for _, rec in _jsonl_records(src, src.find("queries.jsonl"), {"_id": True, "text": False}):
+            if rec["_id"] in keep:
+                w.write(json.dumps({"_id": rec["_id"], "text": rec.get("text") or ""}, ensure_ascii=False) + "\n")
+    rows = {"train": [], "dev": []}
+    for q, d, s in zip(*(qrels.column(c).to_pylist() for c in ("query_id", "doc_id", "score"))):
+        rows["dev" if q in dev else "train"].append(f"{q}\t{d}\t{s}\n")
+    for split, lines in rows.items():
+        (tmp / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(lines))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return {"fit_queries": len(judged) - n_dev, "dev_queries": n_dev, "fit_qrels": len(rows["train"]),
+            "dev_qrels": len(rows["dev"])}

@@ -637,3 +637,52 @@ def test_deleted_output_recomputes(sl, ctx):
     second = ingest(ctx, sl)
     assert last_status(ctx) == "computed"
     assert second["qrels"].id == first["qrels"].id and Path(second["qrels"].path).exists()
+
+
+# ---- a dev cut of the train split (bench/train_dev.py chooses settings on it) ------------------------
+SAMPLE = Path(__file__).resolve().parents[1] / "irflow" / "samples" / "scifact-sample.zip"
+
+
+def _beir_qrels(folder: Path, split: str) -> set[tuple[str, str, str]]:
+    lines = (folder / "qrels" / f"{split}.tsv").read_text().splitlines()[1:]
+    return {tuple(ln.split("\t")) for ln in lines}
+
+
+def test_train_dev_split_keeps_every_test_query_out(tmp_path):
+    """The real sample: the train split's judged queries are cut into train (fit) and dev by query, every
+    judgement lands on exactly one side, and the folder holds no test query, text or judgement."""
+    from irflow.beir import train_dev_split
+    from irflow.recipe import load_config
+
+    counts = train_dev_split(SAMPLE, tmp_path / "cut", dev_share=0.2, seed=7)
+    with zipfile.ZipFile(SAMPLE) as z:
+        def member(suffix):
+            return z.read(next(n for n in z.namelist() if n.endswith(suffix))).decode()
+        train = {tuple(ln.split("\t")) for ln in member("qrels/train.tsv").splitlines()[1:] if ln.strip()}
+        test_ids = {ln.split("\t")[0] for ln in member("qrels/test.tsv").splitlines()[1:] if ln.strip()}
+        corpus = member("corpus.jsonl")
+    fit, dev = _beir_qrels(tmp_path / "cut", "train"), _beir_qrels(tmp_path / "cut", "dev")
+    assert fit | dev == train and not fit & dev
+    fit_q, dev_q = {r[0] for r in fit}, {r[0] for r in dev}
+    assert not fit_q & dev_q, "a query is on both sides"
+    assert counts == {"fit_queries": len(fit_q), "dev_queries": len(dev_q), "fit_qrels": len(fit),
+                      "dev_qrels": len(dev)}
+    assert len(dev_q) == round(0.2 * len(fit_q | dev_q))
+    assert sorted(p.name for p in (tmp_path / "cut" / "qrels").iterdir()) == ["dev.tsv", "train.tsv"]
+    query_ids = {json.loads(ln)["_id"] for ln in (tmp_path / "cut" / "queries.jsonl").read_text().splitlines()}
+    assert query_ids == fit_q | dev_q and not query_ids & test_ids
+    assert (tmp_path / "cut" / "corpus.jsonl").read_text() == corpus
+
+    # seeded: the same cut again, another one with another seed
+    train_dev_split(SAMPLE, tmp_path / "again", dev_share=0.2, seed=7)
+    assert _beir_qrels(tmp_path / "again", "dev") == dev
+    train_dev_split(SAMPLE, tmp_path / "other", dev_share=0.2, seed=8)
+    assert _beir_qrels(tmp_path / "other", "dev") != dev
+
+    # a recipe takes the folder as it is: dev is the evaluated split, train (the fit part) the labelled one
+    c = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "rocketqa_demo.yaml"),
+                    [f"dataset.source={tmp_path / 'cut'}", "dataset.split=dev"])
+    assert c.dataset.splits() == ("dev", "train") and c.train_split == "train"
+    with pytest.raises(UserError, match="split: 'test' is not a split"):
+        load_config(str(Path(__file__).resolve().parents[1] / "configs" / "rocketqa_demo.yaml"),
+                    [f"dataset.source={tmp_path / 'cut'}"])

@@ -1,0 +1,125 @@
+"""Every recipe on one page per dataset: the measured rows side by side, with the goals checked.
+
+    .venv/bin/python bench/quality.py [--out bench/results/quality.json]
+
+Reads the result files the recipe benchmarks wrote (no run here): ``gpl.json`` / ``gpl_nfcorpus.json``
+(bench/gpl.py), ``rocketqa_<ds>.json`` and ``ance_<ds>.json`` (bench/rocketqa.py), ``model_free.json``
+(bench/model_free.py). For SciFact and NFCorpus it prints one table -- nDCG@10 and R@100 on the test
+split, the gain over the zero-shot row *of the same run* (RocketQA and ANCE encode 200 / 128-token
+passages, GPL 256: their zero-shot rows differ), the machine, the training budget and the file -- and
+then the issue's goals: every trained student above its zero-shot, GPL's student above BM25 on SciFact,
+the best dense student within 0.02 of the fusion teacher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import harness
+from harness import ROOT
+
+RESULTS = ROOT / "bench" / "results"
+ZERO = "dense-all-MiniLM-L6-v2"
+# The training budget of each trained row, as the offline configs set it (configs/<recipe>_<ds>_offline.yaml).
+BUDGET = {
+    "scifact": {"gpl": "Margin-MSE 388 steps x 16, 200 tokens", "qgen": "MNRL 250 steps x 16",
+                "rocketqa": "1 epoch x 32 per dual encoder (919 pairs), 200 tokens; M_C 3 epochs x 16",
+                "ance": "warm-up + 2 rounds, 1 epoch x 32 each, 200 tokens"},
+    "nfcorpus": {"gpl": "Margin-MSE 388 steps x 16, 200 tokens", "qgen": "MNRL 250 steps x 16",
+                 "rocketqa": "40 steps x 32 per dual encoder (of ~3.8k steps an epoch), 128 tokens; "
+                             "M_C 200 steps x 16",
+                 "ance": "warm-up + 2 rounds, 40 steps x 32 each, 128 tokens"},
+}
+LABELS = {"bm25-flat": "BM25", ZERO: "zero-shot MiniLM", "hybrid": "fusion 0.3 z(BM25) + 0.7 z(MiniLM), no training "
+          "(GPL's teacher)", "gpl-student": "GPL student", "qgen-student": "QGen student (MNRL)"}
+STUDENTS = {"gpl-student", "qgen-student", "md0", "md0-bm25neg", "md0-hardneg", "md1-ce", "md1-fusion", "md2",
+            "ance-warmup", "ance-round1", "ance-round2"}
+
+
+def machine(block: dict | None) -> str:
+    if not block:
+        return "2-core AMD EPYC (AVX-512 BF16), CPU"  # gpl.json predates the machine block; same machine
+    gpus = block.get("gpus") or []
+    return (f"{block.get('cores')}-core {block.get('cpu')}" + (" (AVX-512 BF16)" if block.get("avx512_bf16") else "")
+            + (f", {gpus[0]}" if gpus else ", CPU"))
+
+
+def rows_for(ds: str) -> list[dict]:
+    rows = []
+    gpl = json.loads((RESULTS / ("gpl.json" if ds == "scifact" else f"gpl_{ds}.json")).read_text())
+    g = gpl["datasets"][ds]
+    gzero = next(m["ndcg@10"] for m in g["metrics"] if m["system"] == ZERO)
+    for m in g["metrics"]:
+        kind = m["system"].split("-")[0] if m["system"] in ("gpl-student", "qgen-student") else None
+        rows.append({"recipe": "GPL", "system": m["system"], "label": LABELS.get(m["system"], m["system"]) +
+                     (" (256 tokens)" if m["system"] == ZERO else ""), "ndcg@10": round(m["ndcg@10"], 4),
+                     "recall@100": round(m["recall@100"], 4), "zero_shot": round(gzero, 4),
+                     "budget": BUDGET[ds].get(kind, "-"), "machine": machine(gpl.get("machine")),
+                     "file": "gpl.json" if ds == "scifact" else f"gpl_{ds}.json"})
+    for recipe in ("rocketqa", "ance"):
+        d = json.loads((RESULTS / f"{recipe}_{ds}.json").read_text())
+        zero = next(r["ndcg@10"] for r in d["table"] if r["system"] == ZERO)
+        for r in d["table"]:
+            if r["system"] == "bm25-flat" or (recipe == "ance" and r["system"] == ZERO):
+                continue  # one BM25 row per table; ANCE's zero-shot is RocketQA's (same encoding)
+            label = r["label"] + (" (200 tokens)" if ds == "scifact" else " (128 tokens)") if r["system"] == ZERO \
+                else r["label"]
+            rows.append({"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": r["system"],
+                         "label": label, "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero,
+                         "budget": BUDGET[ds][recipe] if r["system"] in STUDENTS or r["system"] == "mc-rerank"
+                         else "-", "machine": machine(d.get("machine")), "file": f"{recipe}_{ds}.json"
+                         + (f" ({', '.join(d['overrides'])})" if d.get("overrides") else "")})
+    mf = RESULTS / "model_free.json"
+    if mf.exists():
+        for r in json.loads(mf.read_text())["runs"]:
+            if r["dataset"] == ds:
+                m = r["metrics"]
+                rows.append({"recipe": "GPL", "system": f"gpl-student-{r['source']}",
+                             "label": f"GPL student, {r['source'].upper()} queries (no query log)",
+                             "ndcg@10": m["gpl-student"]["ndcg@10"], "recall@100": m["gpl-student"]["recall@100"],
+                             "zero_shot": m[ZERO]["ndcg@10"], "budget": BUDGET[ds]["gpl"],
+                             "machine": machine(json.loads(mf.read_text()).get("machine")),
+                             "file": "model_free.json"})
+    return rows
+
+
+def goals(ds: str, rows: list[dict]) -> list[str]:
+    by = {r["system"]: r for r in rows}
+    out = []
+    trained = [r for r in rows if r["system"] in STUDENTS]
+    below = [f"{r['recipe']} {r['label']} {r['ndcg@10']:.4f} (zero-shot {r['zero_shot']:.4f})"
+             for r in trained if r["ndcg@10"] <= r["zero_shot"]]
+    out.append(f"every trained student above its zero-shot: {'met' if not below else 'MISSED: ' + '; '.join(below)}")
+    if ds == "scifact":
+        g, b = by["gpl-student"]["ndcg@10"], by["bm25-flat"]["ndcg@10"]
+        out.append(f"GPL student above BM25: {'met' if g > b else 'MISSED'} ({g:.4f} vs {b:.4f})")
+    best = max(trained, key=lambda r: r["ndcg@10"])
+    fusion = by["hybrid"]["ndcg@10"]
+    gap = fusion - best["ndcg@10"]
+    out.append(f"best dense student within 0.02 of the fusion teacher: {'met' if gap <= 0.02 else 'MISSED'} "
+               f"({best['recipe']} {best['label']} {best['ndcg@10']:.4f} vs {fusion:.4f}: {gap:.4f} below)")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(RESULTS / "quality.json"))
+    args = ap.parse_args()
+    out = {}
+    for ds in ("scifact", "nfcorpus"):
+        rows = rows_for(ds)
+        print(f"\n### {ds}\n")
+        harness.table(["recipe", "system", "nDCG@10", "R@100", "vs zero-shot", "budget", "machine", "file"],
+                      [[r["recipe"], r["label"], f"{r['ndcg@10']:.4f}", f"{r['recall@100']:.4f}",
+                        f"{r['ndcg@10'] - r['zero_shot']:+.4f}" if r["system"] != ZERO else "-", r["budget"],
+                        r["machine"], r["file"]] for r in rows])
+        g = goals(ds, rows)
+        print("\n" + "\n".join(f"- {line}" for line in g))
+        out[ds] = {"rows": rows, "goals": g}
+    harness.write_json(Path(args.out), {"datasets": out, "machine": {"note": "read from the result files"}})
+
+
+if __name__ == "__main__":
+    main()
