@@ -11,7 +11,8 @@
    commas) runs the recipe through ``irflow.api.run`` with ``dataset.source`` = that folder and
    ``dataset.split=dev``: every system the recipe evaluates (baselines, teachers, students) is read on the
    dev queries. Variants share one store, so what a change does not touch is computed once.
-3. Prints a table (nDCG@10 per system and variant, and each system's gain over the zero-shot row) and
+3. Prints a table (nDCG@10 per system and variant, each system's gain over the zero-shot row and the paired
+   t-test's p over the dev queries, ``irflow.stats.paired``, as the report page computes it) and
    writes JSON (default ``bench/results/train_dev_<config>.json``; variants of an earlier call are kept
    unless re-run). Record the choice, with its dev numbers, in a comment of the config.
 
@@ -37,6 +38,32 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
     if not name or "=" in name:
         raise SystemExit(f"--variant {spec!r}: give it a name first: 'name; key=value; ...'")
     return name, [s for s in sets if s]
+
+
+def paired_against_zero_shot(result, store: Path) -> dict[str, dict]:
+    """Each system's per-query nDCG@10 on the dev queries against the zero-shot row's (``irflow.stats.paired``:
+    wins / losses and the paired t-test's p), read from the run's ``evaluate`` outputs."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from irflow.stats import paired
+
+    per_query = {}
+    for s in result.stages:
+        if s.name.startswith("evaluate") and "per_query" in s.outputs:
+            t = pq.read_table(store / "objects" / s.outputs["per_query"] / "data.parquet")
+            t = t.filter(pc.equal(t.column("metric"), "ndcg@10"))
+            for system, q, v in zip(*(t.column(c).to_pylist() for c in ("system", "query_id", "value"))):
+                per_query.setdefault(system, {})[q] = v
+    zero = next((s for s in per_query if s.startswith("dense-")), None)
+    if zero is None:
+        return {}
+    out = {}
+    for system, values in per_query.items():
+        if system != zero:
+            t = paired(per_query[zero], values)
+            out[system] = {"wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
+    return out
 
 
 def main() -> None:
@@ -85,6 +112,8 @@ def main() -> None:
         r = harness.run(str(config), [*args.set, *sets, *dataset_sets], store)
         metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
                    for m in r.to_dict()["metrics"]}
+        for system, test in paired_against_zero_shot(r, store).items():
+            metrics[system]["vs_zero_shot"] = test
         entry = {"name": name, "sets": sets, "run_id": r.run_id, "wall_seconds": round(r.wall_seconds, 1),
                  "computed": len(r.computed), "metrics": metrics, "load_after": r.load_after}
         out["variants"] = [v for v in out["variants"] if v["name"] != name] + [entry]
@@ -98,10 +127,12 @@ def main() -> None:
         for v in out["variants"]:
             m = v["metrics"].get(s)
             z = v["metrics"].get(zero, {}).get("ndcg@10") if zero else None
-            row.append("-" if m is None else f"{m['ndcg@10']:.4f}" + (f" ({m['ndcg@10'] - z:+.4f})"
-                                                                      if z is not None and s != zero else ""))
+            vs = m and m.get("vs_zero_shot")
+            row.append("-" if m is None else f"{m['ndcg@10']:.4f}" + (f" ({m['ndcg@10'] - z:+.4f}" + (
+                f", p {vs['t_pvalue']:.2f}" if vs else "") + ")" if z is not None and s != zero else ""))
         rows.append(row)
-    print(f"\nnDCG@10 on {counts['dev_queries']} dev queries cut from '{train_split}' (gain over {zero}):")
+    print(f"\nnDCG@10 on {counts['dev_queries']} dev queries cut from '{train_split}' (gain over {zero}, and the "
+          f"paired t-test's p over the dev queries):")
     harness.table(["system", *[v["name"] for v in out["variants"]]], rows)
     print(f"wrote {out_path}")
 
