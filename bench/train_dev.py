@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/train_dev.py configs/rocketqa_demo.yaml \
         --variant "base" --variant "lr5e-5; dual_encoder.lr=5e-5; student.lr=5e-5" \
-        [--dev-share 0.2] [--seed 7] [--store DIR] [--out FILE] [--set KEY=VALUE ...]
+        [--dev-share 0.2] [--seed 7] [--store DIR] [--out FILE] [--set KEY=VALUE ...] [--to STAGE ...]
 
 1. ``irflow.beir.train_dev_split`` writes a BEIR folder from the config's dataset: the train split's judged
    queries cut (seeded) into ``train`` (fit) and ``dev``; the test split's queries and judgements are not
@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="name; key=value; ... (repeatable; "
                                                                     "default: one variant 'base', the config as is)")
     ap.add_argument("--set", action="append", default=[], help="override for every variant (e.g. a budget)")
+    ap.add_argument("--to", action="append", default=[], help="stop after these stages (as `irflow run --to`; "
+                                                              "e.g. evaluate[md0]): only they and what they need run")
     ap.add_argument("--dev-share", type=float, default=0.2)
     ap.add_argument("--max-dev-queries", type=int, default=None)
     ap.add_argument("--seed", type=int, default=7, help="seed of the fit/dev cut")
@@ -80,6 +82,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    from irflow import api
     from irflow.beir import train_dev_split
     from irflow.recipe import load_config
 
@@ -104,12 +107,14 @@ def main() -> None:
     out_path = Path(args.out or ROOT / f"bench/results/train_dev_{stem}.json")
     prior = json.loads(out_path.read_text()) if out_path.exists() else {}
     out = {"config": str(config), "dataset": c.dataset.display_name, "split": counts, "seed": args.seed,
-           "dev_share": args.dev_share, "common_sets": args.set, "variants": prior.get("variants", [])}
+           "dev_share": args.dev_share, "common_sets": args.set, "to": args.to, "variants": prior.get("variants", [])}
     if prior.get("seed") not in (None, args.seed) or prior.get("common_sets", args.set) != args.set:
         out["variants"] = []  # another cut or another budget: earlier rows do not compare
     for spec in args.variant or ["base"]:
         name, sets = parse_variant(spec)
-        r = harness.run(str(config), [*args.set, *sets, *dataset_sets], store)
+        overrides = [*args.set, *sets, *dataset_sets]
+        r = harness.timed(lambda: api.run(str(config), overrides=overrides, store=store, to=args.to),
+                          f"{name}: api.run({str(config)!r}, overrides={overrides}, to={args.to})")
         metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
                    for m in r.to_dict()["metrics"]}
         for system, test in paired_against_zero_shot(r, store).items():

@@ -19,10 +19,11 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
+from irflow.params import KEYED_WHEN_SET
 from irflow.training import TRAINING_LOG, LoopParams
 
 log = logging.getLogger("irflow.train")
@@ -51,6 +52,12 @@ class TrainDualEncoderParams(LoopParams):
     negative_lines: PositiveInt = Field(1, description="training lines per (query, positive), each with its own "
                                                        "negatives_per_line negatives (RocketQA: 4 lines of 1 "
                                                        "negative); lines of one query never share a batch")
+    false_negatives: Annotated[Literal["keep", "mask"], KEYED_WHEN_SET] = Field(
+        "keep", description="passages another line brings into the batch that this query's qrels judge relevant: "
+                            "keep them as its negatives (DPR, RocketQA as published) or mask them out of its "
+                            "softmax (infonce). Masking matters where queries share judged passages: in batches "
+                            "of 32, 70% of NFCorpus's training lines met at least one (3.4 on average), 6% of "
+                            "SciFact's")
     splits: tuple[str, ...] = Field(("train",), min_length=1, description="the qrels splits whose positives are "
                                                                           "the training pairs")
     query_max_length: PositiveInt = Field(64, description="tokens per query")
@@ -72,6 +79,9 @@ class TrainDualEncoderParams(LoopParams):
             if self.negatives_per_line:
                 raise ValueError("negatives_per_line: listwise_kl takes its candidates from the teacher's "
                                  "scores, not from negatives")
+            if self.false_negatives == "mask":
+                raise ValueError("false_negatives: mask applies to infonce's in-batch negatives; listwise_kl's "
+                                 "lists hold no judged passage")
         if self.negative_lines > 1 and self.negatives_per_line == 0:
             raise ValueError("negative_lines: more than one line per positive needs negatives_per_line >= 1")
         return self
@@ -90,6 +100,11 @@ class Job:
     candidates: list[list[str]] = field(default_factory=list)  # listwise: the list (positive first)
     teacher: list[list[float]] = field(default_factory=list)  # listwise: teacher scores of the list
     keys: list[list[str]] | None = None  # per example: what may not repeat in a batch
+    # false_negatives: mask -- passage numbers of each example's positive and negatives, and of its
+    # query's judged passages (numbers, not ids: they are gathered across processes as a tensor)
+    positive_ids: list[int] = field(default_factory=list)
+    negative_ids: list[list[int]] = field(default_factory=list)
+    judged_ids: list[list[int]] = field(default_factory=list)
 
 
 def train_json(job: dict, rt) -> None:
@@ -103,7 +118,7 @@ def train(job: Job, rt) -> list[dict]:
     import torch
 
     from irflow.distributed import rank_and_world
-    from irflow.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, grad_cache_step
+    from irflow.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, gather_ids, grad_cache_step
     from irflow.models import load_sentence_transformer
     from irflow.training import BatchPlan, seed_everything, train_loop
 
@@ -133,17 +148,33 @@ def train(job: Job, rt) -> list[dict]:
             ns = [t for i in idx for t in job.negatives[i][:n_neg]] if n_neg else []
             return qs, ps, ns
 
+        def judged_mask(idx):
+            """True where a gathered candidate is judged relevant to the row's query (candidates in the
+            loss's order: every process's positives, then every process's negatives)."""
+            if p.false_negatives != "mask":
+                return None
+            def ids(values):  # on the training device: nccl gathers CUDA tensors only
+                return gather_ids(torch.tensor(values, dtype=torch.long, device=device))
+
+            cand = [ids([job.positive_ids[i] for i in idx])]
+            if n_neg:
+                cand.append(ids([d for i in idx for d in job.negative_ids[i][:n_neg]]))
+            cand_ids = torch.cat(cand)
+            judged = [torch.tensor(job.judged_ids[i], dtype=torch.long, device=device) for i in idx]
+            return torch.stack([torch.isin(cand_ids, j) for j in judged])
+
         def compute_loss(idx):
             qs, ps, ns = texts_of(idx)
+            mask = judged_mask(idx)
             if p.mini_batch:
                 groups = [qs, ps, ns] if ns else [qs, ps]
                 embeds = [lambda t: embed(t, p.query_max_length)] + [lambda t: embed(t, p.passage_max_length)] * 2
                 return grad_cache_step(embeds[:len(groups)], groups, lambda reps: loss_fn.from_embeddings(
-                    reps[0], reps[1], reps[2] if len(reps) > 2 else None), p.mini_batch)
+                    reps[0], reps[1], reps[2] if len(reps) > 2 else None, mask), p.mini_batch)
             q = embed(qs, p.query_max_length)
             pos = embed(ps, p.passage_max_length)
             neg = embed(ns, p.passage_max_length) if ns else None
-            return loss_fn.from_embeddings(q, pos, neg)
+            return loss_fn.from_embeddings(q, pos, neg, mask)
 
         def step_info():
             return {"candidates": loss_fn.last_candidates}

@@ -146,6 +146,18 @@ def gather_across_processes(x: Tensor) -> Tensor:
     return _GatherWithGrad.apply(x)
 
 
+def gather_ids(x: Tensor) -> Tensor:
+    """Every process's ``x`` (integers, no gradient), concatenated in rank order: what
+    ``gather_across_processes`` does for embeddings, for the passage numbers that go with them."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
 class CrossBatchInfoNCE(nn.Module):
     """InfoNCE over every passage of every process: RocketQA's cross-batch negatives.
 
@@ -159,6 +171,10 @@ class CrossBatchInfoNCE(nn.Module):
     Each process's loss is the mean over its own queries; averaging gradients over processes (as DDP
     does) then gives the gradient of the mean over all ``W * B`` queries: the same update as one process
     with a batch of ``W * B``. With one process it is ``MultipleNegativesRankingLoss``.
+
+    ``mask`` (``B x`` candidates, True = left out) removes candidates from a query's softmax: passages
+    its qrels judge relevant that another line brought into the batch (a *false* in-batch negative;
+    the sum over ``j`` above then runs over the unmasked candidates only). The target is never masked.
     """
 
     def __init__(self, similarity: str = "cos", scale: float | None = None):
@@ -167,7 +183,7 @@ class CrossBatchInfoNCE(nn.Module):
         self.scale = float(scale) if scale is not None else (20.0 if similarity == "cos" else 1.0)
         self.last_candidates = 0  # passages each query was scored against at the last call
 
-    def from_embeddings(self, q: Tensor, p: Tensor, n: Tensor | None = None) -> Tensor:
+    def from_embeddings(self, q: Tensor, p: Tensor, n: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -176,6 +192,10 @@ class CrossBatchInfoNCE(nn.Module):
         self.last_candidates = int(candidates.shape[0])
         scores = similarity_matrix(q.float(), candidates, self.similarity) * self.scale
         target = torch.arange(q.shape[0], device=scores.device) + rank * q.shape[0]
+        if mask is not None:
+            mask = mask.to(scores.device).clone()
+            mask[torch.arange(q.shape[0], device=scores.device), target] = False  # the positive stays
+            scores = scores.masked_fill(mask, float("-inf"))
         return F.cross_entropy(scores, target)
 
 

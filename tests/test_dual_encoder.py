@@ -85,6 +85,26 @@ def test_cross_batch_loss_in_one_process_is_mnrl(texts):
     assert float(a) == pytest.approx(float(b), abs=1e-6)
 
 
+def test_a_masked_candidate_is_left_out_of_the_softmax():
+    """false_negatives: mask -- the loss equals cross-entropy over the unmasked candidates only; a mask
+    on a row's own positive is ignored (the target always stays)."""
+    torch.manual_seed(0)
+    q, p, n = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    loss = CrossBatchInfoNCE(similarity="dot", scale=1.0)
+    mask = torch.zeros(4, 8, dtype=torch.bool)
+    mask[0, 1] = mask[0, 6] = mask[2, 0] = True  # other lines' passages judged relevant to rows 0 and 2
+    mask[3, 3] = True  # row 3's own positive: must stay
+    scores = q @ torch.cat([p, n]).T
+    manual = []
+    for i in range(4):
+        keep = [j for j in range(8) if not mask[i, j] or j == i]
+        manual.append(-torch.log_softmax(scores[i, keep], -1)[keep.index(i)])
+    assert float(loss.from_embeddings(q, p, n, mask)) == pytest.approx(float(torch.stack(manual).mean()), abs=1e-6)
+    assert float(loss.from_embeddings(q, p, n, mask)) < float(loss.from_embeddings(q, p, n))
+    assert float(loss.from_embeddings(q, p, n, torch.zeros(4, 8, dtype=torch.bool))) == pytest.approx(
+        float(loss.from_embeddings(q, p, n)), abs=1e-7)
+
+
 def test_listwise_distillation_is_the_kl_of_the_two_softmaxes():
     torch.manual_seed(0)
     q, c, t = torch.randn(3, 8), torch.randn(3, 5, 8), torch.randn(3, 5)
@@ -197,3 +217,41 @@ def test_train_processes_split_the_global_batch_and_change_nothing_else(slice_ru
                                         r"\(processes x batch_size\)"):
         train_dual_encoder.run(Run(tmp_path / "p3", "r", runtime=RuntimeConfig(train_processes=3)), params,
                                **inputs)
+
+
+def test_judged_in_batch_passages_are_masked_in_one_process_and_across_two(slice_run, tmp_path):
+    """Queries that share judged passages (NFCorpus-like): each train query also judges the next query's
+    positive, so batches hold false negatives. ``false_negatives: mask`` changes the loss (keep: the
+    published recipes), is keyed only when set, and 2 torchrun processes (the passage numbers gathered
+    with the embeddings) take the steps of one process with the whole batch."""
+    import shutil
+
+    folder = shutil.copytree(slice_run["root"] / "slice", tmp_path / "shared")
+    lines = (folder / "qrels" / "train.tsv").read_text().splitlines()
+    firsts = {}
+    for ln in lines[1:]:
+        q, d = ln.split("\t")[:2]
+        firsts.setdefault(q, d)
+    qs = sorted(firsts)
+    extra = [f"{q}\t{firsts[qs[(i + 1) % len(qs)]]}\t1" for i, q in enumerate(qs)]
+    (folder / "qrels" / "train.tsv").write_text("\n".join(lines + extra) + "\n")
+    run = Run(tmp_path / "store", "shared", runtime=RuntimeConfig(precision="fp32"))
+    data = ingest_folder(run, folder)
+    bi = model(run, make_tiny_bi_encoder(tmp_path / "bi", dropout=0.0))
+    common = dict(negatives_per_line=1, steps=2, lr=1e-3, warmup_ratio=0.0, batch_size=8, query_max_length=16,
+                  passage_max_length=32, checkpoint_every=0)
+    inputs = dict(queries=[data["queries"]], corpus=data["corpus"], base_model=bi, qrels=[data["qrels"]])
+    keep, mask = (TrainDualEncoderParams(**common, false_negatives=v) for v in ("keep", "mask"))
+    assert keep.key_dump() == TrainDualEncoderParams(**common).key_dump()  # keep: keys as before the field
+    assert mask.key_dump()["false_negatives"] == "mask"
+    hist = {}
+    for name, params, n in (("keep", keep, 1), ("mask", mask, 1), ("mask2", mask, 2)):
+        # a store each: train_processes is not keyed, so a shared store would hand mask2 mask's model
+        r = Run(tmp_path / f"store-{name}", name, runtime=RuntimeConfig(precision="fp32", train_processes=n))
+        ref = train_dual_encoder.run(r, params, **inputs)["model"]
+        hist[name] = json.loads((Path(ref.path) / "irflow_training.json").read_text())["history"]
+    # the same first batch (same seed) and weights: its false negatives left the softmax, so a lower loss
+    assert hist["mask"][0]["loss"] < hist["keep"][0]["loss"] - 1e-4, (hist["mask"], hist["keep"])
+    np.testing.assert_allclose([h["loss"] for h in hist["mask2"]], [h["loss"] for h in hist["mask"]], rtol=1e-5)
+    with pytest.raises(Exception, match="false_negatives: mask applies to infonce"):
+        TrainDualEncoderParams(loss="listwise_kl", false_negatives="mask")

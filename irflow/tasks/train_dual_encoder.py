@@ -8,7 +8,8 @@ whose pool runs short is filled with random corpus passages (counted in a warnin
 ``negatives`` input they are all random passages (DPR's random negatives). ``negative_lines`` > 1
 makes several lines per positive, each with its own negatives (RocketQA's training files: 4 lines of
 one negative per positive). No two lines in a batch share a query or a passage: in-batch negatives
-must be negatives.
+must be negatives. Another line's passage may still be judged relevant to a query (queries that share
+judged passages: NFCorpus); ``false_negatives: mask`` leaves such passages out of that query's softmax.
 
 ``loss: listwise_kl`` reads ``teacher_scores`` (query, doc, score: a re-ranker's scores, as the
 ``denoise`` stage writes them): each example's list is its positive plus ``list_size - 1`` scored
@@ -47,7 +48,8 @@ __all__ = ["TrainDualEncoderParams", "train_dual_encoder", "training_examples"]
 
 def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_ids: list[str],
                       negatives: list[pa.Table] = (), teacher_scores: pa.Table | None = None) -> dict:
-    """{q, p, n (lists of ids), cand, teacher}: the examples of the stage, as ids (no texts)."""
+    """{q, p, n (lists of ids), cand, teacher}: the examples of the stage, as ids (no texts); and judged
+    (query -> its judged positives in every qrels input)."""
     pairs = sorted({pair for t in qrels for split in p.splits for pair in positive_pairs(t, split)})
     if not pairs:
         raise DataError(f"no positive qrels in split(s) {', '.join(p.splits)}: nothing to train on")
@@ -55,7 +57,8 @@ def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_i
     for t in qrels:
         for q, ds in judged_positives(t).items():
             judged[q] |= ds
-    ex: dict[str, list] = {"q": [q for q, _ in pairs], "p": [d for _, d in pairs], "n": [], "cand": [], "teacher": []}
+    ex: dict = {"q": [q for q, _ in pairs], "p": [d for _, d in pairs], "n": [], "cand": [], "teacher": [],
+                "judged": judged}
     if p.loss == "infonce" and p.negatives_per_line:
         # Each (query, positive) becomes `negative_lines` lines with `negatives_per_line` negatives each,
         # drawn without replacement from the query's pool; no negatives input: random passages (DPR).
@@ -140,6 +143,11 @@ def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: 
               # no two lines of a batch share a query or a passage: in-batch negatives must be negatives
               keys=[sorted({"q:" + ex["q"][i], "d:" + ex["p"][i], *("d:" + d for d in (ex["n"][i] if ex["n"] else []))})
                     for i in keep])
+    if p.false_negatives == "mask":
+        number = {d: k for k, d in enumerate(corpus_t.column("doc_id").to_pylist())}
+        job.positive_ids = [number[ex["p"][i]] for i in keep]
+        job.negative_ids = [[number[d] for d in ex["n"][i]] for i in keep] if ex["n"] else []
+        job.judged_ids = [sorted(number[d] for d in ex["judged"].get(ex["q"][i], ()) if d in number) for i in keep]
     processes = p.processes
     if rt.train_processes > 1:
         distributed.check_split(p.batch_size * p.processes, rt.train_processes, "processes x batch_size")
