@@ -334,11 +334,14 @@ def train_dev_split(source: str | Path, out: str | Path, *, train_split: str = "
     import shutil
 
     if not 0 < dev_share < 1:
-        raise ValueError(f"dev_share must be in (0, 1), got {dev_share}")
+        raise ValueError(f"the dev share must be in (0, 1), got {dev_share}")
+    if not Path(source).expanduser().exists():
+        raise IngestError(f"no such file or folder: {source}{_relative_hint(str(source))}")
     src = BeirSource(Path(source).expanduser())
     member = src.root + f"qrels/{train_split}.tsv"
     if member not in src.names:
-        raise IngestError(f"{source}: no qrels/{train_split}.tsv to cut a dev part from")
+        raise IngestError(f"{source}: no qrels/{train_split}.tsv to cut a dev part from (its splits: "
+                          f"{', '.join(sorted(src.qrels_files())) or 'none'})")
     qrels = _read_qrels(src, member, train_split)
     judged = sorted(set(qrels.column("query_id").to_pylist()))
     n_dev = max(1, round(dev_share * len(judged)))

@@ -113,6 +113,8 @@ def cmd_config(args) -> int:
     import yaml
 
     c = api.load_config(args.config, args.set)
+    for w in c.advice():
+        print(f"warning: {w}", file=sys.stderr)
     if args.explain:
         rows = type(c).explain()
         width = max(len(k) for k, _, _ in rows)
@@ -150,6 +152,21 @@ def _fmt_runtime(value) -> str | None:
     libs = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "sentence-transformers", "pyserini")
                      + (("onnxruntime",) if rt.get("onnx_models") else ()) if k in versions)
     return ", ".join(parts) + (f"; {libs}" if libs else "")
+
+
+def cmd_dev_split(args) -> int:
+    from irflow.beir import train_dev_split
+
+    try:
+        counts = train_dev_split(args.source, args.out, train_split=args.train_split, dev_share=args.share,
+                                 seed=args.seed, max_dev_queries=args.max_dev_queries)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print(f"{args.out}: {counts['fit_queries']} train (fit) queries / {counts['fit_qrels']} judgements, "
+          f"{counts['dev_queries']} dev queries / {counts['dev_qrels']} judgements; no other split")
+    print(f"run a config on it: irflow run CONFIG --set dataset.source={args.out} --set dataset.split=dev "
+          f"--set dataset.md5=null")
+    return 0
 
 
 def cmd_lineage(args) -> int:
@@ -336,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--explain", action="store_true", help="every key with its default and what it does")
     json_flag(c)
     c.set_defaults(func=cmd_config)
+
+    ds = sub.add_parser("dev-split", help="a BEIR folder for choosing settings without test: the train split's "
+                                          "judged queries cut into train (fit) and dev; no test query in it")
+    ds.add_argument("source", help="a BEIR folder or .zip")
+    ds.add_argument("out", help="the folder to write (replaced if it exists)")
+    ds.add_argument("--train-split", default="train", help="the labelled split to cut (default: train)")
+    ds.add_argument("--share", type=float, default=0.2, help="share of its queries that go to dev (default 0.2)")
+    ds.add_argument("--max-dev-queries", type=int, default=None, help="at most this many dev queries")
+    ds.add_argument("--seed", type=int, default=7, help="seed of the cut (default 7)")
+    ds.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    ds.set_defaults(func=cmd_dev_split)
 
     lin = sub.add_parser("lineage", help="the upstream chain of a dataset or model id (a unique prefix is enough)")
     lin.add_argument("id")

@@ -686,3 +686,19 @@ def test_train_dev_split_keeps_every_test_query_out(tmp_path):
     with pytest.raises(UserError, match="split: 'test' is not a split"):
         load_config(str(Path(__file__).resolve().parents[1] / "configs" / "rocketqa_demo.yaml"),
                     [f"dataset.source={tmp_path / 'cut'}"])
+
+
+def test_cli_dev_split(tmp_path):
+    from irflow.testing import run_cli
+
+    code, out, err = run_cli("dev-split", SAMPLE, tmp_path / "cut", "--share", "0.25", "--seed", "3")
+    assert code == 0, err
+    assert "225 train (fit) queries" in out and "75 dev queries" in out and "dataset.split=dev" in out
+    assert len({ln.split("\t")[0] for ln in (tmp_path / "cut" / "qrels" / "dev.tsv").read_text().splitlines()[1:]}) == 75
+    for args, says in ((["--train-split", "dev"], "no qrels/dev.tsv to cut a dev part from (its splits: test, train)"),
+                       (["--share", "1.5"], "the dev share must be in (0, 1)")):
+        code, _, err = run_cli("dev-split", SAMPLE, tmp_path / "x", *args)
+        assert code == 2 and says in err and "Traceback" not in err, err
+    code, _, err = run_cli("dev-split", tmp_path / "nothing.zip", tmp_path / "x")
+    assert code == 2 and "no such file or folder" in err
+    assert not (tmp_path / "x").exists()
