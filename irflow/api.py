@@ -54,7 +54,8 @@ def store_root(store: str | os.PathLike | None = None) -> str:
 
 def preflight(c: RecipeConfig, store: str) -> list[str]:
     """Fail fast, before any stage runs: every model the config names must be loadable here and every
-    device it asks for must exist. Returns warnings (a precision that is slow on this hardware)."""
+    device it asks for must exist. Returns warnings: the recipe's advice (settings measured to give a worse
+    model, ``RecipeConfig.advice``) and a precision that is slow on this hardware."""
     from irflow.models import model_ref
     from irflow.scoring import NotACrossEncoder, check_cross_encoder
 
@@ -76,7 +77,7 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
             ray_cluster.check_address(c.runtime.ray.address)
         else:
             ray_cluster.check_local_gpus(c.runtime.ray.gpus_per_shard)
-    warnings = []
+    warnings = list(c.advice())
     for work, r in runtime.resolved_plan(c.runtime).items():
         if r["warning"] and r["warning"] not in warnings:
             warnings.append(r["warning"])
@@ -152,7 +153,8 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     recipe = get_recipe(c.flow)
     with _no_store_left_on_error(root):
         orchestration.configure(root)
-        preflight(c, root)
+        for w in preflight(c, root):
+            log.warning(w)
         _check_stages(recipe, c, root, "--from", set(force))
         _check_stages(recipe, c, root, "--to", set(to))
     steps = plan(recipe, c, root, set(force))

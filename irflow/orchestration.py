@@ -72,10 +72,19 @@ def api_url() -> str | None:
 
 
 # ---- the console ----------------------------------------------------------------------------
+class _Console(logging.Formatter):
+    """One line per record; a warning or an error says so (it must not read like progress)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.mark = "" if record.levelno < logging.WARNING else record.levelname.lower() + ": "
+        return super().format(record)
+
+
 def console_logging() -> None:
     """Log records on stderr, one line each, at INFO."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Console("%(asctime)s %(name)s %(mark)s%(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
 
 

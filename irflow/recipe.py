@@ -71,6 +71,12 @@ class RecipeConfig(Params):
         follows = {f.target: f.explain() for f in cls.follows}
         return [(key, follows.get(key, default), doc) for key, default, doc in explain(cls)]
 
+    def advice(self) -> list[str]:
+        """Warnings about settings that run but were *measured* to give a model worse than the recipe's
+        starting point, each naming the measurement and what to use instead. Shown before a run starts
+        (``irflow run``, ``status``, ``config``); never an error: the user may want exactly that run."""
+        return []
+
     def required_cross_encoders(self) -> list[tuple[str, str]]:
         """(config key, model) of models that must already be cross-encoders: checked before any stage
         runs (a bi-encoder or a plain encoder would load with a random head and score nonsense)."""

@@ -282,3 +282,35 @@ def test_a_fresh_store_gives_no_prefect_home_warning(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
     assert "Prefect home" not in r.stderr and (store / "prefect").is_dir()
+
+
+def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
+    """GPL on ICT / cropping queries was measured to lower the student below zero-shot: the recipe says
+    so, with the numbers, before a run (preflight: what `irflow run` and `status` log) and in `irflow
+    config`; the demo's own query source gets no warning. The numbers it cites are the benchmark's."""
+    from irflow.flows.gpl import MODEL_FREE_MEASURED
+
+    results = json.loads((REPO / "bench" / "results" / "model_free.json").read_text())["runs"]
+    measured = {src: {(r["dataset"], r["metrics"]["dense-all-MiniLM-L6-v2"]["ndcg@10"],
+                       r["metrics"]["gpl-student"]["ndcg@10"]) for r in results if r["source"] == src
+                      and r["overrides"] == [f"generate={{source: {src}}}", "train.qgen.enabled=false"]}
+                for src in ("ict", "crop")}
+    assert {src: set(rows) for src, rows in MODEL_FREE_MEASURED.items()} == measured
+    losing = [src for src, rows in measured.items() if any(student < zero for _, zero, student in rows)]
+    assert "ict" in losing  # SciFact: 0.6451 -> 0.6214
+    for src in ("ict", "crop"):
+        code, out, err = run_cli("config", DEMO, "--set", f"generate={{source: {src}}}")
+        assert code == 0 and yaml.safe_load(out)["generate"]["source"] == src
+        warned = [ln for ln in err.splitlines() if ln.startswith(f"warning: generate.source: {src}")]
+        if src not in losing:
+            assert not warned, err
+            continue
+        assert len(warned) == 1, err
+        for ds, zero, student in measured[src]:
+            assert f"{ds} {zero:.4f} -> {student:.4f}" in warned[0]
+        assert "source: unlabelled" in warned[0] and "t5" in warned[0] and "hybrid" in warned[0]
+        warnings = api.preflight(api.load_config(DEMO, [f"generate={{source: {src}}}"]), str(tmp_path / "s"))
+        assert warnings and warnings[0] == warned[0].removeprefix("warning: ")
+    code, _, err = run_cli("config", DEMO)
+    assert code == 0 and "warning" not in err
+    assert not api.preflight(api.load_config(DEMO), str(tmp_path / "s"))
