@@ -9,7 +9,8 @@ then run on test: bench/train_dev.py --on-test). For SciFact and NFCorpus it pri
 split, the gain over the zero-shot row *of the same run* (RocketQA and ANCE encode 200 / 128-token
 passages, GPL 256: their zero-shot rows differ), the machine, the training budget and the file -- and
 then the issue's goals: every trained student above its zero-shot, GPL's student above BM25 on SciFact,
-the best dense student within 0.02 of the fusion teacher.
+the best dense student within 0.02 of the fusion teacher. ``--store DIR`` (repeatable) adds the latest run of
+a store -- a demo's -- with each system's paired t-test against zero-shot (is a gap real?).
 """
 
 from __future__ import annotations
@@ -124,9 +125,34 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     return out
 
 
+def paired_in_store(store: Path) -> dict:
+    """The latest completed run of a store: each system's nDCG@10 and its paired t-test against zero-shot
+    (wins / losses over the evaluated queries), from the run's evaluate outputs."""
+    from types import SimpleNamespace
+
+    import duckdb
+
+    from irflow.catalog import Catalog
+    from train_dev import paired_against_zero_shot
+
+    with duckdb.connect(str(store / "catalog.duckdb"), read_only=True) as con:
+        run_id, config = con.execute("SELECT run_id, config_path FROM runs WHERE status = 'completed' "
+                                     "ORDER BY started_at DESC LIMIT 1").fetchone()
+        ndcg = dict(con.execute("SELECT system, value FROM metrics WHERE run_id = ? AND metric = 'ndcg@10'",
+                                [run_id]).fetchall())
+    stages = [SimpleNamespace(name=s["name"], outputs=s["outputs"])
+              for s in Catalog(store / "catalog.duckdb").stage_runs(run_id)]
+    tests = paired_against_zero_shot(SimpleNamespace(stages=stages), store)
+    return {"store": str(store), "run_id": run_id, "config": config,
+            "systems": {k: {"ndcg@10": round(v, 4), **tests.get(k, {})} for k, v in ndcg.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(RESULTS / "quality.json"))
+    ap.add_argument("--store", action="append", default=[], help="also: the latest run of this store (e.g. a "
+                                                                   "demo's), each system's paired test against "
+                                                                   "zero-shot (repeatable)")
     args = ap.parse_args()
     out = {}
     for ds in ("scifact", "nfcorpus"):
@@ -139,7 +165,16 @@ def main() -> None:
         g = goals(ds, rows)
         print("\n" + "\n".join(f"- {line}" for line in g))
         out[ds] = {"rows": rows, "goals": g}
-    harness.write_json(Path(args.out), {"datasets": out, "machine": {"note": "read from the result files"}})
+    stores = []
+    for store in args.store:
+        r = paired_in_store(Path(store))
+        stores.append(r)
+        print(f"\n{r['run_id']} ({r['config']}): nDCG@10, and against zero-shot: wins / losses, paired t-test p")
+        harness.table(["system", "nDCG@10", "wins / losses", "p"],
+                      [[k, v["ndcg@10"], f"{v['wins']} / {v['losses']}" if "wins" in v else "-",
+                        v.get("t_pvalue", "-")] for k, v in r["systems"].items()])
+    harness.write_json(Path(args.out), {"datasets": out, "stores": stores,
+                                        "machine": {"note": "read from the result files"}})
 
 
 if __name__ == "__main__":
