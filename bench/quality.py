@@ -125,9 +125,10 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     return out
 
 
-def paired_in_store(store: Path) -> dict:
-    """The latest completed run of a store: each system's nDCG@10 and its paired t-test against zero-shot
-    (wins / losses over the evaluated queries), from the run's evaluate outputs."""
+def paired_in_store(spec: str) -> dict:
+    """``DIR`` or ``DIR:RUN_ID``: that run (default: the store's latest completed one), each system's nDCG@10
+    and its paired t-test against zero-shot (wins / losses over the evaluated queries), from the run's
+    evaluate outputs."""
     from types import SimpleNamespace
 
     import duckdb
@@ -135,9 +136,12 @@ def paired_in_store(store: Path) -> dict:
     from irflow.catalog import Catalog
     from train_dev import paired_against_zero_shot
 
+    folder, _, wanted = spec.partition(":")
+    store = Path(folder)
     with duckdb.connect(str(store / "catalog.duckdb"), read_only=True) as con:
         run_id, config = con.execute("SELECT run_id, config_path FROM runs WHERE status = 'completed' "
-                                     "ORDER BY started_at DESC LIMIT 1").fetchone()
+                                     "AND run_id LIKE ? ORDER BY started_at DESC LIMIT 1",
+                                     [(wanted or "") + "%"]).fetchone()
         ndcg = dict(con.execute("SELECT system, value FROM metrics WHERE run_id = ? AND metric = 'ndcg@10'",
                                 [run_id]).fetchall())
     stages = [SimpleNamespace(name=s["name"], outputs=s["outputs"])
@@ -150,8 +154,8 @@ def paired_in_store(store: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(RESULTS / "quality.json"))
-    ap.add_argument("--store", action="append", default=[], help="also: the latest run of this store (e.g. a "
-                                                                   "demo's), each system's paired test against "
+    ap.add_argument("--store", action="append", default=[], help="also: DIR[:RUN_ID], a store's latest (or that) "
+                                                                   "run (e.g. a demo's), each system's paired test against "
                                                                    "zero-shot (repeatable)")
     args = ap.parse_args()
     out = {}
@@ -167,7 +171,7 @@ def main() -> None:
         out[ds] = {"rows": rows, "goals": g}
     stores = []
     for store in args.store:
-        r = paired_in_store(Path(store))
+        r = paired_in_store(store)
         stores.append(r)
         print(f"\n{r['run_id']} ({r['config']}): nDCG@10, and against zero-shot: wins / losses, paired t-test p")
         harness.table(["system", "nDCG@10", "wins / losses", "p"],
