@@ -7,7 +7,8 @@ For each dataset, ``configs/gpl_<ds>_offline.yaml`` with ``generate`` replaced b
 (one query per passage, the dataset's train query texts unused) and the QGen baseline off; everything
 else (miners, fusion teacher, Margin-MSE, steps) as the config. Runs share one store per dataset
 (``<store-prefix><ds>``), so ingest, BM25, the zero-shot encoding and the baselines are computed once.
-Prints nDCG@10 / R@100 of zero-shot, BM25, the fusion teacher and the GPL student per source, and
+Prints nDCG@10 / R@100 of zero-shot, BM25, the fusion teacher and the GPL student per source (with the
+paired t-test of each against zero-shot over the test queries), and
 writes JSON after each run (so a cut-off keeps what finished). The numbers the recipe's warning cites
 (``irflow.flows.gpl.MODEL_FREE_MEASURED``) come from this file.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import harness
 from harness import ROOT
+from train_dev import paired_against_zero_shot
 
 
 def main() -> None:
@@ -44,6 +46,9 @@ def main() -> None:
             res = r.to_dict()
             metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
                        for m in res["metrics"] if m["system"] in keep}
+            for system, test in paired_against_zero_shot(r, Path(store)).items():  # is the gap real?
+                if system in metrics:
+                    metrics[system]["vs_zero_shot"] = test
             entry = {"dataset": ds, "source": src, "overrides": sets, "run_id": res["run_id"],
                      "wall_seconds": round(r.wall_seconds, 1), "computed": res.get("computed"),
                      "metrics": metrics, "load_before": r.load_before, "load_after": r.load_after}
@@ -51,10 +56,11 @@ def main() -> None:
                            (ds, src, sets)] + [entry]
             harness.write_json(args.out, out)
             z, s = metrics["dense-all-MiniLM-L6-v2"]["ndcg@10"], metrics["gpl-student"]["ndcg@10"]
+            p = metrics["gpl-student"].get("vs_zero_shot", {}).get("t_pvalue")
             rows.append([ds, src, z, metrics["bm25-flat"]["ndcg@10"], metrics["hybrid"]["ndcg@10"], s,
-                         f"{s - z:+.4f}", entry["wall_seconds"]])
+                         f"{s - z:+.4f}", p, entry["wall_seconds"]])
             harness.table(["dataset", "queries", "zero-shot", "BM25", "fusion", "GPL student", "vs zero-shot",
-                           "wall s"], rows)
+                           "paired p", "wall s"], rows)
 
 
 if __name__ == "__main__":
