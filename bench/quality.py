@@ -94,7 +94,7 @@ def rows_for(ds: str) -> list[dict]:
             if r["dataset"] == ds:
                 m = r["metrics"]
                 rows.append({"recipe": "GPL", "system": f"gpl-student-{r['source']}",
-                             "label": f"GPL student, {r['source'].upper()} queries (no query log)",
+                             "label": f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log)",
                              "ndcg@10": m["gpl-student"]["ndcg@10"], "recall@100": m["gpl-student"]["recall@100"],
                              "zero_shot": m[ZERO]["ndcg@10"], "budget": BUDGET[ds]["gpl"],
                              "machine": machine(json.loads(mf.read_text()).get("machine")),
