@@ -153,6 +153,7 @@ def train(job: Job, rt) -> list[dict]:
             loss's order: every process's positives, then every process's negatives)."""
             if p.false_negatives != "mask":
                 return None
+
             def ids(values):  # on the training device: nccl gathers CUDA tensors only
                 return gather_ids(torch.tensor(values, dtype=torch.long, device=device))
 
