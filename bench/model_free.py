@@ -46,7 +46,7 @@ def main() -> None:
             res = r.to_dict()
             metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
                        for m in res["metrics"] if m["system"] in keep}
-            for system, test in paired_against_zero_shot(r, Path(store)).items():  # is the gap real?
+            for system, test in paired_against_zero_shot(Path(store), r.run_id).items():  # is the gap real?
                 if system in metrics:
                     metrics[system]["vs_zero_shot"] = test
             entry = {"dataset": ds, "source": src, "overrides": sets, "run_id": res["run_id"],

@@ -129,11 +129,8 @@ def paired_in_store(spec: str) -> dict:
     """``DIR`` or ``DIR:RUN_ID``: that run (default: the store's latest completed one), each system's nDCG@10
     and its paired t-test against zero-shot (wins / losses over the evaluated queries), from the run's
     evaluate outputs."""
-    from types import SimpleNamespace
-
     import duckdb
 
-    from irflow.catalog import Catalog
     from train_dev import paired_against_zero_shot
 
     folder, _, wanted = spec.partition(":")
@@ -144,9 +141,7 @@ def paired_in_store(spec: str) -> dict:
                                      [(wanted or "") + "%"]).fetchone()
         ndcg = dict(con.execute("SELECT system, value FROM metrics WHERE run_id = ? AND metric = 'ndcg@10'",
                                 [run_id]).fetchall())
-    stages = [SimpleNamespace(name=s["name"], outputs=s["outputs"])
-              for s in Catalog(store / "catalog.duckdb").stage_runs(run_id)]
-    tests = paired_against_zero_shot(SimpleNamespace(stages=stages), store)
+    tests = paired_against_zero_shot(store, run_id)
     return {"store": str(store), "run_id": run_id, "config": config,
             "systems": {k: {"ndcg@10": round(v, 4), **tests.get(k, {})} for k, v in ndcg.items()}}
 

@@ -43,21 +43,17 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
     return name, [s for s in sets if s]
 
 
-def paired_against_zero_shot(result, store: Path) -> dict[str, dict]:
-    """Each system's per-query nDCG@10 on the dev queries against the zero-shot row's (``irflow.stats.paired``:
-    wins / losses and the paired t-test's p), read from the run's ``evaluate`` outputs."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
+def paired_against_zero_shot(store: Path, run_id: str) -> dict[str, dict]:
+    """Each system's per-query nDCG@10 against the zero-shot row's (``irflow.stats.paired``: wins / losses
+    and the paired t-test's p), read from the run's evaluate outputs as the report page reads them."""
+    from irflow.catalog import Catalog
+    from irflow.report import runs as R
     from irflow.stats import paired
 
+    catalog = Catalog(Path(store) / "catalog.duckdb")
     per_query = {}
-    for s in result.stages:
-        if s.name.startswith("evaluate") and "per_query" in s.outputs:
-            t = pq.read_table(store / "objects" / s.outputs["per_query"] / "data.parquet")
-            t = t.filter(pc.equal(t.column("metric"), "ndcg@10"))
-            for system, q, v in zip(*(t.column(c).to_pylist() for c in ("system", "query_id", "value"))):
-                per_query.setdefault(system, {})[q] = v
+    for ev in R.evaluations(catalog, run_id):
+        per_query.update(R.per_query_values(catalog, ev["per_query"], "ndcg@10"))
     zero = next((s for s in per_query if s.startswith("dense-")), None)
     if zero is None:
         return {}
@@ -128,7 +124,7 @@ def main() -> None:
                           f"{name}: api.run({str(config)!r}, overrides={overrides}, to={args.to})")
         metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
                    for m in r.to_dict()["metrics"]}
-        for system, test in paired_against_zero_shot(r, store).items():
+        for system, test in paired_against_zero_shot(store, r.run_id).items():
             metrics[system]["vs_zero_shot"] = test
         entry = {"name": name, "sets": sets, "run_id": r.run_id, "wall_seconds": round(r.wall_seconds, 1),
                  "computed": len(r.computed), "metrics": metrics, "load_after": r.load_after}

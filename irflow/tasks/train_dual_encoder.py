@@ -121,7 +121,8 @@ def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: 
     """A dual encoder trained from ``base_model`` on the positives of ``qrels`` (+ ``negatives``, or a
     re-ranker's ``teacher_scores`` for listwise_kl); and its loss per step (``training_losses``)."""
     corpus_t = corpus.table()
-    ex = training_examples(p, [t.table() for t in qrels], corpus_t.column("doc_id").to_pylist(),
+    corpus_ids = corpus_t.column("doc_id").to_pylist()
+    ex = training_examples(p, [t.table() for t in qrels], corpus_ids,
                            [t.table() for t in negatives or []],
                            teacher_scores.table() if teacher_scores is not None else None)
     qtext: dict[str, str] = {}
@@ -144,7 +145,7 @@ def train_dual_encoder(p: TrainDualEncoderParams, rt: StageRuntime, *, queries: 
               keys=[sorted({"q:" + ex["q"][i], "d:" + ex["p"][i], *("d:" + d for d in (ex["n"][i] if ex["n"] else []))})
                     for i in keep])
     if p.false_negatives == "mask":
-        number = {d: k for k, d in enumerate(corpus_t.column("doc_id").to_pylist())}
+        number = {d: k for k, d in enumerate(corpus_ids)}
         job.positive_ids = [number[ex["p"][i]] for i in keep]
         job.negative_ids = [[number[d] for d in ex["n"][i]] for i in keep] if ex["n"] else []
         job.judged_ids = [sorted(number[d] for d in ex["judged"].get(ex["q"][i], ()) if d in number) for i in keep]
