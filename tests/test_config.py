@@ -70,6 +70,10 @@ BAD = [
     (DEMO, ["label.rank_range=[1,30]"], ["label.rank_range:", "rank 1 is the positive"]),
     (DEMO, ["dense.similarity=dot"], ["dense.similarity: the evaluated students use train.similarity"]),
     (DEMO, ["train.loss=mnrl"], ["train.loss:", "margin_mse"]),
+    (DEMO, ["teacher.score_every_candidate=true", "teacher.input_depth=20"],
+     ["teacher.input_depth: with score_every_candidate"]),
+    (DEMO, ["teacher.score_every_candidate=true", "mine.miners.0.variant=multifield"],
+     ["teacher.score_every_candidate:", "multifield"]),
     (DEMO, ["dataset.split=validation"], ["dataset.split", "'validation'"]),
     # malformed --set
     (DEMO, ["train.lr"], ["--set 'train.lr': expected key=value"]),

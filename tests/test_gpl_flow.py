@@ -92,3 +92,58 @@ def test_paper_config_fails_fast_offline(tmp_path):
     code, _, err = cli("run", "configs/gpl_scifact.yaml", "--store", tmp_path / "s")
     assert code == 2
     assert "BeIR/query-gen-msmarco-t5-base-v1" in err and "generate.model" in err and "Traceback" not in err
+
+
+def _table(store_dir, dataset_id):
+    import pyarrow.parquet as pq
+
+    from irflow.store import TABLE_FILE, Store
+
+    return pq.read_table(Store(store_dir).object_dir(dataset_id) / TABLE_FILE)
+
+
+def _scores(t) -> dict:
+    return dict(zip(zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist()),
+                    t.column("score").to_pylist()))
+
+
+def test_fusion_teacher_can_score_every_candidate_with_every_miner(setup):
+    """teacher.score_every_candidate: each miner scores every candidate (the mined negatives and the
+    generated queries' source passages) instead of giving one it did not return its list's floor; mining
+    is reused, and the flag at false keeps the old keys."""
+    fusion = "teacher={type: fusion, weights: {bm25: 0.5, bi: 0.5}}"
+    own = run(setup["config"], setup["store"], fusion)
+    every = run(setup["config"], setup["store"], fusion, "teacher.score_every_candidate=true")
+    changed = computed(every)
+    assert {"bm25_score[teacher-bm25]", "dense_score[teacher-bi]", "label_scores", "train_student[gpl]"} <= changed
+    assert not {"generate_queries[t5]", "bm25_search[miner-bm25]", "encode_corpus[miner-bi]",
+                "dense_search[miner-bi]", "mine_negatives"} & changed
+    assert computed(run(setup["config"], setup["store"], fusion, "teacher.score_every_candidate=false")) == set()
+
+    store = setup["store"]
+    out = {s.name: s.outputs for s in every.stages}
+    negatives = _table(store, out["mine_negatives"]["negatives"])
+    source = _table(store, out["generate_queries[t5]"]["qrels"])
+    wanted = set(zip(negatives.column("query_id").to_pylist(), negatives.column("doc_id").to_pylist())) | set(
+        zip(source.column("query_id").to_pylist(), source.column("doc_id").to_pylist()))
+    for miner, rescored in (("miner-bm25", "bm25_score[teacher-bm25]"), ("miner-bi", "dense_score[teacher-bi]")):
+        listed = _scores(_table(store, out[[n for n in out if n.endswith(f"[{miner}]") and "search" in n][0]]["run"]))
+        scored_t = _table(store, out[rescored]["run"])
+        scored = _scores(scored_t)
+        assert len(scored) == scored_t.num_rows and set(scored) == wanted  # every candidate, once
+        floor = {}
+        for (q, _), s in listed.items():
+            floor[q] = min(floor.get(q, s), s)
+        for pair, s in scored.items():
+            if pair in listed:  # what the miner returned: the same score
+                assert s == pytest.approx(listed[pair], rel=1e-4, abs=1e-4)
+            elif pair[0] in floor:  # what it did not return scores no higher than its list's last
+                assert s <= floor[pair[0]] + 1e-4
+        assert any(p not in listed for p in scored)  # the test means something: some candidate was missing
+    # the teacher fused the re-scored runs
+    from irflow.catalog import Catalog
+
+    labels = out["label_scores"]["out"]
+    parents = {a["dataset_id"] for a in Catalog(store / "catalog.duckdb").lineage(labels)}
+    assert out["bm25_score[teacher-bm25]"]["run"] in parents and out["dense_score[teacher-bi]"]["run"] in parents
+    assert own.stage("label_scores").outputs["out"] != labels

@@ -478,3 +478,22 @@ def test_fuse_stage_on_bm25_runs(bm25_setup):
     for q, hits in by_query(only).items():
         for d, _, s in hits:
             assert s == pytest.approx(1 / (60 + ranks[0][(q, d)]) if (q, d) in ranks[0] else 0.0, abs=1e-7)
+
+
+def test_candidate_pairs_and_scored_run():
+    """The pairs every retriever scores for a fusion teacher: the distinct pairs of the given queries, and a
+    run of exactly them ranked by score (ties by doc id) that passes the run contract."""
+    from irflow.data_contracts import get
+    from irflow.pairs import candidate_pairs, scored_run
+
+    negatives = pa.table({"query_id": ["q2", "q1", "q1", "q3"], "doc_id": ["a", "b", "a", "c"],
+                          "miner": ["x", "x", "y", "x"], "rank": [1, 1, 2, 1]})
+    qrels = pa.table({"query_id": ["q1", "q1"], "doc_id": ["b", "z"], "score": [1, 1], "split": ["g", "g"]})
+    pairs = candidate_pairs([negatives, qrels], ["q1", "q2"])
+    assert pairs == [("q1", "a"), ("q1", "b"), ("q1", "z"), ("q2", "a")]  # q3 not asked; ("q1", "b") once
+    run = scored_run(pairs, [0.5, 2.0, 0.5, -1.0], "bm25")
+    get("run").validate(run)
+    assert list(zip(run.column("query_id").to_pylist(), run.column("doc_id").to_pylist(),
+                    run.column("rank").to_pylist())) == [("q1", "b", 1), ("q1", "a", 2), ("q1", "z", 3), ("q2", "a", 1)]
+    assert set(run.column("system").to_pylist()) == {"bm25"}
+    assert scored_run([], [], "bm25").num_rows == 0

@@ -6,7 +6,9 @@
        │     └─> mine_negatives ──> negatives              (positives excluded; miner + rank kept)
        │                 │
        │         label_scores ──> (q, pos, neg, raw scores) (cross-encoder logits, or a BM25+dense fusion;
-       │                 │                                   sharded by queries)
+       │                 │                                   sharded by queries; with
+       │                 │                                   teacher.score_every_candidate each miner first
+       │                 │                                   scores every candidate: bm25_score, dense_score)
        │         pseudo_label ──> (q, pos, neg, margin)    (the margin scale: a change re-labels, never re-scores)
        │                 │
        │         train_student (Margin-MSE) ──> student     (and a QGen baseline: MNRL on (q, pos))
@@ -38,8 +40,9 @@ from irflow.params import CrossEncoderName, ModelName, NoParams, Params
 from irflow.recipe import RecipeConfig, flow_getattr, recipe
 from irflow.stage import Run
 from irflow.store import DatasetRef
-from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams, BM25Weights, Variant, bm25_index, bm25_search
-from irflow.tasks.dense import DenseRetrieval
+from irflow.tasks.bm25 import (BM25IndexParams, BM25ScoreParams, BM25SearchParams, BM25Weights, Variant, bm25_index,
+                               bm25_score, bm25_search)
+from irflow.tasks.dense import DenseRetrieval, DenseScoreParams, EncodeParams, dense_score, encode_corpus
 from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand
 from irflow.tasks.evaluate import EvaluationParams
 from irflow.tasks.fuse import FuseParams, FuseSettings, fuse
@@ -88,7 +91,15 @@ class CrossEncoderTeacherConfig(CrossEncoderTeacher):
     model: CrossEncoderName = Field("cross-encoder/ms-marco-MiniLM-L-6-v2", description="the cross-encoder")
 
 
-TeacherConfig = Annotated[Union[CrossEncoderTeacherConfig, FusionTeacher], Field(discriminator="type")]
+class FusionTeacherConfig(FusionTeacher):
+    score_every_candidate: bool = Field(
+        False, description="true: every miner scores every candidate of a query (BM25 from its index, a dense "
+                           "miner from its corpus embeddings) and the fusion standardises each miner over the "
+                           "candidates; false: each miner's own top `mine.depth`, a candidate it did not "
+                           "return getting its lowest score")
+
+
+TeacherConfig = Annotated[Union[CrossEncoderTeacherConfig, FusionTeacherConfig], Field(discriminator="type")]
 
 
 class LabelConfig(LabelSettings):
@@ -233,6 +244,15 @@ class GPLConfig(RecipeConfig):
             if wrong:
                 raise ValueError(f"teacher.weights: one weight per miner, by name: miners are {names}, weights "
                                  f"name {sorted(self.teacher.weights)}")
+        if isinstance(self.teacher, FusionTeacherConfig) and self.teacher.score_every_candidate:
+            if self.teacher.input_depth is not None:
+                raise ValueError("teacher.input_depth: with score_every_candidate the candidates are the miners' "
+                                 "top mine.depth, each scored by every miner; leave input_depth out")
+            multifield = [miner_name(m) for m in self.mine.miners
+                          if isinstance(m, BM25Miner) and m.variant != "flat"]
+            if multifield:
+                raise ValueError(f"teacher.score_every_candidate: BM25 scores a single passage from a flat index; "
+                                 f"miner(s) {multifield} use variant multifield")
         if self.label.miners and not set(self.label.miners) <= set(names):
             raise ValueError(f"label.miners: {sorted(set(self.label.miners) - set(names))} are not miners "
                              f"(miners: {names})")
@@ -266,19 +286,45 @@ def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: Dataset
                      tag=f"miner-{name}")
 
 
-def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined: list[DatasetRef],
+def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, rankings: list[DatasetRef],
               student: DatasetRef, corpus: DatasetRef) -> DatasetRef:
     """The teacher's (q, pos, neg, margin) triples: the teacher scores each query's triples (sharded by
     queries), then the margins are scaled (a scale change re-labels without re-scoring)."""
     teacher = c.teacher
     cross_encoder = isinstance(teacher, CrossEncoderTeacherConfig)
-    p = c.label.to(LabelScoresParams, teacher=teacher.to(CrossEncoderTeacher) if cross_encoder else teacher)
+    p = c.label.to(LabelScoresParams, teacher=teacher.to(CrossEncoderTeacher if cross_encoder else FusionTeacher))
     scores = label_scores(run, p, queries=gen["queries"], corpus=corpus, negatives=negatives,
                           qrels=gen["qrels"] if p.positive == "qrels" else None,
-                          teacher_rankings=mined if isinstance(teacher, FusionTeacher) else None,
+                          teacher_rankings=rankings if isinstance(teacher, FusionTeacher) else None,
                           teacher=run.model(teacher.model, "teacher.model") if cross_encoder else None)
     return pseudo_label(run, c.label.to(PseudoLabelParams), scores=scores, queries=gen["queries"], corpus=corpus,
                         student=student if isinstance(c.label.scale, AutoScale) else None)
+
+
+def miner_scores(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef,
+                 candidates: list[DatasetRef]) -> DatasetRef:
+    """The miner's score of every candidate pair (``teacher.score_every_candidate``), from the index or
+    the corpus embeddings its mining built (cached); the run's system is the miner's name."""
+    name = miner_name(m)
+    if isinstance(m, BM25Miner):
+        index = bm25_index(run, BM25IndexParams(variant=m.variant), tag=m.variant, corpus=corpus)
+        return bm25_score(run, m.to(BM25ScoreParams, system=name), tag=f"teacher-{name}", bm25_index=index,
+                          queries=queries, candidates=candidates)
+    settings = c.dense.to(EncodeParams, similarity=m.similarity or c.dense.similarity)
+    model = run.model(m.model, f"mine.miners.{c.mine.miners.index(m)}.model")
+    embeddings = encode_corpus(run, settings, tag=f"miner-{name}", corpus=corpus, model=model)
+    return dense_score(run, settings.to(DenseScoreParams, system=name), tag=f"teacher-{name}",
+                       embeddings=embeddings, queries=queries, model=model, candidates=candidates)
+
+
+def teacher_runs(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined: list[DatasetRef],
+                 corpus: DatasetRef) -> list[DatasetRef]:
+    """What a fusion teacher fuses: the miners' own lists, or (``score_every_candidate``) every miner's
+    score of every candidate -- the mined negatives, and the positives of positive=qrels."""
+    if not (isinstance(c.teacher, FusionTeacherConfig) and c.teacher.score_every_candidate):
+        return mined
+    candidates = [negatives] + ([gen["qrels"]] if c.label.positive == "qrels" else [])
+    return [miner_scores(run, m, c, corpus, gen["queries"], candidates) for m in c.mine.miners]
 
 
 # ---- the recipe -----------------------------------------------------------------------------------
@@ -291,7 +337,8 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     gen = query_generation(run, c.generate, data)
     mined = [miner_run(run, m, c, data.corpus, gen["queries"]) for m in c.mine.miners]
     negatives = mine_negatives(run, c.mine.to(MineParams), rankings=mined, qrels=gen["qrels"], corpus=data.corpus)
-    labels = labelling(run, c, gen, negatives, mined, base, data.corpus)
+    labels = labelling(run, c, gen, negatives, teacher_runs(run, c, gen, negatives, mined, data.corpus), base,
+                       data.corpus)
 
     # 4. Students: GPL (Margin-MSE on the teacher's margins) and the QGen baseline (MNRL on (q, pos)).
     #    (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)

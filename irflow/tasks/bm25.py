@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from pydantic import Field, PositiveInt
 
 from irflow.java import anserini_jar, java_binary, pyserini_searcher
+from irflow.pairs import candidate_pairs, scored_run
 from irflow.params import Params
 from irflow.processes import die_with_parent
 from irflow.runtime import StageRuntime
@@ -164,3 +165,50 @@ def bm25_search(p: BM25SearchParams, rt: StageRuntime, *, bm25_index: DatasetRef
     n = len(cols["query_id"])
     return pa.table({**cols, "rank": pa.array(cols["rank"], pa.int32()), "score": pa.array(cols["score"], pa.float32()),
                      "system": [p.system] * n})
+
+
+class BM25ScoreParams(BM25Weights):
+    system: str = Field(min_length=1, description="system name written into the run")
+
+
+def score_pairs(index_dir: str, pairs: list[tuple[str, str]], qtext: dict[str, str], *, k1: float, b: float,
+                heap: str = "2g") -> list[float]:
+    """BM25 of each (query id, doc id) pair, in a spawned child process (see ``search``)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_dies_with_parent) as pool:
+        return pool.submit(_score_pairs, index_dir, pairs, qtext, k1=k1, b=b, heap=heap).result()
+
+
+def _score_pairs(index_dir: str, pairs: list[tuple[str, str]], qtext: dict[str, str], *, k1: float, b: float,
+                 heap: str) -> list[float]:
+    """Anserini's score of a query against one document's ``contents`` field (the query analysed as a
+    search analyses it): equal to the score a search gives a hit, and 0 for a passage without a query
+    term -- the score a search could not return."""
+    from irflow.java import setup_pyserini_env
+
+    setup_pyserini_env(heap)
+    from pyserini.index.lucene import LuceneIndexReader  # first: it puts Anserini on jnius' class path
+
+    from jnius import autoclass
+
+    similarity = autoclass("org.apache.lucene.search.similarities.BM25Similarity")(float(k1), float(b))
+    reader = LuceneIndexReader(index_dir)
+    return [float(reader.compute_query_document_score(d, qtext[q], similarity))
+            for q, d in tqdm(pairs, desc="bm25 score", unit=" pairs", mininterval=2)]
+
+
+@stage("bm25_score", version="1", outputs=Output("run", "run"), shard="queries")
+def bm25_score(p: BM25ScoreParams, rt: StageRuntime, *, bm25_index: DatasetRef, queries: DatasetRef,
+               candidates: list[DatasetRef]) -> pa.Table:
+    """BM25 of every (query, passage) pair of ``candidates`` (runs, negatives or qrels) whose query is in
+    ``queries``, as a run ranked by it: a retriever's score for passages its own top-k missed
+    (``irflow.pairs``). Scores a flat index's ``contents`` field (title and text)."""
+    q = queries.table()
+    qids = q.column("query_id").to_pylist()
+    pairs = candidate_pairs([c.table(columns=["query_id", "doc_id"]) for c in candidates], qids)
+    qtext = dict(zip(qids, q.column("text").to_pylist()))
+    log.info("bm25_score: %d pairs of %d queries", len(pairs), len({x for x, _ in pairs}))
+    scores = score_pairs(bm25_index.path, pairs, qtext, k1=p.k1, b=p.b, heap=rt.jvm_heap) if pairs else []
+    return scored_run(pairs, scores, p.system)

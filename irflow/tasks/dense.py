@@ -26,6 +26,7 @@ from irflow import ann
 from irflow.ann import IVF_KINDS
 from irflow.encoding import encode_texts
 from irflow.models import load_sentence_transformer
+from irflow.pairs import candidate_pairs, scored_run
 from irflow.params import QUANTIZATION_DOC, Params, Quantization
 from irflow.runtime import StageRuntime
 from irflow.shards import per_worker
@@ -178,3 +179,41 @@ def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetR
     n = len(cols["query_id"])
     return pa.table({**cols, "rank": pa.array(cols["rank"], pa.int32()), "score": pa.array(cols["score"], pa.float32()),
                      "system": [p.system] * n})
+
+
+class DenseScoreParams(EncodeParams):
+    system: str = Field(min_length=1, description="system name written into the run")
+
+
+@stage("dense_score", version="1", outputs=Output("run", "run"), work="encode", shard="queries", onnx=_bi_encoder)
+def dense_score(p: DenseScoreParams, rt: StageRuntime, *, embeddings: DatasetRef, queries: DatasetRef,
+                model: DatasetRef, candidates: list[DatasetRef]) -> pa.Table:
+    """The similarity of every (query, passage) pair of ``candidates`` (runs, negatives or qrels) whose
+    query is in ``queries``, as a run ranked by it: queries encoded with ``model`` as ``dense_search``
+    encodes them, passages read from ``embeddings`` (a retriever's score for passages its own top-k
+    missed, ``irflow.pairs``)."""
+    q = queries.table()
+    qids = q.column("query_id").to_pylist()
+    pairs = candidate_pairs([c.table(columns=["query_id", "doc_id"]) for c in candidates], qids)
+    log.info("dense_score: %d pairs of %d queries", len(pairs), len({x for x, _ in pairs}))
+    if not pairs:
+        return scored_run([], [], p.system)
+    st = load_sentence_transformer(model.path, rt.device, p.max_seq_length, onnx=rt.onnx_model(model),
+                                   threads=rt.threads)
+    asked = sorted({x for x, _ in pairs})
+    text = dict(zip(qids, q.column("text").to_pylist()))
+    q_emb = encode_texts(st, [text[x] for x in asked], p.batch_size, p.similarity == "cos",
+                         desc="encode queries", autocast=rt.autocast)
+    doc_ids = embeddings.table(columns=["doc_id"]).column("doc_id").to_pylist()
+    row = {d: i for i, d in enumerate(doc_ids)}
+    unknown = sorted({d for _, d in pairs if d not in row})
+    if unknown:
+        raise ValueError(f"dense_score: {len(unknown)} candidate passage(s) are not in the embeddings "
+                         f"(first: {unknown[:3]}): the candidates come from another corpus")
+    needed = sorted({row[d] for _, d in pairs})
+    d_emb = embeddings_to_numpy(embeddings.table(columns=["embedding"]).take(pa.array(needed, pa.int64())))
+    at = {r: i for i, r in enumerate(needed)}
+    qi = {x: i for i, x in enumerate(asked)}
+    a = np.asarray(q_emb, dtype=np.float32)[[qi[x] for x, _ in pairs]]
+    b = d_emb[[at[row[d]] for _, d in pairs]]
+    return scored_run(pairs, (a * b).sum(1), p.system)
