@@ -46,6 +46,11 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
 def paired_against_zero_shot(store: Path, run_id: str) -> dict[str, dict]:
     """Each system's per-query nDCG@10 against the zero-shot row's (``irflow.stats.paired``: wins / losses
     and the paired t-test's p), read from the run's evaluate outputs as the report page reads them."""
+    return paired_against(store, run_id, "dense-")
+
+
+def paired_against(store: Path, run_id: str, base: str) -> dict[str, dict]:
+    """``paired_against_zero_shot`` against the first system whose name starts with ``base``."""
     from irflow.catalog import Catalog
     from irflow.report import runs as R
     from irflow.stats import paired
@@ -54,13 +59,13 @@ def paired_against_zero_shot(store: Path, run_id: str) -> dict[str, dict]:
     per_query = {}
     for ev in R.evaluations(catalog, run_id):
         per_query.update(R.per_query_values(catalog, ev["per_query"], "ndcg@10"))
-    zero = next((s for s in per_query if s.startswith("dense-")), None)
-    if zero is None:
+    ref = next((s for s in per_query if s.startswith(base)), None)
+    if ref is None:
         return {}
     out = {}
     for system, values in per_query.items():
-        if system != zero:
-            t = paired(per_query[zero], values)
+        if system != ref:
+            t = paired(per_query[ref], values)
             out[system] = {"wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
     return out
 

@@ -136,13 +136,19 @@ def test_the_first_failure_fails_the_run_and_running_stages_finish(tmp_path, pre
 
 def test_a_ctrl_c_stops_the_running_stages_without_waiting_for_them(tmp_path, prefect_harness):
     run = Run(tmp_path / "store", "ctrl-c")
+    THREADS.pop("long", None)
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         with Branches(run, limit=2):
             toy_nap(run, Nap(seconds=20, label="long"), tag="long")
-            time.sleep(1.0)
+            # the Ctrl-C must land while the stage runs: on a loaded machine its thread may take over a
+            # second to start, so wait for it rather than for a fixed time
+            while "long" not in THREADS and time.monotonic() - t0 < 15:
+                time.sleep(0.05)
+            started = time.monotonic()
             raise KeyboardInterrupt  # what the signal handler raises in the main thread
-    assert time.monotonic() - t0 < 10
+    assert "long" in THREADS, "the stage never started"
+    assert time.monotonic() - started < 10
     THREADS["long"].join(timeout=10)
     assert not THREADS["long"].is_alive(), "the stage's thread did not stop"
     assert run.catalog.stage_runs(run.run_id) == []  # interrupted: nothing recorded, nothing published

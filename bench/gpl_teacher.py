@@ -1,0 +1,106 @@
+"""GPL's fusion teacher: each miner's own list, or every candidate scored by every miner; over seeds.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/gpl_teacher.py [--dataset scifact] [--seeds 42,43]
+        [--teachers own,every] [--store /work/runs/gpl-scifact] [--out bench/results/gpl_teacher_<ds>.json]
+        [--set KEY=VALUE ...]
+
+``configs/gpl_<ds>_offline.yaml`` (queries: the train split's texts, labels unused; BM25 + MiniLM fusion
+teacher) with ``teacher.score_every_candidate`` false (``own``: a candidate one miner did not return gets
+that list's lowest z-score) or true (``every``: ``bm25_score`` / ``dense_score`` give each miner's score of
+every candidate, standardised over the candidates), at each ``train.seed``; the QGen baseline off. One
+store, so mining, the teacher's scores and the baselines are computed once. Prints the GPL student's
+nDCG@10 / R@100 per (teacher, seed) with paired t-tests against zero-shot and BM25 over the test queries,
+and the mean over seeds; writes JSON after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import harness
+from harness import ROOT
+from train_dev import paired_against
+
+TEACHERS = {"own": "false", "every": "true"}
+KEEP = ("bm25-flat", "dense-all-MiniLM-L6-v2", "hybrid", "gpl-student")
+
+
+def positives_judged(store: Path, run_id: str) -> dict:
+    """How often the run's GPL positive (the teacher's top-1 of a query) is judged relevant by the query's
+    own qrels (the train split's: the recipe never reads them), and how many queries that covers."""
+    import duckdb
+    import pyarrow.parquet as pq
+
+    from irflow.catalog import when_unlocked
+
+    path = str(store / "catalog.duckdb")
+    con = when_unlocked(lambda: duckdb.connect(path, read_only=True), path)
+    outputs = {s: json.loads(o) for s, o in con.execute(
+        "SELECT stage, outputs FROM stage_runs WHERE run_id = ?", [run_id]).fetchall()}
+    split = json.loads(con.execute("SELECT config FROM runs WHERE run_id = ?", [run_id]).fetchone()[0])["generate"]["split"]
+    con.close()
+    read = lambda i: pq.read_table(store / "objects" / i / "data.parquet").to_pylist()  # noqa: E731
+    relevant = {(r["query_id"], r["doc_id"]) for r in read(outputs["ingest"]["qrels"])
+                if r["split"] == split and r["score"] > 0}
+    judged = {q for q, _ in relevant}
+    positive = {r["query_id"]: r["pos_doc_id"] for r in read(outputs["pseudo_label"]["pseudo_labels"])}
+    asked = [q for q in positive if q in judged]
+    hits = sum((q, positive[q]) in relevant for q in asked)
+    return {"split": split, "queries": len(asked), "top1_relevant": round(hits / len(asked), 4) if asked else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", default="scifact")
+    ap.add_argument("--seeds", default="42,43")
+    ap.add_argument("--teachers", default="own,every")
+    ap.add_argument("--store", help="default: /work/runs/gpl-<dataset> (beside the repo: ../runs/gpl-<ds>)")
+    ap.add_argument("--out", help="default: bench/results/gpl_teacher_<dataset>.json")
+    ap.add_argument("--set", action="append", default=[], help="extra override for every run")
+    args = ap.parse_args()
+    store = Path(args.store or ROOT.parent / "runs" / f"gpl-{args.dataset}")
+    out_path = args.out or str(ROOT / "bench" / "results" / f"gpl_teacher_{args.dataset}.json")
+    prior = json.loads(Path(out_path).read_text()) if Path(out_path).exists() else {}
+    out = {"machine": harness.machine(), "dataset": args.dataset, "runs": prior.get("runs", [])}
+    for teacher in args.teachers.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            sets = [f"teacher.score_every_candidate={TEACHERS[teacher]}", f"train.seed={seed}",
+                    "train.qgen.enabled=false", *args.set]
+            harness.log(f"== GPL on {args.dataset}, teacher {teacher}, seed {seed} (store {store}); {sets}")
+            r = harness.run(f"configs/gpl_{args.dataset}_offline.yaml", sets, store)
+            res = r.to_dict()
+            metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
+                       for m in res["metrics"] if m["system"] in KEEP}
+            student = metrics["gpl-student"]
+            student["vs_zero_shot"] = paired_against(store, r.run_id, "dense-").get("gpl-student")
+            student["vs_bm25"] = paired_against(store, r.run_id, "bm25-").get("gpl-student")
+            entry = {"teacher": teacher, "seed": seed, "overrides": sets, "run_id": res["run_id"],
+                     "positives": positives_judged(store, r.run_id),
+                     "wall_seconds": round(r.wall_seconds, 1), "computed": res.get("computed"), "metrics": metrics,
+                     "load_before": r.load_before, "load_after": r.load_after}
+            out["runs"] = [e for e in out["runs"] if (e["teacher"], e["seed"], e["overrides"]) !=
+                           (teacher, seed, sets)] + [entry]
+            harness.write_json(out_path, out)
+
+    rows, by_teacher = [], {}
+    for e in sorted(out["runs"], key=lambda e: (e["teacher"], e["seed"])):
+        m, s = e["metrics"], e["metrics"]["gpl-student"]
+        by_teacher.setdefault(e["teacher"], []).append(s["ndcg@10"])
+        rows.append([e["teacher"], e["seed"], m["dense-all-MiniLM-L6-v2"]["ndcg@10"], m["bm25-flat"]["ndcg@10"],
+                     m["hybrid"]["ndcg@10"], s["ndcg@10"], s["recall@100"],
+                     f"{s['vs_zero_shot']['wins']}/{s['vs_zero_shot']['losses']} p {s['vs_zero_shot']['t_pvalue']}",
+                     f"{s['vs_bm25']['wins']}/{s['vs_bm25']['losses']} p {s['vs_bm25']['t_pvalue']}"])
+    harness.table(["teacher", "seed", "zero-shot", "BM25", "fusion", "GPL student", "R@100", "vs zero-shot",
+                   "vs BM25"], rows)
+    out["mean_over_seeds"] = {t: {"seeds": len(v), "ndcg@10": round(statistics.mean(v), 4),
+                                  "stdev": round(statistics.stdev(v), 4) if len(v) > 1 else None}
+                              for t, v in by_teacher.items()}
+    print(out["mean_over_seeds"])
+    harness.write_json(out_path, out)
+
+
+if __name__ == "__main__":
+    main()
