@@ -74,12 +74,10 @@ def rows_for(ds: str) -> list[dict]:
         d = json.loads(gt.read_text())
         for r in sorted(d["runs"], key=lambda r: (r["teacher"], r["seed"])):
             m = r["metrics"]
-            rows.append({"recipe": "GPL", "system": f"gpl-student-{r['teacher']}-s{r['seed']}",
-                         "label": f"GPL student, {TEACHER[r['teacher']]}, seed {r['seed']}",
-                         "ndcg@10": m["gpl-student"]["ndcg@10"], "recall@100": m["gpl-student"]["recall@100"],
-                         "zero_shot": m[ZERO]["ndcg@10"], "budget": BUDGET[ds]["gpl"],
-                         "p_vs_bm25": (m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue"),
-                         "machine": machine(d.get("machine")), "file": gt.name})
+            rows.append(gpl_student_row(ds, f"gpl-student-{r['teacher']}-s{r['seed']}",
+                                        f"GPL student, {TEACHER[r['teacher']]}, seed {r['seed']}", m,
+                                        d.get("machine"), gt.name,
+                                        p_vs_bm25=(m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue")))
     for recipe in ("rocketqa", "ance"):
         d = json.loads((RESULTS / f"{recipe}_{ds}.json").read_text())
         zero = next(r["ndcg@10"] for r in d["table"] if r["system"] == ZERO)
@@ -110,17 +108,23 @@ def rows_for(ds: str) -> list[dict]:
                                  "file": f.name})
     mf = RESULTS / "model_free.json"
     if mf.exists():
-        for r in json.loads(mf.read_text())["runs"]:
+        d = json.loads(mf.read_text())
+        for r in d["runs"]:
             if r["dataset"] == ds:
-                m = r["metrics"]
-                rows.append({"recipe": "GPL", "system": f"gpl-student-{r['source']}",
-                             "label": f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log)",
-                             "ndcg@10": m["gpl-student"]["ndcg@10"], "recall@100": m["gpl-student"]["recall@100"],
-                             "zero_shot": m[ZERO]["ndcg@10"], "budget": BUDGET[ds]["gpl"],
-                         "p_vs_bm25": (m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue"),
-                             "machine": machine(json.loads(mf.read_text()).get("machine")),
-                             "file": "model_free.json"})
+                rows.append(gpl_student_row(
+                    ds, f"gpl-student-{r['source']}",
+                    f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log)",
+                    r["metrics"], d.get("machine"), mf.name))
     return rows
+
+
+def gpl_student_row(ds: str, system: str, label: str, metrics: dict, machine_block: dict | None, file: str,
+                    **extra) -> dict:
+    """A row for the GPL student of one run that a bench wrote (its ``metrics`` by system)."""
+    student = metrics["gpl-student"]
+    return {"recipe": "GPL", "system": system, "label": label, "ndcg@10": student["ndcg@10"],
+            "recall@100": student["recall@100"], "zero_shot": metrics[ZERO]["ndcg@10"], "budget": BUDGET[ds]["gpl"],
+            "machine": machine(machine_block), "file": file, **extra}
 
 
 def goals(ds: str, rows: list[dict]) -> list[str]:
