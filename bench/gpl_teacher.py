@@ -22,7 +22,7 @@ from pathlib import Path
 
 import harness
 from harness import ROOT
-from train_dev import paired_against
+from train_dev import paired_with, per_query_ndcg
 
 TEACHERS = {"own": "false", "every": "true"}
 KEEP = ("bm25-flat", "dense-all-MiniLM-L6-v2", "hybrid", "gpl-student")
@@ -31,22 +31,20 @@ KEEP = ("bm25-flat", "dense-all-MiniLM-L6-v2", "hybrid", "gpl-student")
 def positives_judged(store: Path, run_id: str) -> dict:
     """How often the run's GPL positive (the teacher's top-1 of a query) is judged relevant by the query's
     own qrels (the train split's: the recipe never reads them), and how many queries that covers."""
-    import duckdb
-    import pyarrow.parquet as pq
+    import pyarrow.compute as pc
 
-    from irflow.catalog import when_unlocked
+    from irflow.catalog import Catalog
+    from irflow.report import runs as R
 
-    path = str(store / "catalog.duckdb")
-    con = when_unlocked(lambda: duckdb.connect(path, read_only=True), path)
-    outputs = {s: json.loads(o) for s, o in con.execute(
-        "SELECT stage, outputs FROM stage_runs WHERE run_id = ?", [run_id]).fetchall()}
-    split = json.loads(con.execute("SELECT config FROM runs WHERE run_id = ?", [run_id]).fetchone()[0])["generate"]["split"]
-    con.close()
-    read = lambda i: pq.read_table(store / "objects" / i / "data.parquet").to_pylist()  # noqa: E731
-    relevant = {(r["query_id"], r["doc_id"]) for r in read(outputs["ingest"]["qrels"])
-                if r["split"] == split and r["score"] > 0}
+    catalog = Catalog(Path(store) / "catalog.duckdb")
+    outputs = {s["name"]: s["outputs"] for s in R.stage_runs(catalog, run_id)}
+    split = R.run_row(catalog, run_id)["config"]["generate"]["split"]
+    qrels = R.read_table(catalog, outputs["ingest"]["qrels"], ["query_id", "doc_id"],
+                         (pc.field("split") == split) & (pc.field("score") > 0))
+    relevant = set(zip(qrels.column("query_id").to_pylist(), qrels.column("doc_id").to_pylist()))
     judged = {q for q, _ in relevant}
-    positive = {r["query_id"]: r["pos_doc_id"] for r in read(outputs["pseudo_label"]["pseudo_labels"])}
+    labels = R.read_table(catalog, outputs["pseudo_label"]["pseudo_labels"], ["query_id", "pos_doc_id"])
+    positive = dict(zip(labels.column("query_id").to_pylist(), labels.column("pos_doc_id").to_pylist()))
     asked = [q for q in positive if q in judged]
     hits = sum((q, positive[q]) in relevant for q in asked)
     return {"split": split, "queries": len(asked), "top1_relevant": round(hits / len(asked), 4) if asked else None}
@@ -75,8 +73,9 @@ def main() -> None:
             metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
                        for m in res["metrics"] if m["system"] in KEEP}
             student = metrics["gpl-student"]
-            student["vs_zero_shot"] = paired_against(store, r.run_id, "dense-").get("gpl-student")
-            student["vs_bm25"] = paired_against(store, r.run_id, "bm25-").get("gpl-student")
+            per_query = per_query_ndcg(store, r.run_id)
+            student["vs_zero_shot"] = paired_with(per_query, "dense-").get("gpl-student")
+            student["vs_bm25"] = paired_with(per_query, "bm25-").get("gpl-student")
             entry = {"teacher": teacher, "seed": seed, "overrides": sets, "run_id": res["run_id"],
                      "positives": positives_judged(store, r.run_id),
                      "wall_seconds": round(r.wall_seconds, 1), "computed": res.get("computed"), "metrics": metrics,

@@ -46,19 +46,26 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
 def paired_against_zero_shot(store: Path, run_id: str) -> dict[str, dict]:
     """Each system's per-query nDCG@10 against the zero-shot row's (``irflow.stats.paired``: wins / losses
     and the paired t-test's p), read from the run's evaluate outputs as the report page reads them."""
-    return paired_against(store, run_id, "dense-")
+    return paired_with(per_query_ndcg(store, run_id), "dense-")
 
 
-def paired_against(store: Path, run_id: str, base: str) -> dict[str, dict]:
-    """``paired_against_zero_shot`` against the first system whose name starts with ``base``."""
+def per_query_ndcg(store: Path, run_id: str) -> dict[str, dict[str, float]]:
+    """system -> query -> nDCG@10, from the run's evaluate outputs as the report page reads them."""
     from irflow.catalog import Catalog
     from irflow.report import runs as R
-    from irflow.stats import paired
 
     catalog = Catalog(Path(store) / "catalog.duckdb")
     per_query = {}
     for ev in R.evaluations(catalog, run_id):
         per_query.update(R.per_query_values(catalog, ev["per_query"], "ndcg@10"))
+    return per_query
+
+
+def paired_with(per_query: dict[str, dict[str, float]], base: str) -> dict[str, dict]:
+    """Every other system against the first whose name starts with ``base`` (``irflow.stats.paired``:
+    wins / losses and the paired t-test's p); empty if no system does."""
+    from irflow.stats import paired
+
     ref = next((s for s in per_query if s.startswith(base)), None)
     if ref is None:
         return {}
