@@ -148,7 +148,7 @@ def test_a_ctrl_c_stops_the_running_stages_without_waiting_for_them(tmp_path, pr
             started = time.monotonic()
             raise KeyboardInterrupt  # what the signal handler raises in the main thread
     assert "long" in THREADS, "the stage never started"
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 9  # as before: 10 s from the start, of which 1 s was the wait
     THREADS["long"].join(timeout=10)
     assert not THREADS["long"].is_alive(), "the stage's thread did not stop"
     assert run.catalog.stage_runs(run.run_id) == []  # interrupted: nothing recorded, nothing published
