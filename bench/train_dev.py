@@ -16,6 +16,10 @@
    writes JSON (default ``bench/results/train_dev_<config>.json``; variants of an earlier call are kept
    unless re-run). Record the choice, with its dev numbers, in a comment of the config.
 
+``--on-split SPLIT``: the variants on another held-out split of the config's dataset, whole and with its
+own judgements, instead of a cut of train (NFCorpus's ``dev``: graded 1/2 like its test split, while BEIR
+flattened its train qrels to 1). Refused for the config's evaluated split.
+
 ``--on-test``: once a variant is chosen, the same variants on the config's own evaluated split (what the
 bench tables report), in a store of their own.
 
@@ -94,6 +98,8 @@ def main() -> None:
     ap.add_argument("--on-test", action="store_true", help="after the choice: the same variants on the config's "
                                                          "own dataset and split (test), no cut; writes "
                                                          "bench/results/train_dev_<config>_test.json")
+    ap.add_argument("--on-split", default=None, help="evaluate on this held-out split of the config's dataset "
+                                                     "(e.g. dev), not on a cut of train; never the evaluated split")
     args = ap.parse_args()
 
     from irflow import api
@@ -103,27 +109,34 @@ def main() -> None:
     config = Path(args.config)
     c = load_config(str(config), args.set)
     stem = config.stem
-    store = Path(args.store or ROOT.parent / "runs" / (f"train-dev-{stem}-test" if args.on_test
-                                                       else f"train-dev-{stem}-s{args.seed}"))
+    train_split = getattr(c, "train_split", None) or "train"
+    if args.on_split and (args.on_test or args.on_split in (c.dataset.split, train_split)):
+        raise SystemExit(f"--on-split {args.on_split}: choose on a split that is neither the evaluated one "
+                         f"('{c.dataset.split}') nor the labelled one; --on-test is for the evaluated split")
+    suffix = "-test" if args.on_test else f"-{args.on_split}" if args.on_split else f"-s{args.seed}"
+    store = Path(args.store or ROOT.parent / "runs" / f"train-dev-{stem}{suffix}")
     store.mkdir(parents=True, exist_ok=True)
     folder = store / f"data-{c.dataset.display_name}-dev{args.dev_share}-s{args.seed}"
-    train_split = getattr(c, "train_split", None) or "train"
     if args.on_test:
         counts = {"dev_queries": "the test split's"}
         dataset_sets = []
+    elif args.on_split:
+        counts = {"dev_queries": f"the {args.on_split} split's"}
+        dataset_sets = [f"dataset.split={args.on_split}"]
     elif not (folder / "qrels" / "dev.tsv").exists():
         source = c.dataset.source if os.path.isabs(c.dataset.source) else str(Path.cwd() / c.dataset.source)
         counts = train_dev_split(source, folder, train_split=train_split, dev_share=args.dev_share,
                                  seed=args.seed, max_dev_queries=args.max_dev_queries)
         (folder.parent / (folder.name + ".json")).write_text(json.dumps(counts))
-    if not args.on_test:
+    if not (args.on_test or args.on_split):
         counts = json.loads((folder.parent / (folder.name + ".json")).read_text())
         harness.log(f"{c.dataset.display_name}: {counts['fit_queries']} fit / {counts['dev_queries']} dev queries "
                     f"(train split '{train_split}', seed {args.seed}); store {store}")
         dataset_sets = [f"dataset.source={folder}", "dataset.md5=null", "dataset.split=dev",
                         "dataset.limit_queries=null", f"dataset.name={c.dataset.display_name}-dev"]
 
-    out_path = Path(args.out or ROOT / f"bench/results/train_dev_{stem}{'_test' if args.on_test else ''}.json")
+    out_path = Path(args.out or ROOT / f"bench/results/train_dev_{stem}"
+                                     f"{'_test' if args.on_test else f'_{args.on_split}' if args.on_split else ''}.json")
     prior = json.loads(out_path.read_text()) if out_path.exists() else {}
     out = {"config": str(config), "dataset": c.dataset.display_name, "split": counts, "seed": args.seed,
            "dev_share": args.dev_share, "common_sets": args.set, "to": args.to, "variants": prior.get("variants", [])}
@@ -155,7 +168,7 @@ def main() -> None:
             row.append("-" if m is None else f"{m['ndcg@10']:.4f}" + (f" ({m['ndcg@10'] - z:+.4f}" + (
                 f", p {vs['t_pvalue']:.2f}" if vs else "") + ")" if z is not None and s != zero else ""))
         rows.append(row)
-    print(f"\nnDCG@10 on {counts['dev_queries']} {'test' if args.on_test else 'dev'} queries (gain over {zero}, and the "
+    print(f"\nnDCG@10 on {counts['dev_queries']} {'test' if args.on_test else args.on_split or 'dev'} queries (gain over {zero}, and the "
           f"paired t-test's p over the dev queries):")
     harness.table(["system", *[v["name"] for v in out["variants"]]], rows)
     print(f"wrote {out_path}")

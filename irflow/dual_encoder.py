@@ -58,6 +58,11 @@ class TrainDualEncoderParams(LoopParams):
                             "softmax (infonce). Masking matters where queries share judged passages: in batches "
                             "of 32, 70% of NFCorpus's training lines met at least one (3.4 on average), 6% of "
                             "SciFact's")
+    positives_per_query: Annotated[PositiveInt | None, KEYED_WHEN_SET] = Field(
+        None, description="keep at most this many of each query's judged positives as training pairs (a seeded "
+                          "sample per query; null: every pair). The batches are a shuffle of the pairs, so a "
+                          "query counts as often as it has positives: on NFCorpus 180 broad queries ('cancer': "
+                          "1,363 positives) of 2,590 hold half the 110,575 pairs; 1 weighs every query alike")
     splits: tuple[str, ...] = Field(("train",), min_length=1, description="the qrels splits whose positives are "
                                                                           "the training pairs")
     query_max_length: PositiveInt = Field(64, description="tokens per query")

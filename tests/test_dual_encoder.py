@@ -153,6 +153,40 @@ def test_examples_lines_negatives_and_random_fill(slice_run):
         training_examples(p.model_copy(update={"splits": ("dev",)}), [qrels], corpus_ids)
 
 
+def test_positives_per_query_weighs_broad_queries_like_the_others(slice_run):
+    """A query judged relevant to many passages (NFCorpus's 'cancer': 1,363) gives one training pair per
+    positive; positives_per_query keeps a seeded sample of them, every query kept, negatives still drawn."""
+    import pyarrow as pa
+
+    qrels = slice_run["qrels"].table()
+    corpus_ids = slice_run["corpus"].table().column("doc_id").to_pylist()
+    train = qrels.filter(pa.compute.equal(qrels.column("split"), "train"))
+    broad_q = train.column("query_id")[0].as_py()
+    # the slice's first train query, judged relevant to 30 more corpus passages: a broad query
+    extra = [d for d in corpus_ids if d not in set(train.column("doc_id").to_pylist())][:30]
+    rows = {c: train.column(c).to_pylist() for c in train.column_names}
+    for d in extra:
+        for c in train.column_names:
+            rows[c].append({"query_id": broad_q, "doc_id": d}.get(c, rows[c][0]))
+    broad = pa.Table.from_pydict(rows, schema=train.schema)
+    queries = set(broad.column("query_id").to_pylist())
+
+    every = training_examples(TrainDualEncoderParams(), [broad], corpus_ids)
+    assert every["q"].count(broad_q) >= 31  # one line per judged pair: the broad query dominates
+    p = TrainDualEncoderParams(positives_per_query=2, negatives_per_line=1)
+    ex = training_examples(p, [broad], corpus_ids)
+    assert set(ex["q"]) == queries and max(ex["q"].count(q) for q in queries) == 2
+    judged = judged_positives(broad)
+    assert all((q, d) in set(zip(every["q"], every["p"])) for q, d in zip(ex["q"], ex["p"]))
+    assert all(len(n) == 1 and not set(n) & judged[q] for q, n in zip(ex["q"], ex["n"]))
+    # seeded: the same sample for a seed, another for another seed
+    assert training_examples(p, [broad], corpus_ids)["p"] == ex["p"]
+    assert training_examples(p.model_copy(update={"seed": 1}), [broad], corpus_ids)["p"] != ex["p"]
+    # left at its default, the field stays out of the cache key (stores made before it keep their keys)
+    assert "positives_per_query" not in TrainDualEncoderParams().key_dump()
+    assert TrainDualEncoderParams(positives_per_query=1).key_dump()["positives_per_query"] == 1
+
+
 def test_two_processes_see_world_times_batch_passages_and_step_like_one_big_batch(slice_run):
     """torchrun, 2 processes (gloo on CPU) x 4 queries: each query is scored against the 16 gathered
     passages (positive + 1 negative for 8 queries), and the trained weights equal one process with a

@@ -10,6 +10,8 @@ makes several lines per positive, each with its own negatives (RocketQA's traini
 one negative per positive). No two lines in a batch share a query or a passage: in-batch negatives
 must be negatives. Another line's passage may still be judged relevant to a query (queries that share
 judged passages: NFCorpus); ``false_negatives: mask`` leaves such passages out of that query's softmax.
+``positives_per_query`` keeps a seeded sample of each query's positives, so that queries with hundreds
+of judgements do not take most of the batches.
 
 ``loss: listwise_kl`` reads ``teacher_scores`` (query, doc, score: a re-ranker's scores, as the
 ``denoise`` stage writes them): each example's list is its positive plus ``list_size - 1`` scored
@@ -53,6 +55,12 @@ def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_i
     pairs = sorted({pair for t in qrels for split in p.splits for pair in positive_pairs(t, split)})
     if not pairs:
         raise DataError(f"no positive qrels in split(s) {', '.join(p.splits)}: nothing to train on")
+    if p.positives_per_query:
+        by_query: dict[str, list[str]] = defaultdict(list)
+        for q, d in pairs:
+            by_query[q].append(d)
+        pairs = sorted((q, d) for q, ds in by_query.items()
+                       for d in sample(ds, p.positives_per_query, p.seed, "positives", q))
     judged: dict[str, set[str]] = defaultdict(set)
     for t in qrels:
         for q, ds in judged_positives(t).items():
