@@ -152,7 +152,7 @@ class Doc2QueryConfig(Doc2QueryParams):
 # a test keeps the two in step).
 MODEL_FREE_MEASURED: dict[str, tuple[tuple[str, float, float, float], ...]] = {
     "ict": (("scifact", 0.6451, 0.6214, 0.0652), ("nfcorpus", 0.3159, 0.3106, 0.2909)),
-    "crop": (("scifact", 0.6451, 0.6315, 0.2736),),
+    "crop": (("scifact", 0.6451, 0.6315, 0.2736), ("nfcorpus", 0.3159, 0.3038, 0.018)),
 }
 
 
