@@ -292,7 +292,13 @@ def plan(recipe: Recipe, c: RecipeConfig, store: str, force: set[str] = frozense
 def upstream(plan: list[dict], targets: set[str] | frozenset[str]) -> set[str]:
     """The labels of the planned stages that ``targets`` (names or labels) need: the targets and every
     stage whose outputs they read, transitively (Kedro's --to-nodes). Pure: a plan in, labels out."""
-    producer = {i: p["name"] for p in plan for i in p["outputs"].values()}
+    # One dataset id can come from two stages: two calls with one cache key (RocketQA encodes the corpus
+    # with M_D0 for the train queries and again for the test queries: the same embeddings). Whichever of
+    # them the plan runs, the reader gets that id only if every producer of it runs.
+    producers: dict[str, list[str]] = {}
+    for p in plan:
+        for i in p["outputs"].values():
+            producers.setdefault(i, []).append(p["name"])
     reads: dict[str, set[str]] = {}
     for p in plan:  # a label planned twice (a repeated call) reads what both calls read
         reads.setdefault(p["name"], set()).update(i for ids in p["inputs"].values() for i in ids)
@@ -302,7 +308,7 @@ def upstream(plan: list[dict], targets: set[str] | frozenset[str]) -> set[str]:
         label = need.pop()
         if label not in seen:
             seen.add(label)
-            need += [producer[i] for i in reads[label] if i in producer]
+            need += [name for i in reads[label] for name in producers.get(i, ())]
     return seen
 
 

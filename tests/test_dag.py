@@ -279,6 +279,17 @@ def test_upstream_follows_ids_not_order():
     assert upstream(plan, {"evaluate"}) == {"ingest", "index[b]", "search[b]", "evaluate"}
     assert upstream(plan, {"index"}) == {"ingest", "index[a]", "index[b]"}
     assert upstream(plan, {"index[a]"}) == {"ingest", "index[a]"}
+    # Two calls with one key produce one id (a cached corpus encoding, tagged once for the train queries
+    # and once for the test queries): a reader of that id needs both, or the one it was planned after
+    # is skipped and hands it a placeholder.
+    shared = [
+        {"name": "ingest", "inputs": {}, "outputs": {"corpus": "c"}},
+        {"name": "encode[train]", "inputs": {"corpus": ["c"]}, "outputs": {"emb": "e"}},
+        {"name": "search[train]", "inputs": {"emb": ["e"]}, "outputs": {"run": "r1"}},
+        {"name": "encode[test]", "inputs": {"corpus": ["c"]}, "outputs": {"emb": "e"}},
+        {"name": "search[test]", "inputs": {"emb": ["e"]}, "outputs": {"run": "r2"}},
+    ]
+    assert upstream(shared, {"search[train]"}) == {"ingest", "encode[train]", "encode[test]", "search[train]"}
 
 
 def test_to_an_unknown_stage_stops_a_flow_started_directly(setup):
