@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7, help="seed of the fit/dev cut")
     ap.add_argument("--precision", default="auto", help="training precision: auto (bf16 where the CPU has it), "
                                                         "fp32, bf16")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads (1 when another job "
+                                                                             "uses the other core)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -116,8 +118,10 @@ def main() -> None:
             res.setdefault(q, {})[d] = float(s)
         return float(np.mean(list(evaluate_run(qrels_dict, res, ["ndcg@10"])["ndcg@10"].values())))
 
+    import torch
+    torch.set_num_threads(args.threads)  # as irflow.stage does around a stage
     precision = resolve_precision(args.precision, "train", "cpu")
-    rt = StageRuntime(device="cpu", precision=precision, threads=os.cpu_count() or 2, work="train")
+    rt = StageRuntime(device="cpu", precision=precision, threads=args.threads, work="train")
     print(f"{dataset}: {len(labelled)} labelled train queries -> {len(labelled) - n_dev} fit / {n_dev} dev; "
           f"{len(cand)} dev candidates (M_D0 top-{args.depth}), {int(is_pos.sum())} judged positive; "
           f"base {base_model}; precision {precision}")

@@ -11,6 +11,8 @@ from collections import defaultdict
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from irflow.sampling import sample
+
 
 def group(table: pa.Table, key: str = "query_id", value: str = "doc_id") -> dict[str, set[str]]:
     """key -> set of values over the rows of a table."""
@@ -37,6 +39,19 @@ def positive_pairs(qrels: pa.Table, split: str | None = None) -> list[tuple[str,
     """Sorted distinct (query, positive document) pairs (of ``split``, if given)."""
     t = positive_rows(qrels, split)
     return sorted(set(zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist())))
+
+
+def cap_per_query(pairs: list[tuple[str, str]], k: int | None, seed, key: str = "positives") -> list[tuple[str, str]]:
+    """Sorted (query, document) pairs keeping at most ``k`` per query: a sample seeded per (seed, key,
+    query), so it does not depend on the other queries; ``k`` None keeps every pair. Training batches are
+    a shuffle of the pairs, so without a cap a query weighs as much as it has judged passages (NFCorpus:
+    "cancer" has 1,363, the median query 16)."""
+    if not k:
+        return sorted(pairs)
+    by_query: dict[str, list[str]] = defaultdict(list)
+    for q, d in pairs:
+        by_query[q].append(d)
+    return sorted((q, d) for q, ds in by_query.items() for d in sample(ds, k, seed, key, q))
 
 
 def judged_positives(qrels: pa.Table) -> dict[str, set[str]]:

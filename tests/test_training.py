@@ -485,6 +485,32 @@ def test_train_cross_encoder_learns_and_loads(env):
     assert m.config.num_labels == 1
 
 
+def test_cross_encoder_positives_per_query_caps_each_query(env):
+    """positives_per_query keeps a seeded sample of each query's positives, each still with its
+    negatives_per_positive negatives (never judged); left at its default it stays out of the cache key."""
+    from irflow.qrels import judged_positives, positive_pairs
+
+    qrels = env["qrels"].table()
+    docs = sorted(env["docs"])
+    every = training_pairs(qrels, docs, _ce_params())
+    by_query = {}
+    for q, d in positive_pairs(qrels, "train"):
+        by_query.setdefault(q, []).append(d)
+    assert max(len(ds) for ds in by_query.values()) > 1  # the slice has queries with several positives
+    p = _ce_params(positives_per_query=1)
+    ex = training_pairs(qrels, docs, p)
+    pos = [(q, d) for q, d, lab in zip(ex["q"], ex["d"], ex["label"]) if lab == 1.0]
+    assert sorted(q for q, _ in pos) == sorted(by_query)  # every query once
+    assert set(pos) <= {(q, d) for q, d, lab in zip(every["q"], every["d"], every["label"]) if lab == 1.0}
+    judged = judged_positives(qrels)
+    negs = [(q, d) for q, d, lab in zip(ex["q"], ex["d"], ex["label"]) if lab == 0.0]
+    assert len(negs) == p.negatives_per_positive * len(pos) and not any(d in judged[q] for q, d in negs)
+    assert training_pairs(qrels, docs, p)["d"] == ex["d"]  # seeded
+    assert training_pairs(qrels, docs, p.model_copy(update={"seed": 1}))["d"] != ex["d"]
+    assert "positives_per_query" not in _ce_params().key_dump()
+    assert p.key_dump()["positives_per_query"] == 1
+
+
 def test_train_cross_encoder_from_a_bi_encoder_and_resume(env, tmp_path, monkeypatch, caplog):
     """A sentence-transformers dir (plain BERT, no head) gets a fresh head; random corpus negatives;
     a crash after step 3 resumes from the step-2 checkpoint to the same weights."""

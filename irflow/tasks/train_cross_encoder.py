@@ -1,7 +1,7 @@
 """Fine-tune a cross-encoder (a BERT-style model with one relevance logit) on labelled pairs.
 
-Training pairs: every positive of the ``split`` qrels (score > 0) with label 1, and for each
-positive ``negatives_per_positive`` negatives with label 0 -- sampled (seeded) from the query's mined
+Training pairs: every positive of the ``split`` qrels (score > 0) with label 1 (at most
+``positives_per_query`` of each query's, a seeded sample, when it is set), and for each positive ``negatives_per_positive`` negatives with label 0 -- sampled (seeded) from the query's mined
 negatives when the ``negatives`` input is given, else random corpus passages; a judged positive of
 the query is never a negative. Loss: binary cross-entropy on the logit (as sentence-transformers'
 CrossEncoder trains with one label). The loop, precision, checkpoints and resume are
@@ -25,13 +25,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Annotated
 
 import pyarrow as pa
 from pydantic import Field, PositiveInt
 
 from irflow import distributed
 from irflow.errors import DataError
-from irflow.qrels import group, judged_positives, positive_pairs
+from irflow.params import KEYED_WHEN_SET
+from irflow.qrels import cap_per_query, group, judged_positives, positive_pairs
 from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
@@ -59,6 +61,11 @@ class TrainCrossEncoderParams(LoopParams):
     warmup_steps: int = Field(100, ge=0, description="linear warm-up steps, then linear decay to 0")
     head_lr: float | None = Field(None, gt=0, description="peak learning rate of the classification head (the "
                                                           "parameters outside the pretrained body); null: lr")
+    positives_per_query: Annotated[PositiveInt | None, KEYED_WHEN_SET] = Field(
+        None, description="keep at most this many of each query's positives (a seeded sample per query; null: "
+                          "every positive), each with its negatives_per_positive negatives. The pairs are "
+                          "shuffled, so without it a query weighs as much as it has judged passages (NFCorpus: "
+                          "180 broad queries of 2,590 hold half the 110,575 positives)")
 
 
 def training_pairs(qrels: pa.Table, corpus_ids: list[str], p: TrainCrossEncoderParams,
@@ -69,6 +76,7 @@ def training_pairs(qrels: pa.Table, corpus_ids: list[str], p: TrainCrossEncoderP
     pairs = positive_pairs(qrels, p.split)
     if not pairs:
         raise DataError(f"no positive qrels in split '{p.split}'")
+    pairs = cap_per_query(pairs, p.positives_per_query, seed)
     pools = group(negatives) if negatives is not None else {}
     ex = {"q": [], "d": [], "label": []}
     short = 0

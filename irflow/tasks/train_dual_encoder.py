@@ -35,7 +35,7 @@ import pyarrow as pa
 from irflow import distributed
 from irflow.dual_encoder import Job, TrainDualEncoderParams, train, train_json
 from irflow.errors import DataError
-from irflow.qrels import group, judged_positives, positive_pairs
+from irflow.qrels import cap_per_query, group, judged_positives, positive_pairs
 from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
@@ -55,12 +55,7 @@ def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_i
     pairs = sorted({pair for t in qrels for split in p.splits for pair in positive_pairs(t, split)})
     if not pairs:
         raise DataError(f"no positive qrels in split(s) {', '.join(p.splits)}: nothing to train on")
-    if p.positives_per_query:
-        by_query: dict[str, list[str]] = defaultdict(list)
-        for q, d in pairs:
-            by_query[q].append(d)
-        pairs = sorted((q, d) for q, ds in by_query.items()
-                       for d in sample(ds, p.positives_per_query, p.seed, "positives", q))
+    pairs = cap_per_query(pairs, p.positives_per_query, p.seed)
     judged: dict[str, set[str]] = defaultdict(set)
     for t in qrels:
         for q, ds in judged_positives(t).items():
