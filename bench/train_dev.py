@@ -113,6 +113,12 @@ def main() -> None:
     if args.on_split and (args.on_test or args.on_split in (c.dataset.split, train_split)):
         raise SystemExit(f"--on-split {args.on_split}: choose on a split that is neither the evaluated one "
                          f"('{c.dataset.split}') nor the labelled one; --on-test is for the evaluated split")
+    if args.on_split:
+        from irflow.beir import dataset_splits
+        splits = dataset_splits(c.dataset.source if os.path.isabs(c.dataset.source) else str(Path.cwd() / c.dataset.source))
+        if splits is not None and args.on_split not in splits:
+            raise SystemExit(f"--on-split {args.on_split}: {c.dataset.source} has no qrels/{args.on_split}.tsv "
+                             f"(its splits: {', '.join(splits)})")
     suffix = "-test" if args.on_test else f"-{args.on_split}" if args.on_split else f"-s{args.seed}"
     store = Path(args.store or ROOT.parent / "runs" / f"train-dev-{stem}{suffix}")
     store.mkdir(parents=True, exist_ok=True)
