@@ -5,7 +5,7 @@
 Reads the result files the recipe benchmarks wrote (no run here): ``gpl.json`` / ``gpl_nfcorpus.json``
 (bench/gpl.py), ``gpl_teacher_<ds>.json`` (bench/gpl_teacher.py: the GPL student with each fusion
 teacher, over seeds), ``rocketqa_<ds>.json`` and ``ance_<ds>.json`` (bench/rocketqa.py), ``model_free.json``
-(bench/model_free.py), ``train_dev_<recipe>_<ds>_offline_test.json`` (settings chosen on a dev cut of train,
+(bench/model_free.py), ``seed_mean_<ds>.json`` (bench/seed_mean.py), ``train_dev_<recipe>_<ds>_offline_test.json`` (settings chosen on a dev cut of train,
 then run on test: bench/train_dev.py --on-test). For SciFact and NFCorpus it prints one table -- nDCG@10 and R@100 on the test
 split, the gain over the zero-shot row *of the same run* (RocketQA and ANCE encode 200 / 128-token
 passages, GPL 256: their zero-shot rows differ), the machine, the training budget and the file -- and
@@ -164,6 +164,12 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     if model_free:
         out.append("below zero-shot with model-free queries (the recipe warns before such a run): "
                    + "; ".join(model_free))
+    sm = RESULTS / f"seed_mean_{ds}.json"
+    if sm.exists():  # bench/seed_mean.py: each query's nDCG@10 averaged over seeds, against zero-shot
+        d = json.loads(sm.read_text())["systems"]
+        out.append(f"over seeds ({sm.name}, each query averaged, paired t-test against zero-shot): " + "; ".join(
+            f"{k} {v['ndcg@10_mean']:.4f} ({v['gain']:+.4f}, {v['seeds']} seeds, p {v['t_pvalue']:.2f})"
+            for k, v in d.items()))
     if ds == "scifact":
         b = by["bm25-flat"]["ndcg@10"]
         seeded = [r for r in rows if r["system"].startswith("gpl-student-every-")]
