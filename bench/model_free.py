@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/model_free.json"))
     args = ap.parse_args()
 
+    from irflow.recipe import load_config
+
     prior = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     out = {"machine": harness.machine(), "runs": prior.get("runs", [])}
     keep = ("bm25-flat", "dense-all-MiniLM-L6-v2", "hybrid", "gpl-student")
@@ -41,25 +43,29 @@ def main() -> None:
         store = f"{args.store_prefix}{ds}"
         for src in args.sources.split(","):
             sets = [f"generate={{source: {src}}}", "train.qgen.enabled=false", *args.set]
-            harness.log(f"== GPL on {ds}, queries from {src} (store {store}); {sets}")
-            r = harness.run(f"configs/gpl_{ds}_offline.yaml", sets, store)
+            config = f"configs/gpl_{ds}_offline.yaml"
+            # the fusion teacher's kind: each miner's own list fused ("own") or every candidate scored by both
+            teacher = "every" if getattr(load_config(config, sets).teacher, "score_every_candidate", False) \
+                else "own"
+            harness.log(f"== GPL on {ds}, queries from {src}, teacher {teacher} (store {store}); {sets}")
+            r = harness.run(config, sets, store)
             res = r.to_dict()
             metrics = {m["system"]: {"ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
                        for m in res["metrics"] if m["system"] in keep}
             for system, test in paired_against_zero_shot(Path(store), r.run_id).items():  # is the gap real?
                 if system in metrics:
                     metrics[system]["vs_zero_shot"] = test
-            entry = {"dataset": ds, "source": src, "overrides": sets, "run_id": res["run_id"],
+            entry = {"dataset": ds, "source": src, "teacher": teacher, "overrides": sets, "run_id": res["run_id"],
                      "wall_seconds": round(r.wall_seconds, 1), "computed": res.get("computed"),
                      "metrics": metrics, "load_before": r.load_before, "load_after": r.load_after}
-            out["runs"] = [e for e in out["runs"] if (e["dataset"], e["source"], e["overrides"]) !=
-                           (ds, src, sets)] + [entry]
+            out["runs"] = [e for e in out["runs"] if (e["dataset"], e["source"], e["teacher"], e["overrides"]) !=
+                           (ds, src, teacher, sets)] + [entry]
             harness.write_json(args.out, out)
             z, s = metrics["dense-all-MiniLM-L6-v2"]["ndcg@10"], metrics["gpl-student"]["ndcg@10"]
             p = metrics["gpl-student"].get("vs_zero_shot", {}).get("t_pvalue")
-            rows.append([ds, src, z, metrics["bm25-flat"]["ndcg@10"], metrics["hybrid"]["ndcg@10"], s,
+            rows.append([ds, src, teacher, z, metrics["bm25-flat"]["ndcg@10"], metrics["hybrid"]["ndcg@10"], s,
                          f"{s - z:+.4f}", p, entry["wall_seconds"]])
-            harness.table(["dataset", "queries", "zero-shot", "BM25", "fusion", "GPL student", "vs zero-shot",
+            harness.table(["dataset", "queries", "teacher", "zero-shot", "BM25", "fusion", "GPL student", "vs zero-shot",
                            "paired p", "wall s"], rows)
 
 
