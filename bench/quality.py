@@ -123,9 +123,9 @@ def rows_for(ds: str) -> list[dict]:
         for r in d["runs"]:
             if r["dataset"] == ds:
                 rows.append(gpl_student_row(
-                    ds, f"gpl-student-{r['source']}",
-                    f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log)",
-                    r["metrics"], d.get("machine"), mf.name))
+                    ds, f"gpl-student-{r['source']}-{r['teacher']}",
+                    f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log), "
+                    f"{TEACHER[r['teacher']]}", r["metrics"], d.get("machine"), mf.name, model_free=True))
     return rows
 
 
@@ -160,7 +160,7 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
              for r in trained if r["ndcg@10"] <= r["zero_shot"]]
     out.append(f"every trained student above its zero-shot: {'met' if not below else 'MISSED: ' + '; '.join(below)}")
     model_free = [f"{r['label']} {r['ndcg@10']:.4f} (zero-shot {r['zero_shot']:.4f})" for r in rows
-                  if r["system"].startswith("gpl-student-") and r["ndcg@10"] <= r["zero_shot"]]
+                  if r.get("model_free") and r["ndcg@10"] <= r["zero_shot"]]
     if model_free:
         out.append("below zero-shot with model-free queries (the recipe warns before such a run): "
                    + "; ".join(model_free))

@@ -295,7 +295,7 @@ def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
     from irflow.flows.gpl import MODEL_FREE_MEASURED
 
     results = json.loads((REPO / "bench" / "results" / "model_free.json").read_text())["runs"]
-    measured = {src: {(r["dataset"], r["metrics"]["dense-all-MiniLM-L6-v2"]["ndcg@10"],
+    measured = {src: {(r["dataset"], r["teacher"], r["metrics"]["dense-all-MiniLM-L6-v2"]["ndcg@10"],
                        r["metrics"]["gpl-student"]["ndcg@10"], r["metrics"]["gpl-student"]["vs_zero_shot"]["t_pvalue"])
                       for r in results if r["source"] == src
                       # runtime settings (threads) change no result: they are not keyed
@@ -303,7 +303,7 @@ def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
                       == [f"generate={{source: {src}}}", "train.qgen.enabled=false"]}
                 for src in ("ict", "crop")}
     assert {src: set(rows) for src, rows in MODEL_FREE_MEASURED.items()} == measured
-    losing = [src for src, rows in measured.items() if any(student < zero for _, zero, student, _ in rows)]
+    losing = [src for src, rows in measured.items() if any(student < zero for _, _, zero, student, _ in rows)]
     assert "ict" in losing  # SciFact: 0.6451 -> 0.6214
     for src in ("ict", "crop"):
         code, out, err = run_cli("config", DEMO, "--set", f"generate={{source: {src}}}")
@@ -313,8 +313,10 @@ def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
             assert not warned, err
             continue
         assert len(warned) == 1, err
-        for ds, zero, student, p in measured[src]:
+        for ds, teacher, zero, student, p in measured[src]:
             assert f"{ds} {zero:.4f} -> {student:.4f}" in warned[0] and f"p {p:.2f}" in warned[0]
+        # both fusion teachers were measured on SciFact, and the warning tells them apart
+        assert {t for _, t, *_ in measured[src]} == {"own", "every"} and "teacher scoring every candidate" in warned[0]
         assert "source: unlabelled" in warned[0] and "t5" in warned[0] and "hybrid" in warned[0]
         warnings = api.preflight(api.load_config(DEMO, [f"generate={{source: {src}}}"]), str(tmp_path / "s"))
         assert warnings and warnings[0] == warned[0].removeprefix("warning: ")
