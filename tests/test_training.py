@@ -488,14 +488,12 @@ def test_train_cross_encoder_learns_and_loads(env):
 def test_cross_encoder_positives_per_query_caps_each_query(env):
     """positives_per_query keeps a seeded sample of each query's positives, each still with its
     negatives_per_positive negatives (never judged); left at its default it stays out of the cache key."""
-    from irflow.qrels import judged_positives, positive_pairs
+    from irflow.qrels import judged_positives, positives
 
     qrels = env["qrels"].table()
     docs = sorted(env["docs"])
     every = training_pairs(qrels, docs, _ce_params())
-    by_query = {}
-    for q, d in positive_pairs(qrels, "train"):
-        by_query.setdefault(q, []).append(d)
+    by_query = positives(qrels, "train")
     assert max(len(ds) for ds in by_query.values()) > 1  # the slice has queries with several positives
     p = _ce_params(positives_per_query=1)
     ex = training_pairs(qrels, docs, p)
