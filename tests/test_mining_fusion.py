@@ -452,6 +452,21 @@ def test_mine_negatives_stage_on_bm25_runs(bm25_setup):
         mine_negatives.run(run, {"strategy": "range", "depth": 10}, rankings=runs, qrels=gen["qrels"])
 
 
+def test_bm25_negatives_can_leave_the_top_ranks_out(bm25_setup):
+    from irflow.flows.common import bm25_negative_mining
+
+    run, gen, runs = bm25_setup["run"], bm25_setup["gen"], bm25_setup["runs"][:1]
+    every = bm25_negative_mining(30, 0)
+    # 0 is the mining of before the option: the same params, so the same cache key
+    assert every == MineParams(strategy="topk", depth=30)
+    full = mine_negatives.run(run, every, rankings=runs, qrels=gen["qrels"]).table()
+    skipped = mine_negatives.run(run, bm25_negative_mining(30, 10), rankings=runs, qrels=gen["qrels"]).table()
+    ranks = skipped.column("rank").to_pylist()
+    assert ranks and min(ranks) == 11 and max(ranks) <= 30
+    # exactly the rows of the full mining below rank 10
+    assert set(rows(skipped)) == {r for r in rows(full) if r[3] > 10}
+
+
 def test_fuse_stage_on_bm25_runs(bm25_setup):
     run, runs = bm25_setup["run"], bm25_setup["runs"]
     params = FuseParams(method="rrf", rrf_k=60, depth=20, system="bm25-rrf")

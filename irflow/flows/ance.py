@@ -20,8 +20,8 @@ from typing import ClassVar, Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_train_run, evaluate_runs, ingest,
-                                 labelled_queries, retrieve, test_runs, train_split_follows)
+from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_negative_mining, bm25_train_run,
+                                 evaluate_runs, ingest, labelled_queries, retrieve, test_runs, train_split_follows)
 from irflow.follows import Follow
 from irflow.recipe import flow_getattr, recipe
 from irflow.stage import Run
@@ -31,6 +31,8 @@ from irflow.tasks.train_dual_encoder import train_dual_encoder
 
 class WarmupConfig(HardNegativeTraining):
     bm25_depth: PositiveInt = Field(100, description="warm-up negatives come from BM25's top n, positives excluded")
+    bm25_skip_top: NonNegativeInt = Field(0, description="leave BM25's first n ranks out of the warm-up negatives "
+                                                         "(where unjudged relevant passages crowd); 0: none left out")
 
 
 class RoundConfig(HardNegativeTraining):
@@ -57,6 +59,9 @@ class ANCEConfig(SupervisedConfig):
     @model_validator(mode="after")
     def _rules(self):
         split = self.train_split
+        if self.warmup.bm25_skip_top >= self.warmup.bm25_depth:
+            raise ValueError(f"warmup.bm25_skip_top: {self.warmup.bm25_skip_top} leaves none of BM25's top "
+                             f"{self.warmup.bm25_depth} (warmup.bm25_depth) to mine")
         for key in ("warmup", "round"):
             section = getattr(self, key)
             if tuple(section.splits) != (split,):
@@ -82,8 +87,8 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
 
     # Warm start (round 0): labelled pairs + BM25 negatives.
     bm25 = bm25_train_run(run, c.bm25, data, train_q, c.warmup.bm25_depth)
-    bm25_negatives = mine_negatives(run, MineParams(strategy="topk", depth=c.warmup.bm25_depth), tag="bm25",
-                                    rankings=[bm25], qrels=data.qrels)
+    bm25_negatives = mine_negatives(run, bm25_negative_mining(c.warmup.bm25_depth, c.warmup.bm25_skip_top),
+                                    tag="bm25", rankings=[bm25], qrels=data.qrels)
     model = train_dual_encoder(run, c.warmup.to(TrainDualEncoderParams), tag="ance-warmup", queries=[train_q],
                                corpus=data.corpus, base_model=base, qrels=[data.qrels],
                                negatives=[bm25_negatives])["model"]

@@ -24,6 +24,7 @@ from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
 from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
 from irflow.tasks.evaluate import EvaluateParams, EvaluationParams, evaluate
+from irflow.tasks.mine_negatives import MineParams
 from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
 
 
@@ -160,6 +161,17 @@ def bm25_train_run(run: Run, c: BM25Config, data: Dataset, queries: DatasetRef, 
     index = bm25_index(run, BM25IndexParams(variant=variant), tag=variant, corpus=data.corpus)
     return bm25_search(run, c.to(BM25SearchParams, variant=variant, system="bm25", depth=depth, remove_query=False),
                        tag=tag, bm25_index=index, queries=queries)
+
+
+def bm25_negative_mining(depth: int, skip_top: int) -> MineParams:
+    """How BM25 negatives are mined: every non-positive of BM25's top ``depth``, or, with ``skip_top``,
+    of ranks ``skip_top + 1 .. depth`` only. Unjudged relevant passages (false negatives) crowd the top of
+    a retriever's list where queries have many relevant passages (RocketQA, Qu et al., 2021, found many of
+    the top unlabelled passages on MS MARCO relevant; NFCorpus judges 43 passages a train query). 0 keeps
+    the mining stage's cache key of before this option."""
+    if skip_top == 0:
+        return MineParams(strategy="topk", depth=depth)
+    return MineParams(strategy="range", depth=depth, rank_range=(skip_top + 1, depth))
 
 
 def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, queries: DatasetRef, depth: int,

@@ -34,11 +34,11 @@ reaches into the candidates the teacher judged, nor below M_D0's list.
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig, bm25_train_run, evaluate_runs,
-                                 ingest, labelled_queries, retrieve, test_runs, train_split_follows)
+from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig, bm25_negative_mining, bm25_train_run,
+                                 evaluate_runs, ingest, labelled_queries, retrieve, test_runs, train_split_follows)
 from irflow.follows import MISSING, Follow
 from irflow.fusion import FusionSettings
 from irflow.params import ModelName, Params
@@ -63,6 +63,15 @@ class DualEncoderConfig(TrainDualEncoderParams):
         "none", description="M_D0's extra negatives per query: none (in-batch only), random passages, or BM25's "
                             "top `bm25_depth` (DPR); how many: negatives_per_line")
     bm25_depth: PositiveInt = Field(100, description="negatives bm25: sampled from BM25's top n (positives excluded)")
+    bm25_skip_top: NonNegativeInt = Field(0, description="negatives bm25: leave BM25's first n ranks out (where "
+                                                         "unjudged relevant passages crowd); 0: none left out")
+
+    @model_validator(mode="after")
+    def _bm25_ranks(self):
+        if self.bm25_skip_top >= self.bm25_depth:
+            raise ValueError(f"bm25_skip_top: {self.bm25_skip_top} leaves none of BM25's top {self.bm25_depth} "
+                             "(bm25_depth) to mine")
+        return self
 
 
 class RetrieveConfig(Params):
@@ -278,7 +287,7 @@ def m_d0(run: Run, c: RocketQAConfig, data: Dataset, queries: DatasetRef, base: 
     de = c.dual_encoder
     mined = None
     if negatives == "bm25":
-        mined = [mine_negatives(run, MineParams(strategy="topk", depth=de.bm25_depth), tag="bm25",
+        mined = [mine_negatives(run, bm25_negative_mining(de.bm25_depth, de.bm25_skip_top), tag="bm25",
                                 rankings=[bm25_top(run, c, data, queries)], qrels=data.qrels)]
     per_line = 0 if negatives == "none" else max(1, de.negatives_per_line)
     return train_dual_encoder(run, de.to(TrainDualEncoderParams, negatives_per_line=per_line), tag=tag,
