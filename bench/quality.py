@@ -41,9 +41,13 @@ STUDENTS = {"gpl-student", "qgen-student", "md0", "md0-bm25neg", "md0-hardneg", 
             "ance-warmup", "ance-round1", "ance-round2"}
 
 
-# Where RocketQA's and ANCE's configs changed after their first files: the file measured with them as they are
-# (configs/*_nfcorpus_offline.yaml: positives_per_query 4, chosen on NFCorpus's dev split).
-CURRENT = {"nfcorpus": ("rocketqa_nfcorpus_ppq4.json", "false negatives kept, every pair")}
+# Where RocketQA's and ANCE's configs changed after their first files (``rocketqa_<ds>.json``, ``ance_<ds>.json``,
+# labelled BEFORE): bench/rocketqa.py's files since, newest first, each with what it had that the next one
+# changed. The newest is the configs as they are (configs/*_nfcorpus_offline.yaml); an older one adds only the
+# rows that differ from the newest.
+CURRENT = {"nfcorpus": [("rocketqa_nfcorpus_skip50.json", None),
+                        ("rocketqa_nfcorpus_ppq4.json", "BM25 negatives from ranks 1-100")]}
+BEFORE = {"nfcorpus": "false negatives kept, every pair"}
 TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher scores every candidate with both miners"}
 
 
@@ -83,16 +87,19 @@ def rows_for(ds: str) -> list[dict]:
                                         p_vs_bm25=(m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue")))
     # RocketQA and ANCE with the configs as they are now (bench/rocketqa.py, both flows in one file), when
     # the configs changed after the older files were written: those rows stay, marked superseded.
-    current = RESULTS / CURRENT.get(ds, ("-",))[0]
-    superseded = current.exists()
-    if superseded:
+    files = [(RESULTS / name, was) for name, was in CURRENT.get(ds, []) if (RESULTS / name).exists()]
+    superseded = bool(files)
+    newest: dict[str, float] = {}
+    for i, (current, was) in enumerate(files):
         d = json.loads(current.read_text())
         zero = next(r["ndcg@10"] for r in d["table"] if r["system"] == ZERO)
         for r in d["table"]:
-            if r["system"] == "bm25-flat":
-                continue  # one BM25 row per table
+            if r["system"] == "bm25-flat" or (i and (r["system"] == ZERO or newest.get(r["system"]) == r["ndcg@10"])):
+                continue  # one BM25 / zero-shot row per table; an older file adds only what changed since
             recipe = "ance" if r["system"].startswith("ance-") else "rocketqa"
-            rows.append(recipe_row(ds, recipe, r, zero, d, current.name))
+            rows.append(recipe_row(ds, recipe, r, zero, d, current.name, was if i else None))
+            if not i:
+                newest[r["system"]] = r["ndcg@10"]
     for recipe in ("rocketqa", "ance"):
         d = json.loads((RESULTS / f"{recipe}_{ds}.json").read_text())
         zero = next(r["ndcg@10"] for r in d["table"] if r["system"] == ZERO)
@@ -100,7 +107,7 @@ def rows_for(ds: str) -> list[dict]:
             if r["system"] == "bm25-flat" or (recipe == "ance" and r["system"] == ZERO) or \
                     (superseded and r["system"] == ZERO):
                 continue  # one BM25 row per table; ANCE's zero-shot is RocketQA's (same encoding)
-            rows.append(recipe_row(ds, recipe, r, zero, d, f"{recipe}_{ds}.json", superseded))
+            rows.append(recipe_row(ds, recipe, r, zero, d, f"{recipe}_{ds}.json", BEFORE[ds] if superseded else None))
     # settings chosen on a train-side dev cut, then run on test (bench/train_dev.py --on-test)
     for recipe in ("rocketqa", "ance"):
         f = RESULTS / f"train_dev_{recipe}_{ds}_offline_test.json"
@@ -129,12 +136,13 @@ def rows_for(ds: str) -> list[dict]:
     return rows
 
 
-def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, superseded: bool = False) -> dict:
-    """A row of bench/rocketqa.py's table (RocketQA or ANCE); ``superseded``: measured with settings the
-    config no longer has."""
+def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, before: str | None = None) -> dict:
+    """A row of bench/rocketqa.py's table (RocketQA or ANCE); ``before``: the settings it was measured with
+    that the config no longer has (None: the config as it is)."""
+    superseded = before is not None
     label = r["label"] + (" (200 tokens)" if ds == "scifact" else " (128 tokens)") if r["system"] == ZERO else r["label"]
     if superseded and r["system"] != ZERO:
-        label += f" [before: {CURRENT[ds][1]}]"
+        label += f" [before: {before}]"
     return {"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": r["system"], "label": label,
             "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero,
             "budget": BUDGET[ds][recipe] if r["system"] in STUDENTS or r["system"] == "mc-rerank" else "-",
