@@ -175,7 +175,7 @@ def main() -> None:
                 f", p {vs['t_pvalue']:.2f}" if vs else "") + ")" if z is not None and s != zero else ""))
         rows.append(row)
     print(f"\nnDCG@10 on {counts['dev_queries']} {'test' if args.on_test else args.on_split or 'dev'} queries (gain over {zero}, and the "
-          f"paired t-test's p over the dev queries):")
+          f"paired t-test's p over those queries):")
     harness.table(["system", *[v["name"] for v in out["variants"]]], rows)
     print(f"wrote {out_path}")
 
