@@ -57,6 +57,7 @@ BAD = [
     (ROCKETQA, ["cross_encoder.negatives_depth=50"], ["cross_encoder.negatives_depth: unknown key", "renamed: depth"]),
     (ANCE, ["round.mined_per_query=5"], ["round.mined_per_query: unknown key", "renamed: negatives_per_query"]),
     (ANCE, ["warmup.bm25_skip_top=100"], ["warmup.bm25_skip_top: 100 leaves none of BM25's top 100"]),
+    (ANCE, ["round.skip_top=250"], ["round.skip_top: 250 leaves none of the model's top 200"]),
     (ROCKETQA, ["dual_encoder.bm25_depth=30", "dual_encoder.bm25_skip_top=40"],
      ["dual_encoder.bm25_skip_top: 40 leaves none of BM25's top 30"]),
     (ANCE, ["warmup.negatives_per_query=2"], ["warmup.negatives_per_query: unknown key", "negatives_per_line"]),

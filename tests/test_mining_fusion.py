@@ -467,6 +467,23 @@ def test_bm25_negatives_can_leave_the_top_ranks_out(bm25_setup):
     assert set(rows(skipped)) == {r for r in rows(full) if r[3] > 10}
 
 
+def test_ance_rounds_can_leave_the_models_top_ranks_out(bm25_setup):
+    from irflow.flows.ance import RoundConfig, round_negative_mining
+
+    run, gen, runs = bm25_setup["run"], bm25_setup["gen"], bm25_setup["runs"][:1]
+    every = RoundConfig(depth=30, negatives_per_query=5)
+    assert round_negative_mining(every, 2) == MineParams(strategy="topk", depth=30, negatives_per_miner=5,
+                                                         seed=every.seed + 2)  # the key of before the option
+    skipped = round_negative_mining(every.model_copy(update={"skip_top": 10}), 2)
+    neg = mine_negatives.run(run, skipped, rankings=runs, qrels=gen["qrels"]).table()
+    ranks = neg.column("rank").to_pylist()
+    assert ranks and min(ranks) >= 11 and max(ranks) <= 30
+    per_query = {}
+    for q in neg.column("query_id").to_pylist():
+        per_query[q] = per_query.get(q, 0) + 1
+    assert max(per_query.values()) == 5
+
+
 def test_fuse_stage_on_bm25_runs(bm25_setup):
     run, runs = bm25_setup["run"], bm25_setup["runs"]
     params = FuseParams(method="rrf", rrf_k=60, depth=20, system="bm25-rrf")

@@ -40,6 +40,8 @@ class RoundConfig(HardNegativeTraining):
                                                 "worse in the paper)")
     negatives_per_query: PositiveInt = Field(20, description="negatives sampled per query from that top n (ANCE: "
                                                              "20); each training line takes negatives_per_line")
+    skip_top: NonNegativeInt = Field(0, description="leave the current model's first n ranks out of that sample "
+                                                    "(where unjudged relevant passages crowd); 0: none left out")
     init: Literal["previous", "base"] = Field("previous", description="previous: continue from the last round's "
                                                                       "model (ANCE); base: retrain from base_model "
                                                                       "(Tevatron's cheap reproduction)")
@@ -69,6 +71,9 @@ class ANCEConfig(SupervisedConfig):
             if section.loss != "infonce" or section.negatives_per_line < 1:
                 raise ValueError(f"{key}: ANCE trains with infonce on at least one hard negative per line "
                                  "(negatives_per_line >= 1)")
+        if self.round.skip_top >= self.round.depth:
+            raise ValueError(f"round.skip_top: {self.round.skip_top} leaves none of the model's top "
+                             f"{self.round.depth} (round.depth) to mine")
         if self.round.negatives_per_query < self.round.negatives_per_line * self.round.negative_lines:
             raise ValueError(f"round.negatives_per_query: {self.round.negatives_per_query} is fewer than the "
                              f"negatives a query's lines take ({self.round.negatives_per_line} x "
@@ -77,6 +82,14 @@ class ANCEConfig(SupervisedConfig):
             raise ValueError(f"dense.similarity / round.similarity: one similarity throughout (warmup.similarity: "
                              f"{self.warmup.similarity})")
         return self
+
+
+def round_negative_mining(c: RoundConfig, r: int) -> MineParams:
+    """Round r's sample of the current model's top ``depth`` (seeded per round); with ``skip_top``, of
+    ranks ``skip_top + 1 .. depth`` only (0 keeps the mining stage's cache key of before the option)."""
+    ranks = {} if c.skip_top == 0 else {"strategy": "range", "rank_range": (c.skip_top + 1, c.depth)}
+    return MineParams(**{"strategy": "topk", "depth": c.depth, "negatives_per_miner": c.negatives_per_query,
+                         "seed": c.seed + r, **ranks})
 
 
 @recipe("ance", ANCEConfig)
@@ -97,10 +110,8 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
     # Rounds: the current model's own top 200 become the next negatives.
     for r in range(1, c.rounds + 1):
         top = retrieve(run, c.dense, data, model, train_q, c.round.depth, tag=f"ance-r{r}-train")
-        negatives = mine_negatives(run, MineParams(strategy="topk", depth=c.round.depth,
-                                                   negatives_per_miner=c.round.negatives_per_query,
-                                                   seed=c.round.seed + r),
-                                   tag=f"ance-r{r}", rankings=[top], qrels=data.qrels)
+        negatives = mine_negatives(run, round_negative_mining(c.round, r), tag=f"ance-r{r}", rankings=[top],
+                                   qrels=data.qrels)
         model = train_dual_encoder(run, c.round.to(TrainDualEncoderParams), tag=f"ance-round{r}",
                                    queries=[train_q], corpus=data.corpus,
                                    base_model=model if c.round.init == "previous" else base, qrels=[data.qrels],
