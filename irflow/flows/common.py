@@ -24,8 +24,8 @@ from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
 from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
 from irflow.tasks.evaluate import EvaluateParams, EvaluationParams, evaluate
-from irflow.tasks.mine_negatives import MineParams
 from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
+from irflow.tasks.mine_negatives import MineParams
 
 
 # ---- sections ---------------------------------------------------------------------------------
