@@ -453,14 +453,14 @@ def test_mine_negatives_stage_on_bm25_runs(bm25_setup):
 
 
 def test_bm25_negatives_can_leave_the_top_ranks_out(bm25_setup):
-    from irflow.flows.common import bm25_negative_mining
+    from irflow.flows.common import top_negative_mining
 
     run, gen, runs = bm25_setup["run"], bm25_setup["gen"], bm25_setup["runs"][:1]
-    every = bm25_negative_mining(30, 0)
+    every = top_negative_mining(30, 0)
     # 0 is the mining of before the option: the same params, so the same cache key
     assert every == MineParams(strategy="topk", depth=30)
     full = mine_negatives.run(run, every, rankings=runs, qrels=gen["qrels"]).table()
-    skipped = mine_negatives.run(run, bm25_negative_mining(30, 10), rankings=runs, qrels=gen["qrels"]).table()
+    skipped = mine_negatives.run(run, top_negative_mining(30, 10), rankings=runs, qrels=gen["qrels"]).table()
     ranks = skipped.column("rank").to_pylist()
     assert ranks and min(ranks) == 11 and max(ranks) <= 30
     # exactly the rows of the full mining below rank 10

@@ -20,8 +20,9 @@ from typing import ClassVar, Literal
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_negative_mining, bm25_train_run,
-                                 evaluate_runs, ingest, labelled_queries, retrieve, test_runs, train_split_follows)
+from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_train_run, check_skip_top, evaluate_runs,
+                                 ingest, labelled_queries, retrieve, test_runs, top_negative_mining,
+                                 train_split_follows)
 from irflow.follows import Follow
 from irflow.recipe import flow_getattr, recipe
 from irflow.stage import Run
@@ -34,6 +35,11 @@ class WarmupConfig(HardNegativeTraining):
     bm25_skip_top: NonNegativeInt = Field(0, description="leave BM25's first n ranks out of the warm-up negatives "
                                                          "(where unjudged relevant passages crowd); 0: none left out")
 
+    @model_validator(mode="after")
+    def _bm25_ranks(self):
+        check_skip_top(self.bm25_skip_top, self.bm25_depth, "bm25_skip_top", "bm25_depth", "BM25's")
+        return self
+
 
 class RoundConfig(HardNegativeTraining):
     depth: PositiveInt = Field(200, description="the current model's top n per train query (ANCE: 200; 500 was "
@@ -45,6 +51,11 @@ class RoundConfig(HardNegativeTraining):
     init: Literal["previous", "base"] = Field("previous", description="previous: continue from the last round's "
                                                                       "model (ANCE); base: retrain from base_model "
                                                                       "(Tevatron's cheap reproduction)")
+
+    @model_validator(mode="after")
+    def _ranks(self):
+        check_skip_top(self.skip_top, self.depth, "skip_top", "depth", "the model's")
+        return self
 
 
 class ANCEConfig(SupervisedConfig):
@@ -61,9 +72,6 @@ class ANCEConfig(SupervisedConfig):
     @model_validator(mode="after")
     def _rules(self):
         split = self.train_split
-        if self.warmup.bm25_skip_top >= self.warmup.bm25_depth:
-            raise ValueError(f"warmup.bm25_skip_top: {self.warmup.bm25_skip_top} leaves none of BM25's top "
-                             f"{self.warmup.bm25_depth} (warmup.bm25_depth) to mine")
         for key in ("warmup", "round"):
             section = getattr(self, key)
             if tuple(section.splits) != (split,):
@@ -71,9 +79,6 @@ class ANCEConfig(SupervisedConfig):
             if section.loss != "infonce" or section.negatives_per_line < 1:
                 raise ValueError(f"{key}: ANCE trains with infonce on at least one hard negative per line "
                                  "(negatives_per_line >= 1)")
-        if self.round.skip_top >= self.round.depth:
-            raise ValueError(f"round.skip_top: {self.round.skip_top} leaves none of the model's top "
-                             f"{self.round.depth} (round.depth) to mine")
         if self.round.negatives_per_query < self.round.negatives_per_line * self.round.negative_lines:
             raise ValueError(f"round.negatives_per_query: {self.round.negatives_per_query} is fewer than the "
                              f"negatives a query's lines take ({self.round.negatives_per_line} x "
@@ -87,9 +92,7 @@ class ANCEConfig(SupervisedConfig):
 def round_negative_mining(c: RoundConfig, r: int) -> MineParams:
     """Round r's sample of the current model's top ``depth`` (seeded per round); with ``skip_top``, of
     ranks ``skip_top + 1 .. depth`` only (0 keeps the mining stage's cache key of before the option)."""
-    ranks = {} if c.skip_top == 0 else {"strategy": "range", "rank_range": (c.skip_top + 1, c.depth)}
-    return MineParams(**{"strategy": "topk", "depth": c.depth, "negatives_per_miner": c.negatives_per_query,
-                         "seed": c.seed + r, **ranks})
+    return top_negative_mining(c.depth, c.skip_top, negatives_per_miner=c.negatives_per_query, seed=c.seed + r)
 
 
 @recipe("ance", ANCEConfig)
@@ -100,7 +103,7 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
 
     # Warm start (round 0): labelled pairs + BM25 negatives.
     bm25 = bm25_train_run(run, c.bm25, data, train_q, c.warmup.bm25_depth)
-    bm25_negatives = mine_negatives(run, bm25_negative_mining(c.warmup.bm25_depth, c.warmup.bm25_skip_top),
+    bm25_negatives = mine_negatives(run, top_negative_mining(c.warmup.bm25_depth, c.warmup.bm25_skip_top),
                                     tag="bm25", rankings=[bm25], qrels=data.qrels)
     model = train_dual_encoder(run, c.warmup.to(TrainDualEncoderParams), tag="ance-warmup", queries=[train_q],
                                corpus=data.corpus, base_model=base, qrels=[data.qrels],

@@ -163,15 +163,21 @@ def bm25_train_run(run: Run, c: BM25Config, data: Dataset, queries: DatasetRef, 
                        tag=tag, bm25_index=index, queries=queries)
 
 
-def bm25_negative_mining(depth: int, skip_top: int) -> MineParams:
-    """How BM25 negatives are mined: every non-positive of BM25's top ``depth``, or, with ``skip_top``,
-    of ranks ``skip_top + 1 .. depth`` only. Unjudged relevant passages (false negatives) crowd the top of
-    a retriever's list where queries have many relevant passages (RocketQA, Qu et al., 2021, found many of
-    the top unlabelled passages on MS MARCO relevant; NFCorpus judges 43 passages a train query). 0 keeps
-    the mining stage's cache key of before this option."""
-    if skip_top == 0:
-        return MineParams(strategy="topk", depth=depth)
-    return MineParams(strategy="range", depth=depth, rank_range=(skip_top + 1, depth))
+def top_negative_mining(depth: int, skip_top: int, **sample) -> MineParams:
+    """Negatives from a ranked list's top ``depth`` (BM25's, or the current model's), every non-positive
+    or ``sample`` (``negatives_per_miner``, ``seed``); with ``skip_top``, from ranks ``skip_top + 1 ..
+    depth`` only. Unjudged relevant passages (false negatives) crowd the top of a retriever's list where
+    queries have many relevant passages (RocketQA, Qu et al., 2021, found many of the top unlabelled
+    passages on MS MARCO relevant; NFCorpus judges 43 passages a train query). 0 keeps the mining stage's
+    cache key of before this option."""
+    ranks = {} if skip_top == 0 else {"strategy": "range", "rank_range": (skip_top + 1, depth)}
+    return MineParams(**{"strategy": "topk", "depth": depth, **sample, **ranks})
+
+
+def check_skip_top(skip_top: int, depth: int, skip_key: str, depth_key: str, whose: str) -> None:
+    """A config rule: ``skip_top`` must leave some of the mined top ``depth``."""
+    if skip_top >= depth:
+        raise ValueError(f"{skip_key}: {skip_top} leaves none of {whose} top {depth} ({depth_key}) to mine")
 
 
 def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, queries: DatasetRef, depth: int,

@@ -37,8 +37,9 @@ from typing import Annotated, ClassVar, Literal, Union
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig, bm25_negative_mining, bm25_train_run,
-                                 evaluate_runs, ingest, labelled_queries, retrieve, test_runs, train_split_follows)
+from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig, bm25_train_run, check_skip_top,
+                                 evaluate_runs, ingest, labelled_queries, retrieve, test_runs, top_negative_mining,
+                                 train_split_follows)
 from irflow.follows import MISSING, Follow
 from irflow.fusion import FusionSettings
 from irflow.params import ModelName, Params
@@ -68,9 +69,7 @@ class DualEncoderConfig(TrainDualEncoderParams):
 
     @model_validator(mode="after")
     def _bm25_ranks(self):
-        if self.bm25_skip_top >= self.bm25_depth:
-            raise ValueError(f"bm25_skip_top: {self.bm25_skip_top} leaves none of BM25's top {self.bm25_depth} "
-                             "(bm25_depth) to mine")
+        check_skip_top(self.bm25_skip_top, self.bm25_depth, "bm25_skip_top", "bm25_depth", "BM25's")
         return self
 
 
@@ -287,7 +286,7 @@ def m_d0(run: Run, c: RocketQAConfig, data: Dataset, queries: DatasetRef, base: 
     de = c.dual_encoder
     mined = None
     if negatives == "bm25":
-        mined = [mine_negatives(run, bm25_negative_mining(de.bm25_depth, de.bm25_skip_top), tag="bm25",
+        mined = [mine_negatives(run, top_negative_mining(de.bm25_depth, de.bm25_skip_top), tag="bm25",
                                 rankings=[bm25_top(run, c, data, queries)], qrels=data.qrels)]
     per_line = 0 if negatives == "none" else max(1, de.negatives_per_line)
     return train_dual_encoder(run, de.to(TrainDualEncoderParams, negatives_per_line=per_line), tag=tag,
