@@ -38,7 +38,7 @@ BUDGET = {
 LABELS = {"bm25-flat": "BM25", ZERO: "zero-shot MiniLM", "hybrid": "fusion 0.3 z(BM25) + 0.7 z(MiniLM), no training "
           "(GPL's teacher)", "gpl-student": "GPL student", "qgen-student": "QGen student (MNRL)"}
 STUDENTS = {"gpl-student", "qgen-student", "md0", "md0-bm25neg", "md0-hardneg", "md1-ce", "md1-fusion", "md2",
-            "ance-warmup", "ance-round1", "ance-round2"}
+            "ance-warmup", *(f"ance-round{r}" for r in range(1, 11))}
 
 
 # Where RocketQA's and ANCE's configs changed after their first files (``rocketqa_<ds>.json``, ``ance_<ds>.json``,
