@@ -29,11 +29,11 @@ ZERO = "dense-all-MiniLM-L6-v2"
 BUDGET = {
     "scifact": {"gpl": "Margin-MSE 388 steps x 16, 200 tokens", "qgen": "MNRL 250 steps x 16",
                 "rocketqa": "1 epoch x 32 per dual encoder (919 pairs), 200 tokens; M_C 3 epochs x 16",
-                "ance": "warm-up + 2 rounds, 1 epoch x 32 each, 200 tokens"},
+                "ance": "warm-up{rounds}, 1 epoch x 32 each, 200 tokens"},
     "nfcorpus": {"gpl": "Margin-MSE 388 steps x 16, 200 tokens", "qgen": "MNRL 250 steps x 16",
                  "rocketqa": "40 steps x 32 per dual encoder (of ~3.8k steps an epoch), 128 tokens; "
                              "M_C 200 steps x 16",
-                 "ance": "warm-up + 2 rounds, 40 steps x 32 each, 128 tokens"},
+                 "ance": "warm-up{rounds}, 40 steps x 32 each, 128 tokens"},
 }
 LABELS = {"bm25-flat": "BM25", ZERO: "zero-shot MiniLM", "hybrid": "fusion 0.3 z(BM25) + 0.7 z(MiniLM), no training "
           "(GPL's teacher)", "gpl-student": "GPL student", "qgen-student": "QGen student (MNRL)"}
@@ -85,29 +85,23 @@ def rows_for(ds: str) -> list[dict]:
                                         f"GPL student, {TEACHER[r['teacher']]}, seed {r['seed']}", m,
                                         d.get("machine"), gt.name,
                                         p_vs_bm25=(m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue")))
-    # RocketQA and ANCE with the configs as they are now (bench/rocketqa.py, both flows in one file), when
-    # the configs changed after the older files were written: those rows stay, marked superseded.
-    files = [(RESULTS / name, was) for name, was in CURRENT.get(ds, []) if (RESULTS / name).exists()]
-    superseded = bool(files)
+    # RocketQA and ANCE (bench/rocketqa.py): its files newest first, CURRENT's then the first ones. A system's
+    # first row is the config as it is; an older file adds only the rows that differ, labelled with what the
+    # newer file changed (a file holding one recipe supersedes only that recipe's rows).
+    files = [(RESULTS / name, was) for name, was in CURRENT.get(ds, [])] + \
+            [(RESULTS / f"{recipe}_{ds}.json", BEFORE.get(ds)) for recipe in ("rocketqa", "ance")]
     newest: dict[str, float] = {}
-    for i, (current, was) in enumerate(files):
+    for current, was in [(f, was) for f, was in files if f.exists()]:
         d = json.loads(current.read_text())
         zero = next(r["ndcg@10"] for r in d["table"] if r["system"] == ZERO)
         for r in d["table"]:
-            if r["system"] == "bm25-flat" or (i and (r["system"] == ZERO or newest.get(r["system"]) == r["ndcg@10"])):
-                continue  # one BM25 / zero-shot row per table; an older file adds only what changed since
-            recipe = "ance" if r["system"].startswith("ance-") else "rocketqa"
-            rows.append(recipe_row(ds, recipe, r, zero, d, current.name, was if i else None))
-            if not i:
-                newest[r["system"]] = r["ndcg@10"]
-    for recipe in ("rocketqa", "ance"):
-        d = json.loads((RESULTS / f"{recipe}_{ds}.json").read_text())
-        zero = next(r["ndcg@10"] for r in d["table"] if r["system"] == ZERO)
-        for r in d["table"]:
-            if r["system"] == "bm25-flat" or (recipe == "ance" and r["system"] == ZERO) or \
-                    (superseded and r["system"] == ZERO):
-                continue  # one BM25 row per table; ANCE's zero-shot is RocketQA's (same encoding)
-            rows.append(recipe_row(ds, recipe, r, zero, d, f"{recipe}_{ds}.json", BEFORE[ds] if superseded else None))
+            system = r["system"]
+            if system == "bm25-flat" or (system in newest and (system == ZERO or newest[system] == r["ndcg@10"])):
+                continue  # one BM25 / zero-shot row per table (ANCE's zero-shot is RocketQA's: same encoding)
+            recipe = "ance" if system.startswith("ance-") else "rocketqa"
+            rows.append(recipe_row(ds, recipe, r, zero, d, current.name, was if system in newest else None))
+            newest.setdefault(system, r["ndcg@10"])
+    superseded = bool(CURRENT.get(ds))
     # settings chosen on a train-side dev cut, then run on test (bench/train_dev.py --on-test)
     for recipe in ("rocketqa", "ance"):
         f = RESULTS / f"train_dev_{recipe}_{ds}_offline_test.json"
@@ -122,7 +116,7 @@ def rows_for(ds: str) -> list[dict]:
                                  "label": f"{system}, variant {v['name']} ({'; '.join(v['sets']) or 'no override'})"
                                  + (" [before: every pair]" if superseded else ""),
                                  "ndcg@10": m["ndcg@10"], "recall@100": m["recall@100"], "zero_shot": zero,
-                                 "budget": BUDGET[ds][recipe], "machine": machine(d.get("machine")),
+                                 "budget": budget(ds, recipe, system), "machine": machine(d.get("machine")),
                                  "file": f.name, "superseded": superseded})
     mf = RESULTS / "model_free.json"
     if mf.exists():
@@ -136,6 +130,12 @@ def rows_for(ds: str) -> list[dict]:
     return rows
 
 
+def budget(ds: str, recipe: str, system: str) -> str:
+    """BUDGET's line for a row; an ANCE row's counts the rounds that trained it (0 for the warm-up)."""
+    rounds = int(system.removeprefix("ance-round")) if system.startswith("ance-round") else 0
+    return BUDGET[ds][recipe].format(rounds=f" + {rounds} round{'s' * (rounds > 1)}" if rounds else "")
+
+
 def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, before: str | None = None) -> dict:
     """A row of bench/rocketqa.py's table (RocketQA or ANCE); ``before``: the settings it was measured with
     that the config no longer has (None: the config as it is)."""
@@ -145,7 +145,7 @@ def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, b
         label += f" [before: {before}]"
     return {"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": r["system"], "label": label,
             "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero,
-            "budget": BUDGET[ds][recipe] if r["system"] in STUDENTS or r["system"] == "mc-rerank" else "-",
+            "budget": budget(ds, recipe, r["system"]) if is_student(r["system"]) or r["system"] == "mc-rerank" else "-",
             "machine": machine(d.get("machine")), "superseded": superseded,
             "file": file + (f" ({', '.join(d['overrides'])})" if d.get("overrides") else "")}
 
