@@ -38,7 +38,7 @@ BUDGET = {
 LABELS = {"bm25-flat": "BM25", ZERO: "zero-shot MiniLM", "hybrid": "fusion 0.3 z(BM25) + 0.7 z(MiniLM), no training "
           "(GPL's teacher)", "gpl-student": "GPL student", "qgen-student": "QGen student (MNRL)"}
 STUDENTS = {"gpl-student", "qgen-student", "md0", "md0-bm25neg", "md0-hardneg", "md1-ce", "md1-fusion", "md2",
-            "ance-warmup", *(f"ance-round{r}" for r in range(1, 11))}
+            "ance-warmup"}
 
 
 # Where RocketQA's and ANCE's configs changed after their first files (``rocketqa_<ds>.json``, ``ance_<ds>.json``,
@@ -54,7 +54,7 @@ TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher sco
 
 
 def is_student(system: str) -> bool:
-    return system in STUDENTS or system.startswith(("gpl-student-own-", "gpl-student-every-"))
+    return system in STUDENTS or system.startswith(("gpl-student-own-", "gpl-student-every-", "ance-round"))
 
 
 def machine(block: dict | None) -> str:
@@ -113,7 +113,7 @@ def rows_for(ds: str) -> list[dict]:
         for v in d["variants"]:
             zero = v["metrics"][ZERO]["ndcg@10"]
             for system, m in v["metrics"].items():
-                if system in STUDENTS:
+                if is_student(system):
                     rows.append({"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": system,
                                  "label": f"{system}, variant {v['name']} ({'; '.join(v['sets']) or 'no override'})"
                                  + (" [before: every pair]" if superseded else ""),
