@@ -50,6 +50,9 @@ CURRENT = {"scifact": [("ance_scifact_rounds7.json", None)],
            "nfcorpus": [("rocketqa_nfcorpus_skip50.json", None),
                         ("rocketqa_nfcorpus_ppq4.json", "BM25 negatives from ranks 1-100")]}
 BEFORE = {"scifact": "rounds: 2", "nfcorpus": "false negatives kept, every pair"}
+# bench/train_dev.py --on-test files whose settings a later config change superseded: what they lacked
+TRAIN_DEV_BEFORE = {"train_dev_rocketqa_nfcorpus_offline_test.json": "every pair",
+                    "train_dev_ance_nfcorpus_offline_test.json": "every pair"}
 TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher scores every candidate with both miners"}
 
 
@@ -103,23 +106,23 @@ def rows_for(ds: str) -> list[dict]:
             recipe = "ance" if system.startswith("ance-") else "rocketqa"
             rows.append(recipe_row(ds, recipe, r, zero, d, current.name, was if system in newest else None))
             newest.setdefault(system, r["ndcg@10"])
-    superseded = bool(CURRENT.get(ds))
     # settings chosen on a train-side dev cut, then run on test (bench/train_dev.py --on-test)
     for recipe in ("rocketqa", "ance"):
         f = RESULTS / f"train_dev_{recipe}_{ds}_offline_test.json"
         if not f.exists():
             continue
         d = json.loads(f.read_text())
+        was = TRAIN_DEV_BEFORE.get(f.name)
         for v in d["variants"]:
             zero = v["metrics"][ZERO]["ndcg@10"]
             for system, m in v["metrics"].items():
                 if is_student(system):
                     rows.append({"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": system,
                                  "label": f"{system}, variant {v['name']} ({'; '.join(v['sets']) or 'no override'})"
-                                 + (" [before: every pair]" if superseded else ""),
+                                 + (f" [before: {was}]" if was else ""),
                                  "ndcg@10": m["ndcg@10"], "recall@100": m["recall@100"], "zero_shot": zero,
                                  "budget": budget(ds, recipe, system), "machine": machine(d.get("machine")),
-                                 "file": f.name, "superseded": superseded})
+                                 "file": f.name, "superseded": bool(was)})
     mf = RESULTS / "model_free.json"
     if mf.exists():
         d = json.loads(mf.read_text())
