@@ -50,6 +50,8 @@ CURRENT = {"scifact": [("ance_scifact_rounds7.json", None)],
            "nfcorpus": [("rocketqa_nfcorpus_skip50.json", None),
                         ("rocketqa_nfcorpus_ppq4.json", "BM25 negatives from ranks 1-100")]}
 BEFORE = {"scifact": "rounds: 2", "nfcorpus": "false negatives kept, every pair"}
+# GPL (bench/gpl_teacher.py) on the config as it is, and what gpl_teacher_<ds>.json had that it changed
+GPL_CURRENT = {"scifact": ("gpl_teacher_scifact_neg16.json", "4 negatives per query")}
 # bench/train_dev.py --on-test files whose settings a later config change superseded: what they lacked
 TRAIN_DEV_BEFORE = {"train_dev_rocketqa_nfcorpus_offline_test.json": "every pair",
                     "train_dev_ance_nfcorpus_offline_test.json": "every pair"}
@@ -80,15 +82,20 @@ def rows_for(ds: str) -> list[dict]:
                      "recall@100": round(m["recall@100"], 4), "zero_shot": round(gzero, 4),
                      "budget": BUDGET[ds].get(kind, "-"), "machine": machine(gpl.get("machine")),
                      "file": "gpl.json" if ds == "scifact" else f"gpl_{ds}.json"})
-    # GPL's fusion teacher: each miner's own list or every candidate scored by both, over seeds (gpl_teacher.py)
-    gt = RESULTS / f"gpl_teacher_{ds}.json"
-    if gt.exists():
+    # GPL's fusion teacher: each miner's own list or every candidate scored by both, over seeds (gpl_teacher.py);
+    # GPL_CURRENT's file (the config as it is) first, then the first file's rows, labelled with what changed
+    current, was = GPL_CURRENT.get(ds, (None, None))
+    for name, before in ([(current, None)] if current else []) + [(f"gpl_teacher_{ds}.json", was)]:
+        gt = RESULTS / name
+        if not gt.exists():
+            continue
         d = json.loads(gt.read_text())
         for r in sorted(d["runs"], key=lambda r: (r["teacher"], r["seed"])):
             m = r["metrics"]
             rows.append(gpl_student_row(ds, f"gpl-student-{r['teacher']}-s{r['seed']}",
-                                        f"GPL student, {TEACHER[r['teacher']]}, seed {r['seed']}", m,
-                                        d.get("machine"), gt.name,
+                                        f"GPL student, {TEACHER[r['teacher']]}, seed {r['seed']}"
+                                        + (f" [before: {before}]" if before else ""), m,
+                                        d.get("machine"), gt.name, superseded=before is not None,
                                         p_vs_bm25=(m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue")))
     # RocketQA and ANCE (bench/rocketqa.py): its files newest first, CURRENT's then the first ones. A system's
     # first row is the config as it is; an older file adds only the rows that differ, labelled with what the
@@ -185,15 +192,17 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
             for k, v in d.items()))
     if ds == "scifact":
         b = by["bm25-flat"]["ndcg@10"]
-        seeded = [r for r in rows if r["system"].startswith("gpl-student-every-")]
+        seeded = [r for r in rows if r["system"].startswith("gpl-student-every-") and not r.get("superseded")]
         tested = ""
         every = [r["ndcg@10"] for r in seeded]
         if every:  # the config's teacher (configs/gpl_scifact_offline.yaml), over its seeds
             g = sum(every) / len(every)
-            what = f"mean of {len(every)} seed(s) {g:.4f}: {', '.join(f'{x:.4f}' for x in every)}"
+            what = (f"mean of {len(every)} seeds {g:.4f}: {', '.join(f'{x:.4f}' for x in every)}" if len(every) > 1
+                    else f"{g:.4f}, one seed")
             ps = [r["p_vs_bm25"] for r in seeded if r.get("p_vs_bm25") is not None]
             if ps:  # is the margin real? the paired t-test of each seed's student against BM25
-                tested = f"; paired t-test against BM25 p {min(ps):.2f}-{max(ps):.2f}"
+                tested = "; paired t-test against BM25 p " + (f"{min(ps):.2f}-{max(ps):.2f}" if len(ps) > 1
+                                                              else f"{ps[0]:.2f}")
         else:
             g = by["gpl-student"]["ndcg@10"]
             what = f"{g:.4f}"
