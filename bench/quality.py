@@ -52,6 +52,10 @@ CURRENT = {"scifact": [("ance_scifact_rounds7.json", None)],
 BEFORE = {"scifact": "rounds: 2", "nfcorpus": "false negatives kept, every pair"}
 # GPL (bench/gpl_teacher.py) on the config as it is, and what gpl_teacher_<ds>.json had that it changed
 GPL_CURRENT = {"scifact": ("gpl_teacher_scifact_neg16.json", "4 negatives per query")}
+# What bench/gpl.py's trained rows (gpl.json, gpl_<ds>.json) had that the GPL config no longer has: those rows
+# are history (``[before: ...]``, not counted for the goals); the config's rows are gpl_teacher.py's
+GPL_PY_BEFORE = {"scifact": "teacher fuses each miner's own top 50",
+                 "nfcorpus": "teacher fuses each miner's own top 50, 4 negatives per query"}
 # bench/train_dev.py --on-test files whose settings a later config change superseded: what they lacked
 TRAIN_DEV_BEFORE = {"train_dev_rocketqa_nfcorpus_offline_test.json": "every pair",
                     "train_dev_ance_nfcorpus_offline_test.json": "every pair"}
@@ -77,11 +81,13 @@ def rows_for(ds: str) -> list[dict]:
     gzero = next(m["ndcg@10"] for m in g["metrics"] if m["system"] == ZERO)
     for m in g["metrics"]:
         kind = m["system"].split("-")[0] if m["system"] in ("gpl-student", "qgen-student") else None
+        was = GPL_PY_BEFORE.get(ds) if kind else None
         rows.append({"recipe": "GPL", "system": m["system"], "label": LABELS.get(m["system"], m["system"]) +
-                     (" (256 tokens)" if m["system"] == ZERO else ""), "ndcg@10": round(m["ndcg@10"], 4),
+                     (" (256 tokens)" if m["system"] == ZERO else "") + (f" [before: {was}]" if was else ""),
+                     "ndcg@10": round(m["ndcg@10"], 4),
                      "recall@100": round(m["recall@100"], 4), "zero_shot": round(gzero, 4),
                      "budget": BUDGET[ds].get(kind, "-"), "machine": machine(gpl.get("machine")),
-                     "file": "gpl.json" if ds == "scifact" else f"gpl_{ds}.json"})
+                     "file": "gpl.json" if ds == "scifact" else f"gpl_{ds}.json", "superseded": was is not None})
     # GPL's fusion teacher: each miner's own list or every candidate scored by both, over seeds (gpl_teacher.py);
     # GPL_CURRENT's file (the config as it is) first, then the first file's rows, labelled with what changed
     current, was = GPL_CURRENT.get(ds, (None, None))
@@ -96,7 +102,8 @@ def rows_for(ds: str) -> list[dict]:
                                         f"GPL student, {TEACHER[r['teacher']]}, seed {r['seed']}"
                                         + (f" [before: {before}]" if before else ""), m,
                                         d.get("machine"), gt.name, superseded=before is not None,
-                                        p_vs_bm25=(m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue")))
+                                        p_vs_bm25=(m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue"),
+                                        vs_zero_shot=m["gpl-student"].get("vs_zero_shot")))
     # RocketQA and ANCE (bench/rocketqa.py): its files newest first, CURRENT's then the first ones. A system's
     # first row is the config as it is; an older file adds only the rows that differ, labelled with what the
     # newer file changed (a file holding one recipe supersedes only that recipe's rows).
@@ -171,6 +178,10 @@ def gpl_student_row(ds: str, system: str, label: str, metrics: dict, machine_blo
             "machine": machine(machine_block), "file": file, **extra}
 
 
+def p_text(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p {p:.3f}"
+
+
 def goals(ds: str, rows: list[dict]) -> list[str]:
     by = {r["system"]: r for r in rows}
     out = []
@@ -190,6 +201,13 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
         out.append(f"over seeds ({sm.name}, each query averaged, paired t-test against zero-shot): " + "; ".join(
             f"{k} {v['ndcg@10_mean']:.4f} ({v['gain']:+.4f}, {v['seeds']} seeds, p {v['t_pvalue']:.2f})"
             for k, v in d.items()))
+    gpl_seeds = [r for r in rows if r["system"].startswith("gpl-student-every-") and not r.get("superseded")
+                 and r.get("vs_zero_shot")]
+    if gpl_seeds:  # is the config's GPL gain real? each seed's paired t-test against zero-shot
+        out.append("GPL student (the config) against zero-shot, paired t-test per seed: " + "; ".join(
+            f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} ({r['ndcg@10'] - r['zero_shot']:+.4f}, "
+            f"{r['vs_zero_shot']['wins']} / {r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])})"
+            for r in gpl_seeds))
     if ds == "scifact":
         b = by["bm25-flat"]["ndcg@10"]
         seeded = [r for r in rows if r["system"].startswith("gpl-student-every-") and not r.get("superseded")]
