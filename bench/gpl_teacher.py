@@ -10,7 +10,8 @@ that list's lowest z-score) or true (``every``: ``bm25_score`` / ``dense_score``
 every candidate, standardised over the candidates), at each ``train.seed``; the QGen baseline off. One
 store, so mining, the teacher's scores and the baselines are computed once. Prints the GPL student's
 nDCG@10 / R@100 per (teacher, seed) with paired t-tests against zero-shot and BM25 over the test queries,
-and the mean over seeds; writes JSON after each run.
+and the mean over seeds (with each test query's nDCG@10 averaged over the seeds, paired against zero-shot and
+BM25: ``mean_over_seeds[teacher].each_query_over_seeds``); writes JSON after each run.
 """
 
 from __future__ import annotations
@@ -48,6 +49,30 @@ def positives_judged(store: Path, run_id: str) -> dict:
     asked = [q for q in positive if q in judged]
     hits = sum((q, positive[q]) in relevant for q in asked)
     return {"split": split, "queries": len(asked), "top1_relevant": round(hits / len(asked), 4) if asked else None}
+
+
+def seed_mean_tests(store: Path, run_ids: list[str]) -> dict:
+    """Each test query's nDCG@10 averaged over the seeds' GPL students, against zero-shot and BM25 (the same in
+    every run: nothing trained): ``irflow.stats.paired``'s wins / losses and t-test p. A gap no single seed
+    shows beyond chance may show here; it says nothing about seeds not run. Empty with fewer than 2 runs, or
+    when a run is not in ``store``."""
+    from irflow.stats import paired
+
+    if len(run_ids) < 2:
+        return {}
+    try:
+        runs = [per_query_ndcg(store, r) for r in run_ids]
+    except Exception as e:  # a run merged in from another store
+        harness.log(f"seed mean skipped: {e}")
+        return {}
+    mean = {q: statistics.mean(r["gpl-student"][q] for r in runs) for q in runs[0]["gpl-student"]}
+    tests = {}
+    for name, base in (("vs_zero_shot", "dense-"), ("vs_bm25", "bm25-")):
+        ref = runs[0][next(s for s in runs[0] if s.startswith(base))]
+        t = paired(ref, mean)
+        tests[name] = {"wins": t.wins, "losses": t.losses, "mean_diff": round(t.mean_diff, 4),
+                       "t_pvalue": round(t.t_pvalue, 4)}
+    return {"each_query_over_seeds": tests}
 
 
 def main() -> None:
@@ -95,7 +120,8 @@ def main() -> None:
     harness.table(["teacher", "seed", "zero-shot", "BM25", "fusion", "GPL student", "R@100", "vs zero-shot",
                    "vs BM25"], rows)
     out["mean_over_seeds"] = {t: {"seeds": len(v), "ndcg@10": round(statistics.mean(v), 4),
-                                  "stdev": round(statistics.stdev(v), 4) if len(v) > 1 else None}
+                                  "stdev": round(statistics.stdev(v), 4) if len(v) > 1 else None,
+                                  **seed_mean_tests(store, [e["run_id"] for e in out["runs"] if e["teacher"] == t])}
                               for t, v in by_teacher.items()}
     print(out["mean_over_seeds"])
     harness.write_json(out_path, out)
