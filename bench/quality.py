@@ -3,8 +3,8 @@
     .venv/bin/python bench/quality.py [--out bench/results/quality.json]
 
 Reads the result files the recipe benchmarks wrote (no run here): ``gpl.json`` / ``gpl_nfcorpus.json``
-(bench/gpl.py), ``gpl_teacher_<ds>.json`` (bench/gpl_teacher.py: the GPL student with each fusion
-teacher, over seeds), ``rocketqa_<ds>.json`` and ``ance_<ds>.json`` (bench/rocketqa.py), ``model_free.json``
+(bench/gpl.py), ``gpl_teacher_<ds>*.json`` (bench/gpl_teacher.py: the GPL student with each fusion
+teacher, over seeds; ``GPL_FILES`` says which is the config's), ``rocketqa_<ds>.json`` and ``ance_<ds>.json`` (bench/rocketqa.py), ``model_free.json``
 (bench/model_free.py), ``seed_mean_<ds>.json`` (bench/seed_mean.py), ``train_dev_<recipe>_<ds>_offline_test.json`` (settings chosen on a dev cut of train,
 then run on test: bench/train_dev.py --on-test). For SciFact and NFCorpus it prints one table -- nDCG@10 and R@100 on the test
 split, the gain over the zero-shot row *of the same run* (RocketQA and ANCE encode 200 / 128-token
@@ -50,8 +50,11 @@ CURRENT = {"scifact": [("ance_scifact_rounds7.json", None)],
            "nfcorpus": [("rocketqa_nfcorpus_skip50.json", None),
                         ("rocketqa_nfcorpus_ppq4.json", "BM25 negatives from ranks 1-100")]}
 BEFORE = {"scifact": "rounds: 2", "nfcorpus": "false negatives kept, every pair"}
-# GPL (bench/gpl_teacher.py) on the config as it is, and what gpl_teacher_<ds>.json had that it changed
-GPL_CURRENT = {"scifact": ("gpl_teacher_scifact_neg16.json", "4 negatives per query")}
+# GPL (bench/gpl_teacher.py): the config as it is first, then files of settings it no longer has, each with what
+# that file had that the config changed
+GPL_FILES = {"scifact": [("gpl_teacher_scifact_neg16.json", None), ("gpl_teacher_scifact.json", "4 negatives per query")],
+             "nfcorpus": [("gpl_teacher_nfcorpus.json", None),
+                          ("gpl_teacher_nfcorpus_before.json", "4 negatives per query")]}
 # What bench/gpl.py's trained rows (gpl.json, gpl_<ds>.json) had that the GPL config no longer has: those rows
 # are history (``[before: ...]``, not counted for the goals); the config's rows are gpl_teacher.py's
 GPL_PY_BEFORE = {"scifact": "teacher fuses each miner's own top 50",
@@ -89,9 +92,8 @@ def rows_for(ds: str) -> list[dict]:
                      "budget": BUDGET[ds].get(kind, "-"), "machine": machine(gpl.get("machine")),
                      "file": "gpl.json" if ds == "scifact" else f"gpl_{ds}.json", "superseded": was is not None})
     # GPL's fusion teacher: each miner's own list or every candidate scored by both, over seeds (gpl_teacher.py);
-    # GPL_CURRENT's file (the config as it is) first, then the first file's rows, labelled with what changed
-    current, was = GPL_CURRENT.get(ds, (None, None))
-    for name, before in ([(current, None)] if current else []) + [(f"gpl_teacher_{ds}.json", was)]:
+    # GPL_FILES's first file (the config as it is) first, then the older files' rows, labelled with what changed
+    for name, before in GPL_FILES.get(ds, []):
         gt = RESULTS / name
         if not gt.exists():
             continue
@@ -180,7 +182,7 @@ def gpl_student_row(ds: str, system: str, label: str, metrics: dict, machine_blo
 
 def gpl_seed_mean(ds: str) -> str:
     """The config's GPL file's test of each query averaged over the seeds (bench/gpl_teacher.py), as a clause."""
-    f = RESULTS / GPL_CURRENT.get(ds, (f"gpl_teacher_{ds}.json",))[0]
+    f = RESULTS / GPL_FILES[ds][0][0]
     m = json.loads(f.read_text()).get("mean_over_seeds", {}).get("every", {})
     t = m.get("each_query_over_seeds", {}).get("vs_zero_shot")
     return (f"; each query averaged over the {m['seeds']} seeds: {m['ndcg@10']:.4f} ({t['mean_diff']:+.4f}, "
