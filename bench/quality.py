@@ -212,8 +212,9 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
         out.append(f"over seeds ({sm.name}, each query averaged, paired t-test against zero-shot): " + "; ".join(
             f"{k} {v['ndcg@10_mean']:.4f} ({v['gain']:+.4f}, {v['seeds']} seeds, p {v['t_pvalue']:.2f})"
             for k, v in d.items()))
-    gpl_seeds = [r for r in rows if r["system"].startswith("gpl-student-every-") and not r.get("superseded")
-                 and r.get("vs_zero_shot")]
+    # the config's GPL student at each seed (bench/gpl_teacher.py, the teacher scoring every candidate)
+    seeded = [r for r in trained if r["system"].startswith("gpl-student-every-")]
+    gpl_seeds = [r for r in seeded if r.get("vs_zero_shot")]
     if gpl_seeds:  # is the config's GPL gain real? each seed's paired t-test against zero-shot
         out.append("GPL student (the config) against zero-shot, paired t-test per seed: " + "; ".join(
             f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} ({r['ndcg@10'] - r['zero_shot']:+.4f}, "
@@ -221,7 +222,6 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
             for r in gpl_seeds) + gpl_seed_mean(ds))
     if ds == "scifact":
         b = by["bm25-flat"]["ndcg@10"]
-        seeded = [r for r in rows if r["system"].startswith("gpl-student-every-") and not r.get("superseded")]
         tested = ""
         every = [r["ndcg@10"] for r in seeded]
         if every:  # the config's teacher (configs/gpl_scifact_offline.yaml), over its seeds
@@ -237,7 +237,6 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
             what = f"{g:.4f}"
         out.append(f"GPL student above BM25: {'met' if g > b else 'MISSED'} ({what} vs {b:.4f}{tested})")
     # the config's GPL student counts once, as its mean over seeds (its best seed alone would be a pick)
-    seeded = [r for r in trained if r["system"].startswith("gpl-student-every-")]
     candidates = [r for r in trained if r not in seeded]
     if seeded:
         candidates.append({"recipe": "GPL", "ndcg@10": sum(r["ndcg@10"] for r in seeded) / len(seeded),
