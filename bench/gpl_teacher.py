@@ -23,6 +23,7 @@ from pathlib import Path
 
 import harness
 from harness import ROOT
+from seed_mean import seed_mean_against
 from train_dev import paired_with, per_query_ndcg
 
 TEACHERS = {"own": "false", "every": "true"}
@@ -56,8 +57,6 @@ def seed_mean_tests(store: Path, run_ids: list[str]) -> dict:
     every run: nothing trained): ``irflow.stats.paired``'s wins / losses and t-test p. A gap no single seed
     shows beyond chance may show here; it says nothing about seeds not run. Empty with fewer than 2 runs, or
     when a run is not in ``store``."""
-    from irflow.stats import paired
-
     if len(run_ids) < 2:
         return {}
     try:
@@ -65,11 +64,10 @@ def seed_mean_tests(store: Path, run_ids: list[str]) -> dict:
     except Exception as e:  # a run merged in from another store
         harness.log(f"seed mean skipped: {e}")
         return {}
-    mean = {q: statistics.mean(r["gpl-student"][q] for r in runs) for q in runs[0]["gpl-student"]}
     tests = {}
     for name, base in (("vs_zero_shot", "dense-"), ("vs_bm25", "bm25-")):
         ref = runs[0][next(s for s in runs[0] if s.startswith(base))]
-        t = paired(ref, mean)
+        _, t = seed_mean_against(ref, [r["gpl-student"] for r in runs])
         tests[name] = {"wins": t.wins, "losses": t.losses, "mean_diff": round(t.mean_diff, 4),
                        "t_pvalue": round(t.t_pvalue, 4)}
     return {"each_query_over_seeds": tests}

@@ -25,14 +25,22 @@ from train_dev import per_query_ndcg
 ZERO = "dense-"
 
 
+def seed_mean_against(ref: dict[str, float], seeds: list[dict[str, float]]):
+    """(each query's value averaged over ``seeds``, its ``irflow.stats.paired`` test against ``ref``), over the
+    queries every run and ``ref`` have."""
+    from irflow.stats import paired
+
+    queries = sorted(set(ref).intersection(*seeds))
+    mean = {q: sum(s[q] for s in seeds) / len(seeds) for q in queries}
+    return mean, paired({q: ref[q] for q in queries}, mean)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", help="train_dev.py result files (variants = seeds)")
     ap.add_argument("--store", required=True, help="the store the runs are in")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    from irflow.stats import paired
 
     per_seed: dict[str, list[dict[str, float]]] = {}  # system -> one {query: nDCG@10} per seed
     zero: dict[str, float] | None = None
@@ -57,9 +65,8 @@ def main() -> None:
     rows, out = [], {"store": args.store, "zero_shot": zero_name, "runs": sources, "systems": {}}
     z_mean = sum(zero.values()) / len(zero)
     for system, seeds in per_seed.items():
-        queries = sorted(set(zero).intersection(*seeds))
-        mean = {q: sum(s[q] for s in seeds) / len(seeds) for q in queries}
-        t = paired({q: zero[q] for q in queries}, mean)
+        mean, t = seed_mean_against(zero, seeds)
+        queries = list(mean)
         each = [round(sum(s[q] for q in queries) / len(queries), 4) for s in seeds]
         m = sum(mean.values()) / len(mean)
         out["systems"][system] = {"seeds": len(seeds), "ndcg@10_each": each, "ndcg@10_mean": round(m, 4),
