@@ -484,37 +484,30 @@ def entry() -> None:
     except KeyboardInterrupt:
         code = 130
     if code == 130:
-        _exit_now_if_threads_linger(code)
         _exit_after_interrupt(code)
     raise SystemExit(code)
 
 
 def _exit_after_interrupt(code: int) -> None:
-    """After a Ctrl-C, once the run is recorded as interrupted and its one line printed: run the exit
-    handlers (Prefect's temporary server stops there, temporary folders go), then exit without the
-    interpreter's teardown. An interrupted stage can leave DuckDB objects referenced from its frames, and
+    """After a Ctrl-C, once the run is recorded as interrupted and its one line printed, exit without the
+    interpreter's teardown: an interrupted stage can leave DuckDB objects referenced from its frames, and
     DuckDB's bindings (nanobind) then print ~40 lines of "leaked instance" at teardown, after our one line
-    (seen once in CI, tests/test_crash.py). Nothing of ours runs at teardown."""
-    import atexit
+    (seen once in CI, tests/test_crash.py). Nothing of ours runs at teardown.
 
-    atexit._run_exitfuncs()  # what interpreter shutdown would run first; then only the teardown is skipped
+    The exit handlers run first (Prefect's temporary server stops there, temporary folders go) -- unless a
+    stage thread lingers: a Ray run's thread still blocked in ``ray.get`` on a shard (or on the future of a
+    stage that will never run) kept the interpreter from exiting for ever (seen once in CI: still running
+    40 min after the Ctrl-C). Then exit at once, skipping the handlers, as a kill would; what the run
+    started dies with it (the Ray cluster's watchdog, the children's parent-death signal), as after a
+    kill -9 (tests/test_ray.py)."""
+    import atexit
+    import threading
+
+    if not any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        atexit._run_exitfuncs()  # what interpreter shutdown would run first; then only the teardown is skipped
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _exit_now_if_threads_linger(code: int) -> None:
-    """After a Ctrl-C, once the run is recorded as interrupted: a stage thread of a Ray run still
-    blocked in ``ray.get`` on a shard (or on the future of a stage that will never run) would keep the
-    interpreter from exiting, for ever (seen once in CI: still running 40 min after the Ctrl-C). Exit
-    without joining them, as a kill would; what the run started dies with it (the Ray cluster's
-    watchdog, the children's parent-death signal), as after a kill -9 (tests/test_ray.py)."""
-    import threading
-
-    if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 if __name__ == "__main__":
