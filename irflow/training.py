@@ -238,10 +238,12 @@ def checkpoint_activations(model, on: bool) -> None:
 
     for m in model.modules():
         if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing:
+            # transformers < 5.2x names it gradient_checkpointing (seen: 5.17 on a lent H100)
+            kind = "activation" if hasattr(m, "activation_checkpointing_enable") else "gradient"
             if on:
-                m.activation_checkpointing_enable()
-            elif m.is_activation_checkpointing:
-                m.activation_checkpointing_disable()
+                getattr(m, f"{kind}_checkpointing_enable")()
+            elif getattr(m, f"is_{kind}_checkpointing", False):
+                getattr(m, f"{kind}_checkpointing_disable")()
 
 
 def losses_table(history: list[dict]) -> pa.Table:

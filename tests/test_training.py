@@ -442,6 +442,39 @@ def test_recomputed_activations_train_the_same_weights_and_the_model_is_released
     assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
 
 
+def test_checkpoint_activations_also_on_transformers_without_the_activation_names():
+    """transformers 5.17 (a lent H100's image) names it gradient_checkpointing_enable / is_gradient_checkpointing
+    only; irflow's training stopped there with AttributeError before the fallback. A model with the old
+    names alone gets them called."""
+    from transformers import BertConfig, BertModel
+
+    class OldNames(BertModel):
+        def __getattribute__(self, name):
+            if "activation_checkpointing" in name:  # what 5.17 lacks
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+        def gradient_checkpointing_enable(self, **kw):
+            self.calls.append("enable")
+            self.flag = True
+
+        def gradient_checkpointing_disable(self):
+            self.calls.append("disable")
+            self.flag = False
+
+        @property
+        def is_gradient_checkpointing(self):
+            return self.flag
+
+    m = OldNames(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32))
+    m.calls, m.flag = [], False
+    training.checkpoint_activations(m, False)  # off and not on: nothing to do
+    training.checkpoint_activations(m, True)
+    training.checkpoint_activations(m, False)
+    assert m.calls == ["enable", "disable"]
+
+
 # ---- cross-encoder --------------------------------------------------------------------------------
 def _ce_params(**kw) -> TrainCrossEncoderParams:
     return TrainCrossEncoderParams(**{"split": "train", "negatives_per_positive": 1, "batch_size": 8,
