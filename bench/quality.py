@@ -63,6 +63,13 @@ GPL_PY_BEFORE = {"scifact": "teacher fuses each miner's own top 50",
 TRAIN_DEV_BEFORE = {"train_dev_rocketqa_nfcorpus_offline_test.json": "every pair",
                     "train_dev_ance_nfcorpus_offline_test.json": "every pair"}
 TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher scores every candidate with both miners"}
+# Budgets a 2-core CPU cannot give: irflow's own training functions on the jobs the stages build, on a lent H100
+# (bench/gpu_lease.py), each step count chosen on a train-side dev cut. Not the configs' rows: shown, and read by a
+# goal line of their own, not by the configs' goals. The second file: M_C again, with what it changed.
+GPU_FILES = {"nfcorpus": [("gpu_nfcorpus.json", None), ("gpu_nfcorpus_mc_ppq4.json", "positives_per_query 4")]}
+GPU_LABELS = {"gpl": "GPL student (the config's pseudo-labels), Margin-MSE x 32 (GPL's paper batch)",
+              "md0": "RocketQA M_D0 (the config's settings), trained on the fit part of train",
+              "mc": "RocketQA M_C re-ranking M_D0's top 100, trained on the fit part of train"}
 
 
 def is_student(system: str) -> bool:
@@ -139,6 +146,22 @@ def rows_for(ds: str) -> list[dict]:
                                  "ndcg@10": m["ndcg@10"], "recall@100": m["recall@100"], "zero_shot": zero,
                                  "budget": budget(ds, recipe, system), "machine": machine(d.get("machine")),
                                  "file": f.name, "superseded": bool(was)})
+    for name, changed in GPU_FILES.get(ds, []):
+        f = RESULTS / name
+        if not f.exists():
+            continue
+        d = json.loads(f.read_text())
+        for system, c in d["chosen_on_dev"].items():
+            part = d["parts"][system]
+            steps = f"{c['step']} steps x {part['params']['batch_size']} ({part.get('epochs')} epoch)"
+            chosen = "" if system == "mc" else f"; {part['evals']} evaluated, {c['step']} chosen on dev"
+            auc = (f"; dev AUC {c['dev_auc']} (M_D0's {c['md0_cpu_order']['dev_auc']})" if "dev_auc" in c else "")
+            rows.append({"recipe": {"gpl": "GPL"}.get(system, "RocketQA"), "system": f"gpu-{system}",
+                         "label": GPU_LABELS[system] + (f", {changed}" if changed else "") + f" [H100: {steps}{chosen}{auc}]",
+                         "ndcg@10": c["test"]["ndcg@10"], "recall@100": c["test"]["recall@100"],
+                         "zero_shot": c["test_zero_shot"]["ndcg@10"], "vs_zero_shot": c["vs_zero_shot"],
+                         "budget": steps, "machine": f"{d['machine'].get('gpu')}, {d['train_precision']} training",
+                         "file": name, "gpu": True})
     mf = RESULTS / "model_free.json"
     if mf.exists():
         d = json.loads(mf.read_text())
@@ -220,6 +243,12 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
             f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} ({r['ndcg@10'] - r['zero_shot']:+.4f}, "
             f"{r['vs_zero_shot']['wins']} / {r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])})"
             for r in gpl_seeds) + gpl_seed_mean(ds))
+    gpu = [r for r in rows if r.get("gpu")]
+    if gpu:  # bench/gpu_lease.py: the same training code at GPU budgets, step counts chosen on a train-side dev cut
+        out.append("at GPU budgets (not the configs'; bench/gpu_lease.py), against zero-shot: " + "; ".join(
+            f"{r['system'].removeprefix('gpu-')} {r['ndcg@10']:.4f} ({r['ndcg@10'] - r['zero_shot']:+.4f}, "
+            f"{r['vs_zero_shot']['wins']} / {r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])}; "
+            f"{r['budget']})" for r in gpu))
     if ds == "scifact":
         b = by["bm25-flat"]["ndcg@10"]
         tested = ""
