@@ -51,6 +51,16 @@ def ingest_ids(con) -> dict[str, str]:
     return {kind: next(i for i in ids if i.startswith(kind + "-")) for kind in ("corpus", "queries", "qrels")}
 
 
+def dev_cut(train: pa.Table, seed: int = 7, share: float = 0.2, max_queries: int = 300) -> tuple[list[str], list[str]]:
+    """(labelled, dev): the train split's labelled queries, and the seeded cut of them held out as dev."""
+    from irflow.qrels import positives
+
+    labelled = sorted(positives(train))
+    perm = np.random.default_rng(seed).permutation(len(labelled))
+    n_dev = min(int(round(share * len(labelled))), max_queries)
+    return labelled, sorted(labelled[i] for i in perm[:n_dev])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True)
@@ -95,11 +105,8 @@ def main() -> None:
     qrels = tables["qrels"]
     train = qrels.filter(pc.equal(qrels.column("split"), "train"))
     train_pos = positives(train)
-    labelled = sorted(train_pos)
-    rng = np.random.default_rng(args.seed)
-    perm = rng.permutation(len(labelled))
-    n_dev = min(int(round(args.dev_share * len(labelled))), args.max_dev_queries)
-    dev = {labelled[i] for i in perm[:n_dev]}
+    labelled, dev_ids = dev_cut(train, args.seed, args.dev_share, args.max_dev_queries)
+    dev, n_dev = set(dev_ids), len(dev_ids)
     fit_qrels = train.filter(pc.invert(pc.is_in(train.column("query_id"), pa.array(sorted(dev)))))
     dev_pos = {q: ds for q, ds in train_pos.items() if q in dev}
 

@@ -89,16 +89,15 @@ def _capture(module, name: str, sink: dict):
 
 def pack(args) -> None:
     import duckdb
-    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
     import torch
     from safetensors.torch import load_file, save_file
 
-    from irflow import distributed, dual_encoder
+    from cross_encoder_dev import dev_cut
+    from irflow import distributed
     from irflow.models import minilm_path
-    from irflow.qrels import positives
     from irflow.runtime import StageRuntime
     from irflow.tasks import train_dual_encoder as tde
     from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder
@@ -150,11 +149,8 @@ def pack(args) -> None:
 
     # the dev cut of the labelled train queries (cross_encoder_dev.py's)
     train = qrels.filter(pc.equal(qrels.column("split"), "train"))
-    train_pos = positives(train)
-    labelled = sorted(train_pos)
-    perm = np.random.default_rng(DEV_SEED).permutation(len(labelled))
-    n_dev = min(int(round(DEV_SHARE * len(labelled))), MAX_DEV)
-    dev = sorted(labelled[i] for i in perm[:n_dev])
+    labelled, dev = dev_cut(train, DEV_SEED, DEV_SHARE, MAX_DEV)
+    n_dev = len(dev)
     fit_qrels = train.filter(pc.invert(pc.is_in(train.column("query_id"), pa.array(dev))))
     manifest["dev_queries"], manifest["fit_queries"] = len(dev), len(labelled) - n_dev
 
