@@ -6,8 +6,13 @@ there; its training functions do, on the very jobs its stages build:
 
     # here: capture the jobs from the CPU stores' catalogs (no training), and MiniLM in fp16
     .venv/bin/python bench/gpu_lease.py pack --out .lease
-    # on the device machine (python3 there; pydantic carried as wheels in .whl/):
-    python3 bench/gpu_lease.py run --bundle .lease --out $OUT --budget-s 470
+    # pydantic for the device's Python 3.12, as wheels (.whl/ is git-ignored, like .lease/):
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.3 pydantic-core==2.50.4 annotated-types \
+        typing-inspection==0.4.5 typing-extensions==4.16.0
+    # on the device machine (the `run` tool, carry [".lease", ".whl"]):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    HF_HUB_OFFLINE=1 python3 bench/gpu_lease.py run --bundle .lease --out $OUT --budget-s 460 2>$OUT/stderr.log
     # here: evaluate what came back with the evaluate stage's own function, paired tests
     .venv/bin/python bench/gpu_lease.py score --results /work/.device/... --bundle .lease
 
