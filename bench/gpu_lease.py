@@ -139,10 +139,10 @@ def pack(args) -> None:
     # the GPL config's student at seed 42 (the CPU row), and the RocketQA recipe's M_D0 / M_C / mc-rerank
     gpl_student = args.gpl_student
     gpl_in = parents(args.gpl_store, gpl_student)
-    mc_model = latest(args.rq_store, "train_cross_encoder")
+    mc_model = args.mc_model or latest(args.rq_store, "train_cross_encoder")
     mc_in = parents(args.rq_store, mc_model)
-    mc_rerank_in = parents(args.rq_store, latest(args.rq_store, "rerank[mc]"))
-    md0_train_run = latest(args.rq_store, "dense_search[md0-train]")
+    mc_rerank_in = parents(args.rq_store, args.mc_rerank or latest(args.rq_store, "rerank[mc]"))
+    md0_train_run = args.md0_train_run or latest(args.rq_store, "dense_search[md0-train]")
     manifest = {"gpl_store": args.gpl_store, "rq_store": args.rq_store, "gpl_student_cpu": gpl_student,
                 "gpl_inputs": gpl_in, "mc_cpu": mc_model, "mc_inputs": mc_in, "md0_test_run": mc_rerank_in["ranking"],
                 "md0_train_run": md0_train_run, "dev_cut": {"seed": DEV_SEED, "share": DEV_SHARE, "max": MAX_DEV}}
@@ -195,7 +195,7 @@ def pack(args) -> None:
                        "pseudo_label_params": params_of(args.gpl_store, gpl_in["pseudo_labels"])}
 
     # md0: train_dual_encoder[md0]'s job on the fit qrels
-    md0_cpu = latest(args.rq_store, "train_dual_encoder[md0]")
+    md0_cpu = args.md0_model or latest(args.rq_store, "train_dual_encoder[md0]")
     sink = {}
     undo = _capture(tde, "train", sink)
     try:
@@ -650,6 +650,17 @@ def main() -> None:
     a.add_argument("--rq-store", default=RQ_STORE)
     a.add_argument("--mc-positives-per-query", type=int, default=None,
                    help="M_C: at most this many positives of each query (the stage's positives_per_query)")
+    # the datasets this session's pack read (bench/results/gpu_nfcorpus*.json); "" takes the store's latest
+    a.add_argument("--mc-model", default="cross_encoder-26e2392f90b13105", help="the CPU M_C whose params and "
+                                                                                "inputs (negatives) are taken")
+    a.add_argument("--mc-rerank", default="run-bbd476b5abd61925", help="the CPU mc-rerank run: its M_D0 test "
+                                                                      "ranking is what M_C re-ranks")
+    a.add_argument("--md0-train-run", default="run-017c62fca0010dc6", help="an M_D0's train-query ranking: "
+                                                                          "the dev queries' candidates (this "
+                                                                          "one: seed 44, 40 steps, whole train "
+                                                                          "split)")
+    a.add_argument("--md0-model", default="model-5fa439b993aec8c7", help="the CPU M_D0 whose params are taken "
+                                                                        "(seed set to 42; steps set on the device)")
     a.add_argument("--gpl-student", default="student-69bcc5544d069067", help="the CPU GPL student (seed 42) whose "
                                                                             "job is taken")
     b = sub.add_parser("run")
