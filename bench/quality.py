@@ -67,7 +67,10 @@ TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher sco
 # (bench/gpu_lease.py): shown with what they set, and read by the GPU goal line, not by the configs' goals
 BUDGET_FILES = {"nfcorpus": [("train_dev_rocketqa_nfcorpus_offline_test_md0_460.json",
                               "M_D0 460 steps x 32 on this CPU (the H100's dev choice; the config: 40)",
-                              "seed_mean_nfcorpus_md0_460.json")]}
+                              "seed_mean_nfcorpus_md0_460.json"),
+                             ("train_dev_rocketqa_nfcorpus_offline_test_students_460.json",
+                              "students 460 steps x 32 on this CPU (M_D0's dev-chosen budget; the config: 40), "
+                              "after the config's M_D0", None)]}
 # Budgets a 2-core CPU cannot give: irflow's own training functions on the jobs the stages build, on a lent H100
 # (bench/gpu_lease.py), each step count chosen on a train-side dev cut. Not the configs' rows: shown, and read by a
 # goal line of their own, not by the configs' goals. The second file: M_C again, with what it changed.
@@ -269,8 +272,8 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
                             f"{r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])}; "
                             f"{r['budget']})" for r in gpu if r.get("vs_zero_shot")))
         for _, what, mean_file in BUDGET_FILES.get(ds, []):
-            f = RESULTS / mean_file
-            if f.exists():  # bench/seed_mean.py over that file's seeds
+            f = RESULTS / mean_file if mean_file else None
+            if f is not None and f.exists():  # bench/seed_mean.py over that file's seeds
                 for k, v in json.loads(f.read_text())["systems"].items():
                     line += (f"; {what}, each query averaged over {v['seeds']} seeds: {k} {v['ndcg@10_mean']:.4f} "
                              f"({v['gain']:+.4f}, {p_text(v['t_pvalue'])})")
