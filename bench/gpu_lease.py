@@ -415,18 +415,17 @@ def run(args) -> None:
         job["base_model"] = str(base)
         p = dict(job["params"], batch_size=args.gpl_batch, checkpoint_every=0)
 
-        def fn(steps, evals=()):
+        def fn(steps):
             job["params"] = dict(p, steps=steps, warmup_steps=max(1, int(0.1 * steps)))
             job["out"] = tempfile.mkdtemp()
             ts.fit_and_save(job, train_rt)
-            return job["out"]
 
         info = plan("gpl", fn, args.gpl_share, args.max_steps, 3, eval_s)
         steps = info["steps"]
         if steps < 10:
             return
         evals = sorted({steps // 4, steps // 2, steps})
-        rate, total, ev = timed_steps(lambda n: fn(n), steps, evals, "gpl", None)
+        rate, total, ev = timed_steps(fn, steps, evals, "gpl")
         info.update({"s_per_step": round(rate, 4), "train_s": round(total - sum(ev), 1), "evals": evals,
                      "eval_s": [round(e, 1) for e in ev], "params": job["params"],
                      "examples": len(job["ex"]["q"]),
@@ -520,7 +519,6 @@ def score(args) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from irflow.qrels import positives  # noqa: F401
     from irflow.stats import paired
     from irflow.tasks.evaluate import evaluate_run
 

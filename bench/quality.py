@@ -140,20 +140,10 @@ def rows_for(ds: str) -> list[dict]:
     # settings chosen on a train-side dev cut, then run on test (bench/train_dev.py --on-test)
     for recipe in ("rocketqa", "ance"):
         f = RESULTS / f"train_dev_{recipe}_{ds}_offline_test.json"
-        if not f.exists():
-            continue
-        d = json.loads(f.read_text())
-        was = TRAIN_DEV_BEFORE.get(f.name)
-        for v in d["variants"]:
-            zero = v["metrics"][ZERO]["ndcg@10"]
-            for system, m in v["metrics"].items():
-                if is_student(system):
-                    rows.append({"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": system,
-                                 "label": f"{system}, variant {v['name']} ({'; '.join(v['sets']) or 'no override'})"
-                                 + (f" [before: {was}]" if was else ""),
-                                 "ndcg@10": m["ndcg@10"], "recall@100": m["recall@100"], "zero_shot": zero,
-                                 "budget": budget(ds, recipe, system), "machine": machine(d.get("machine")),
-                                 "file": f.name, "superseded": bool(was)})
+        if f.exists():
+            was = TRAIN_DEV_BEFORE.get(f.name)
+            rows += train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system),
+                                   f" [before: {was}]" if was else "", superseded=bool(was))
     for name, changed in GPU_FILES.get(ds, []):
         f = RESULTS / name
         if not f.exists():
@@ -169,20 +159,12 @@ def rows_for(ds: str) -> list[dict]:
                          "ndcg@10": c["test"]["ndcg@10"], "recall@100": c["test"]["recall@100"],
                          "zero_shot": c["test_zero_shot"]["ndcg@10"], "vs_zero_shot": c["vs_zero_shot"],
                          "budget": steps, "machine": f"{d['machine'].get('gpu')}, {d['train_precision']} training",
-                         "file": name, "gpu": True})
+                         "file": name, "other_budget": True})
     for name, what, _ in BUDGET_FILES.get(ds, []):
         f = RESULTS / name
-        if not f.exists():
-            continue
-        d = json.loads(f.read_text())
-        for v in d["variants"]:
-            m = v["metrics"]
-            for system in (k for k in m if is_student(k)):
-                rows.append({"recipe": "RocketQA", "system": f"budget-{system}-{v['name']}",
-                             "label": f"{system}, {what}, variant {v['name']} ({'; '.join(v['sets']) or 'no override'})",
-                             "ndcg@10": m[system]["ndcg@10"], "recall@100": m[system]["recall@100"],
-                             "zero_shot": m[ZERO]["ndcg@10"], "vs_zero_shot": m[system].get("vs_zero_shot"),
-                             "budget": what, "machine": machine(d.get("machine")), "file": name, "gpu": True})
+        if f.exists():
+            rows += train_dev_rows(f, "rocketqa", lambda system: what, "", what=what, prefix="budget-",
+                                   other_budget=True)
     mf = RESULTS / "model_free.json"
     if mf.exists():
         d = json.loads(mf.read_text())
@@ -192,6 +174,24 @@ def rows_for(ds: str) -> list[dict]:
                     ds, f"gpl-student-{r['source']}-{r['teacher']}",
                     f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log), "
                     f"{TEACHER[r['teacher']]}", r["metrics"], d.get("machine"), mf.name, model_free=True))
+    return rows
+
+
+def train_dev_rows(f: Path, recipe: str, budget_of, suffix: str, what: str = "", prefix: str = "", **flags) -> list[dict]:
+    """A row per trained system of each variant of a bench/train_dev.py result file: ``budget_of(system)`` its
+    budget, ``what`` said in its label, ``suffix`` after it; ``prefix`` before its system name; ``flags`` added."""
+    d = json.loads(f.read_text())
+    rows = []
+    for v in d["variants"]:
+        m = v["metrics"]
+        for system in (k for k in m if is_student(k)):
+            rows.append({"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE",
+                         "system": f"{prefix}{system}" + (f"-{v['name']}" if prefix else ""),
+                         "label": f"{system}, {what + ', ' if what else ''}variant {v['name']} "
+                                  f"({'; '.join(v['sets']) or 'no override'}){suffix}",
+                         "ndcg@10": m[system]["ndcg@10"], "recall@100": m[system]["recall@100"],
+                         "zero_shot": m[ZERO]["ndcg@10"], "vs_zero_shot": m[system].get("vs_zero_shot"),
+                         "budget": budget_of(system), "machine": machine(d.get("machine")), "file": f.name, **flags})
     return rows
 
 
@@ -264,13 +264,13 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
             f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} ({r['ndcg@10'] - r['zero_shot']:+.4f}, "
             f"{r['vs_zero_shot']['wins']} / {r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])})"
             for r in gpl_seeds) + gpl_seed_mean(ds))
-    gpu = [r for r in rows if r.get("gpu")]
-    if gpu:  # bench/gpu_lease.py: the same training code at GPU budgets, step counts chosen on a train-side dev cut
+    other = [r for r in rows if r.get("other_budget")]
+    if other:  # bench/gpu_lease.py: the same training code at GPU budgets, step counts chosen on a train-side dev cut
         line = ("at GPU budgets (not the configs'; bench/gpu_lease.py, and a GPU budget run here), against zero-shot: "
                 + "; ".join(f"{r['system'].removeprefix('gpu-').removeprefix('budget-')} {r['ndcg@10']:.4f} "
                             f"({r['ndcg@10'] - r['zero_shot']:+.4f}, {r['vs_zero_shot']['wins']} / "
                             f"{r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])}; "
-                            f"{r['budget']})" for r in gpu if r.get("vs_zero_shot")))
+                            f"{r['budget']})" for r in other if r.get("vs_zero_shot")))
         for _, what, mean_file in BUDGET_FILES.get(ds, []):
             f = RESULTS / mean_file if mean_file else None
             if f is not None and f.exists():  # bench/seed_mean.py over that file's seeds
