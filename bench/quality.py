@@ -70,6 +70,9 @@ BUDGET_FILES = {"nfcorpus": [("train_dev_rocketqa_nfcorpus_offline_test_md0_460.
                               "seed_mean_nfcorpus_md0_460.json"),
                              ("train_dev_rocketqa_nfcorpus_offline_test_students_460.json",
                               "students 460 steps x 32 on this CPU (M_D0's dev-chosen budget; the config: 40), "
+                              "after the config's M_D0", None),
+                             ("train_dev_rocketqa_nfcorpus_offline_test_md1_460_s43.json",
+                              "M_D1-fusion 460 steps x 32 on this CPU, student seed 43 (the config: 40), "
                               "after the config's M_D0", None)]}
 # Budgets a 2-core CPU cannot give: irflow's own training functions on the jobs the stages build, on a lent H100
 # (bench/gpu_lease.py), each step count chosen on a train-side dev cut. Not the configs' rows: shown, and read by a
