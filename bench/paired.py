@@ -1,0 +1,55 @@
+"""Is system A better than system B on these queries? Paired tests between every two systems of a run.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/paired.py bench/results/train_dev_ance_nfcorpus_offline_test_460.json \
+        --store /work/runs/ance-nfcorpus-460 [--variant NAME] [--out bench/results/paired_ance_nfcorpus_460.json]
+
+``train_dev.py`` records each system against zero-shot only. This reads one of its variants' run (the
+first, or ``--variant``) from the store, takes every system's per-query nDCG@10 from the run's evaluate
+outputs (as the report page reads them), and runs ``irflow.stats.paired`` on every ordered pair of systems
+in the file's order: the mean difference, the queries where the later system is better / worse, and the
+paired t-test's p. Used to say whether ANCE's round 1 beats its warm-up (the refresh's direction), or a
+student beats BM25, beyond chance. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import harness
+from train_dev import per_query_ndcg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file", help="a bench/train_dev.py result file")
+    ap.add_argument("--store", required=True, help="the store its runs are in")
+    ap.add_argument("--variant", default=None, help="the variant's name (default: the file's first)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from irflow.stats import paired
+
+    d = json.loads(Path(args.file).read_text())
+    v = next((v for v in d["variants"] if args.variant in (None, v["name"])), None)
+    if v is None:
+        raise SystemExit(f"{args.file}: no variant {args.variant!r} (it has: {[x['name'] for x in d['variants']]})")
+    per_query = per_query_ndcg(Path(args.store), v["run_id"])
+    systems = [s for s in v["metrics"] if s in per_query]
+    pairs, rows = [], []
+    for i, base in enumerate(systems):
+        for other in systems[i + 1:]:
+            t = paired(per_query[base], per_query[other])
+            pairs.append({"system": other, "against": base, "mean_diff": round(t.mean_diff, 4),
+                          "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)})
+            rows.append([other, base, f"{t.mean_diff:+.4f}", f"{t.wins} / {t.losses}", f"{t.t_pvalue:.4f}"])
+    print(f"{v['name']} ({v['run_id']}), nDCG@10 over {len(next(iter(per_query.values())))} queries:")
+    harness.table(["system", "against", "difference", "better / worse", "p"], rows)
+    out = Path(args.out or Path(args.file).with_name("paired_" + Path(args.file).name.removeprefix("train_dev_")))
+    harness.write_json(out, {"file": Path(args.file).name, "store": args.store, "variant": v["name"],
+                             "run_id": v["run_id"], "pairs": pairs})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
