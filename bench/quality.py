@@ -33,7 +33,7 @@ BUDGET = {
     "nfcorpus": {"gpl": "Margin-MSE 388 steps x 16, 200 tokens", "qgen": "MNRL 250 steps x 16",
                  "rocketqa": "40 steps x 32 per dual encoder (of ~3.8k steps an epoch), 128 tokens; "
                              "M_C 200 steps x 16",
-                 "ance": "warm-up{rounds}, 40 steps x 32 each, 128 tokens"},
+                 "ance": "warm-up{rounds}, 460 steps x 32 each, 128 tokens"},
 }
 LABELS = {"bm25-flat": "BM25", ZERO: "zero-shot MiniLM", "hybrid": "fusion 0.3 z(BM25) + 0.7 z(MiniLM), no training "
           "(GPL's teacher)", "gpl-student": "GPL student", "qgen-student": "QGen student (MNRL)"}
@@ -62,16 +62,23 @@ GPL_PY_BEFORE = {"scifact": "teacher fuses each miner's own top 50",
 # bench/train_dev.py --on-test files whose settings a later config change superseded: what they lacked
 TRAIN_DEV_BEFORE = {"train_dev_rocketqa_nfcorpus_offline_test.json": "every pair",
                     "train_dev_ance_nfcorpus_offline_test.json": "every pair"}
+# A recipe whose config has a budget that bench/rocketqa.py's files were not run at: its config rows are this
+# bench/train_dev.py --on-test file's (the config's settings, given by --set before the config took them). That
+# recipe's rows in every other file are history: labelled with what they had, and with their own budget line.
+CONFIG_FROM = {"nfcorpus": {"ance": ("train_dev_ance_nfcorpus_offline_test_460.json", "40 steps x 32 per model",
+                                     "warm-up{rounds}, 40 steps x 32 each, 128 tokens")}}
+# what seed_mean_<ds>.json's seeds were trained with, where a config has moved on since
+SEED_MEAN_NOTE = {"nfcorpus": "; 40 steps a model: RocketQA's config, ANCE's before"}
 TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher scores every candidate with both miners"}
 # bench/train_dev.py --on-test files of a budget the config does not have, taken from a GPU run's dev choice
 # (bench/gpu_lease.py): shown with what they set, and read by the GPU goal line, not by the configs' goals
-BUDGET_FILES = {"nfcorpus": [("train_dev_rocketqa_nfcorpus_offline_test_md0_460.json",
+BUDGET_FILES = {"nfcorpus": [("rocketqa", "train_dev_rocketqa_nfcorpus_offline_test_md0_460.json",
                               "M_D0 460 steps x 32 on this CPU (the H100's dev choice; the config: 40)",
                               "seed_mean_nfcorpus_md0_460.json"),
-                             ("train_dev_rocketqa_nfcorpus_offline_test_students_460.json",
+                             ("rocketqa", "train_dev_rocketqa_nfcorpus_offline_test_students_460.json",
                               "students 460 steps x 32 on this CPU (M_D0's dev-chosen budget; the config: 40), "
                               "after the config's M_D0", None),
-                             ("train_dev_rocketqa_nfcorpus_offline_test_md1_460_s43.json",
+                             ("rocketqa", "train_dev_rocketqa_nfcorpus_offline_test_md1_460_s43.json",
                               "M_D1-fusion 460 steps x 32 on this CPU, student seed 43 (the config: 40), "
                               "after the config's M_D0", None)]}
 # Budgets a 2-core CPU cannot give: irflow's own training functions on the jobs the stages build, on a lent H100
@@ -138,15 +145,21 @@ def rows_for(ds: str) -> list[dict]:
             if system == "bm25-flat" or (system in newest and (system == ZERO or newest[system] == r["ndcg@10"])):
                 continue  # one BM25 / zero-shot row per table (ANCE's zero-shot is RocketQA's: same encoding)
             recipe = "ance" if system.startswith("ance-") else "rocketqa"
-            rows.append(recipe_row(ds, recipe, r, zero, d, current.name, was if system in newest else None))
+            _, config_was, budget_was = CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
+            before = ", ".join(w for w in (config_was, was if system in newest else None) if w) or None
+            rows.append(recipe_row(ds, recipe, r, zero, d, current.name, before, budget_was))
             newest.setdefault(system, r["ndcg@10"])
     # settings chosen on a train-side dev cut, then run on test (bench/train_dev.py --on-test)
     for recipe in ("rocketqa", "ance"):
         f = RESULTS / f"train_dev_{recipe}_{ds}_offline_test.json"
         if f.exists():
-            was = TRAIN_DEV_BEFORE.get(f.name)
-            rows += train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system),
+            _, config_was, budget_was = CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
+            was = ", ".join(w for w in (config_was, TRAIN_DEV_BEFORE.get(f.name)) if w)
+            rows += train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system, budget_was),
                                    f" [before: {was}]" if was else "", superseded=bool(was))
+        config_file, _, _ = CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
+        if config_file and (RESULTS / config_file).exists():  # the config as it is
+            rows += train_dev_rows(RESULTS / config_file, recipe, lambda system: budget(ds, recipe, system), "")
     for name, changed in GPU_FILES.get(ds, []):
         f = RESULTS / name
         if not f.exists():
@@ -163,10 +176,10 @@ def rows_for(ds: str) -> list[dict]:
                          "zero_shot": c["test_zero_shot"]["ndcg@10"], "vs_zero_shot": c["vs_zero_shot"],
                          "budget": steps, "machine": f"{d['machine'].get('gpu')}, {d['train_precision']} training",
                          "file": name, "other_budget": True})
-    for name, what, _ in BUDGET_FILES.get(ds, []):
+    for recipe, name, what, _ in BUDGET_FILES.get(ds, []):
         f = RESULTS / name
         if f.exists():
-            rows += train_dev_rows(f, "rocketqa", lambda system: what, "", what=what, prefix="budget-",
+            rows += train_dev_rows(f, recipe, lambda system: what, "", what=what, prefix="budget-",
                                    other_budget=True)
     mf = RESULTS / "model_free.json"
     if mf.exists():
@@ -198,22 +211,25 @@ def train_dev_rows(f: Path, recipe: str, budget_of, suffix: str, what: str = "",
     return rows
 
 
-def budget(ds: str, recipe: str, system: str) -> str:
-    """BUDGET's line for a row; an ANCE row's counts the rounds that trained it (0 for the warm-up)."""
+def budget(ds: str, recipe: str, system: str, template: str | None = None) -> str:
+    """BUDGET's line for a row (``template``: a budget the config no longer has); an ANCE row's counts the rounds
+    that trained it (0 for the warm-up)."""
     rounds = int(system.removeprefix("ance-round")) if system.startswith("ance-round") else 0
-    return BUDGET[ds][recipe].format(rounds=f" + {rounds} round{'s' * (rounds > 1)}" if rounds else "")
+    return (template or BUDGET[ds][recipe]).format(rounds=f" + {rounds} round{'s' * (rounds > 1)}" if rounds else "")
 
 
-def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, before: str | None = None) -> dict:
+def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, before: str | None = None,
+               budget_was: str | None = None) -> dict:
     """A row of bench/rocketqa.py's table (RocketQA or ANCE); ``before``: the settings it was measured with
-    that the config no longer has (None: the config as it is)."""
+    that the config no longer has (None: the config as it is); ``budget_was``: its budget, where the config's
+    is another."""
     superseded = before is not None
     label = r["label"] + (" (200 tokens)" if ds == "scifact" else " (128 tokens)") if r["system"] == ZERO else r["label"]
     if superseded and r["system"] != ZERO:
         label += f" [before: {before}]"
     return {"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": r["system"], "label": label,
             "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero,
-            "budget": budget(ds, recipe, r["system"]) if is_student(r["system"]) or r["system"] == "mc-rerank" else "-",
+            "budget": budget(ds, recipe, r["system"], budget_was) if is_student(r["system"]) or r["system"] == "mc-rerank" else "-",
             "machine": machine(d.get("machine")), "superseded": superseded,
             "file": file + (f" ({', '.join(d['overrides'])})" if d.get("overrides") else "")}
 
@@ -256,7 +272,8 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     sm = RESULTS / f"seed_mean_{ds}.json"
     if sm.exists():  # bench/seed_mean.py: each query's nDCG@10 averaged over seeds, against zero-shot
         d = json.loads(sm.read_text())["systems"]
-        out.append(f"over seeds ({sm.name}, each query averaged, paired t-test against zero-shot): " + "; ".join(
+        out.append(f"over seeds ({sm.name}{SEED_MEAN_NOTE.get(ds, '')}, each query averaged, paired t-test against "
+                   "zero-shot): " + "; ".join(
             f"{k} {v['ndcg@10_mean']:.4f} ({v['gain']:+.4f}, {v['seeds']} seeds, p {v['t_pvalue']:.2f})"
             for k, v in d.items()))
     # the config's GPL student at each seed (bench/gpl_teacher.py, the teacher scoring every candidate)
@@ -274,7 +291,7 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
                             f"({r['ndcg@10'] - r['zero_shot']:+.4f}, {r['vs_zero_shot']['wins']} / "
                             f"{r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])}; "
                             f"{r['budget']})" for r in other if r.get("vs_zero_shot")))
-        for _, what, mean_file in BUDGET_FILES.get(ds, []):
+        for _, _, what, mean_file in BUDGET_FILES.get(ds, []):
             f = RESULTS / mean_file if mean_file else None
             if f is not None and f.exists():  # bench/seed_mean.py over that file's seeds
                 for k, v in json.loads(f.read_text())["systems"].items():
@@ -306,7 +323,7 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     fusion = by["hybrid"]["ndcg@10"]
     gap = fusion - best["ndcg@10"]
     out.append(f"best dense student within 0.02 of the fusion teacher: {'met' if gap <= 0.02 else 'MISSED'} "
-               f"({best['label'] if best['label'].startswith(best['recipe']) else best['recipe'] + ' ' + best['label']} {best['ndcg@10']:.4f} vs {fusion:.4f}: {gap:.4f} below)")
+               f"({best['label'] if best['label'].startswith(best['recipe']) else best['recipe'] + ' ' + best['label']} {best['ndcg@10']:.4f} vs {fusion:.4f}: {abs(gap):.4f} {'below' if gap >= 0 else 'above'})")
     return out
 
 
