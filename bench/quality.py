@@ -90,6 +90,11 @@ GPU_LABELS = {"gpl": "GPL student (the config's pseudo-labels), Margin-MSE x 32 
               "mc": "RocketQA M_C re-ranking M_D0's top 100, trained on the fit part of train"}
 
 
+def config_from(ds: str, recipe: str) -> tuple[str | None, str | None, str | None]:
+    """CONFIG_FROM's (file, what the older rows had, their budget line) for a recipe, or Nones."""
+    return CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
+
+
 def is_student(system: str) -> bool:
     return system in STUDENTS or system.startswith(("gpl-student-own-", "gpl-student-every-", "ance-round"))
 
@@ -145,7 +150,7 @@ def rows_for(ds: str) -> list[dict]:
             if system == "bm25-flat" or (system in newest and (system == ZERO or newest[system] == r["ndcg@10"])):
                 continue  # one BM25 / zero-shot row per table (ANCE's zero-shot is RocketQA's: same encoding)
             recipe = "ance" if system.startswith("ance-") else "rocketqa"
-            _, config_was, budget_was = CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
+            _, config_was, budget_was = config_from(ds, recipe)
             before = ", ".join(w for w in (config_was, was if system in newest else None) if w) or None
             rows.append(recipe_row(ds, recipe, r, zero, d, current.name, before, budget_was))
             newest.setdefault(system, r["ndcg@10"])
@@ -153,11 +158,11 @@ def rows_for(ds: str) -> list[dict]:
     for recipe in ("rocketqa", "ance"):
         f = RESULTS / f"train_dev_{recipe}_{ds}_offline_test.json"
         if f.exists():
-            _, config_was, budget_was = CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
+            _, config_was, budget_was = config_from(ds, recipe)
             was = ", ".join(w for w in (config_was, TRAIN_DEV_BEFORE.get(f.name)) if w)
             rows += train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system, budget_was),
                                    f" [before: {was}]" if was else "", superseded=bool(was))
-        config_file, _, _ = CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
+        config_file, _, _ = config_from(ds, recipe)
         if config_file and (RESULTS / config_file).exists():  # the config as it is
             rows += train_dev_rows(RESULTS / config_file, recipe, lambda system: budget(ds, recipe, system), "")
     for name, changed in GPU_FILES.get(ds, []):
