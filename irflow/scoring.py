@@ -93,14 +93,14 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
         tok = model.tokenizer
     else:
         tok, model = per_worker(("cross_encoder", model_path, device), lambda: load_cross_encoder(model_path, device))
-    from irflow.encoding import length_batches
+    from irflow.encoding import length_batches, token_lengths
 
     n = len(pairs)
     out = np.empty(n, dtype=np.float32)
     if not n:
         return out
-    lengths = [len(ids) for ids in tok([q for q, _ in pairs], [d for _, d in pairs], truncation="longest_first",
-                                       max_length=max_length)["input_ids"]]
+    lengths = token_lengths(tok, [q for q, _ in pairs], [d for _, d in pairs], truncation="longest_first",
+                            max_length=max_length)
     with torch.inference_mode(), (autocast() if autocast and not onnx else contextlib.nullcontext()):
         for padded, idx in tqdm(length_batches(lengths, batch_size, max_length), desc="cross-encoder scoring",
                                 unit=" batch", disable=not show_progress, mininterval=2):

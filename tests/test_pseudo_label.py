@@ -50,6 +50,47 @@ def run_to_negatives(run: pa.Table, miner: str) -> pa.Table:
                      "miner": [miner] * run.num_rows, "rank": run.column("rank")})
 
 
+def test_lengths_are_measured_a_chunk_at_a_time_with_the_lengths_and_scores_of_one_call(env, monkeypatch):
+    """Scoring first measures every pair's token length. In one tokenizer call a fast tokenizer held every
+    encoding until it returned (8 GB for NFCorpus's 129,500 denoising pairs); in chunks only one chunk's
+    are held, and the lengths, so the batches and the scores, are those of one call."""
+    from transformers import AutoTokenizer
+
+    from irflow import encoding
+    from irflow.scoring import cross_encoder_scores
+
+    docs, queries = env["docs"], env["queries_text"]
+    # whole passages (truncated) and 12-word ones (not): pairs of many lengths
+    texts = [docs[d] for d in sorted(docs)[:3]] + [env["gen_q"][q] for q in sorted(env["gen_q"])[:3]]
+    pairs = [(queries[q], t) for q in sorted(queries)[:5] for t in texts]
+    kw = dict(batch_size=8, max_length=128, show_progress=False)
+    whole = cross_encoder_scores(env["ce"], pairs, **kw)  # one chunk: LENGTH_CHUNK > 30 pairs
+    tok = AutoTokenizer.from_pretrained(env["ce"])
+    one_call = [len(i) for i in tok([q for q, _ in pairs], [d for _, d in pairs], truncation="longest_first",
+                                    max_length=128)["input_ids"]]
+    assert len(set(one_call)) > 3  # lengths differ: several length buckets
+
+    sizes = []
+
+    class Counting:  # the tokenizer, counting how many texts each call gets
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, texts, *args, **kwargs):
+            sizes.append(len(texts))
+            return self.inner(texts, *args, **kwargs)
+
+    monkeypatch.setattr(encoding, "LENGTH_CHUNK", 7)
+    counted = Counting(tok)
+    assert encoding.token_lengths(counted, [q for q, _ in pairs], [d for _, d in pairs], max_length=128,
+                                  truncation="longest_first") == one_call
+    assert sizes == [7, 7, 7, 7, 2]
+    texts = [d for _, d in pairs]
+    assert encoding.token_lengths(tok, texts, max_length=128) == [len(i) for i in tok(texts, truncation=True,
+                                                                                       max_length=128)["input_ids"]]
+    assert cross_encoder_scores(env["ce"], pairs, **kw).tobytes() == whole.tobytes()
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
