@@ -31,7 +31,7 @@ BUDGET = {
                 "rocketqa": "1 epoch x 32 per dual encoder (919 pairs), 200 tokens; M_C 3 epochs x 16",
                 "ance": "warm-up{rounds}, 1 epoch x 32 each, 200 tokens"},
     "nfcorpus": {"gpl": "Margin-MSE 388 steps x 16, 200 tokens", "qgen": "MNRL 250 steps x 16",
-                 "rocketqa": "40 steps x 32 per dual encoder (of ~3.8k steps an epoch), 128 tokens; "
+                 "rocketqa": "114 steps x 32 per dual encoder (of ~3.8k steps an epoch), 128 tokens; "
                              "M_C 200 steps x 16",
                  "ance": "warm-up{rounds}, 460 steps x 32 each, 128 tokens"},
 }
@@ -66,21 +66,25 @@ TRAIN_DEV_BEFORE = {"train_dev_rocketqa_nfcorpus_offline_test.json": "every pair
 # bench/train_dev.py --on-test file's (the config's settings, given by --set before the config took them). That
 # recipe's rows in every other file are history: labelled with what they had, and with their own budget line.
 CONFIG_FROM = {"nfcorpus": {"ance": ("train_dev_ance_nfcorpus_offline_test_460.json", "40 steps x 32 per model",
-                                     "warm-up{rounds}, 40 steps x 32 each, 128 tokens")}}
+                                     "warm-up{rounds}, 40 steps x 32 each, 128 tokens"),
+                            "rocketqa": ("train_dev_rocketqa_nfcorpus_offline_test_114.json",
+                                         "40 steps x 32 per dual encoder",
+                                         "40 steps x 32 per dual encoder (of ~3.8k steps an epoch), 128 tokens; "
+                                         "M_C 200 steps x 16")}}
 # what seed_mean_<ds>.json's seeds were trained with, where a config has moved on since
-SEED_MEAN_NOTE = {"nfcorpus": "; 40 steps a model: RocketQA's config, ANCE's before"}
+SEED_MEAN_NOTE = {"nfcorpus": "; 40 steps a model: RocketQA's and ANCE's configs before"}
 TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher scores every candidate with both miners"}
 # bench/train_dev.py --on-test files of a budget the config does not have, taken from a GPU run's dev choice
 # (bench/gpu_lease.py): shown with what they set, and read by the GPU goal line, not by the configs' goals
 BUDGET_FILES = {"nfcorpus": [("rocketqa", "train_dev_rocketqa_nfcorpus_offline_test_md0_460.json",
-                              "M_D0 460 steps x 32 on this CPU (the H100's dev choice; the config: 40)",
+                              "M_D0 460 steps x 32 on this CPU (the H100's dev choice; the config: 114)",
                               "seed_mean_nfcorpus_md0_460.json"),
                              ("rocketqa", "train_dev_rocketqa_nfcorpus_offline_test_students_460.json",
-                              "students 460 steps x 32 on this CPU (M_D0's dev-chosen budget; the config: 40), "
-                              "after the config's M_D0", None),
+                              "students 460 steps x 32 on this CPU (M_D0's dev-chosen budget; the config: 114), "
+                              "after a 40-step M_D0", None),
                              ("rocketqa", "train_dev_rocketqa_nfcorpus_offline_test_md1_460_s43.json",
-                              "M_D1-fusion 460 steps x 32 on this CPU, student seed 43 (the config: 40), "
-                              "after the config's M_D0", None)]}
+                              "M_D1-fusion 460 steps x 32 on this CPU, student seed 43 (the config: 114), "
+                              "after a 40-step M_D0", None)]}
 # Budgets a 2-core CPU cannot give: irflow's own training functions on the jobs the stages build, on a lent H100
 # (bench/gpu_lease.py), each step count chosen on a train-side dev cut. Not the configs' rows: shown, and read by a
 # goal line of their own, not by the configs' goals. The second file: M_C again, with what it changed.
@@ -164,7 +168,8 @@ def rows_for(ds: str) -> list[dict]:
                                    f" [before: {was}]" if was else "", superseded=bool(was))
         config_file, _, _ = config_from(ds, recipe)
         if config_file and (RESULTS / config_file).exists():  # the config as it is
-            rows += train_dev_rows(RESULTS / config_file, recipe, lambda system: budget(ds, recipe, system), "")
+            rows += train_dev_rows(RESULTS / config_file, recipe, lambda system: budget(ds, recipe, system), "",
+                                   also=("mc-rerank",))
     for name, changed in GPU_FILES.get(ds, []):
         f = RESULTS / name
         if not f.exists():
@@ -198,14 +203,16 @@ def rows_for(ds: str) -> list[dict]:
     return rows
 
 
-def train_dev_rows(f: Path, recipe: str, budget_of, suffix: str, what: str = "", prefix: str = "", **flags) -> list[dict]:
-    """A row per trained system of each variant of a bench/train_dev.py result file: ``budget_of(system)`` its
-    budget, ``what`` said in its label, ``suffix`` after it; ``prefix`` before its system name; ``flags`` added."""
+def train_dev_rows(f: Path, recipe: str, budget_of, suffix: str, what: str = "", prefix: str = "",
+                   also: tuple[str, ...] = (), **flags) -> list[dict]:
+    """A row per trained system (and per system of ``also``) of each variant of a bench/train_dev.py result
+    file: ``budget_of(system)`` its budget, ``what`` said in its label, ``suffix`` after it; ``prefix`` before
+    its system name; ``flags`` added."""
     d = json.loads(f.read_text())
     rows = []
     for v in d["variants"]:
         m = v["metrics"]
-        for system in (k for k in m if is_student(k)):
+        for system in (k for k in m if is_student(k) or k in also):
             rows.append({"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE",
                          "system": f"{prefix}{system}" + (f"-{v['name']}" if prefix else ""),
                          "label": f"{system}, {what + ', ' if what else ''}variant {v['name']} "
@@ -268,7 +275,10 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     trained = [r for r in rows if is_student(r["system"]) and not r.get("superseded")]
     below = [f"{r['recipe']} {r['label']} {r['ndcg@10']:.4f} (zero-shot {r['zero_shot']:.4f})"
              for r in trained if r["ndcg@10"] <= r["zero_shot"]]
-    out.append(f"every trained student above its zero-shot: {'met' if not below else 'MISSED: ' + '; '.join(below)}")
+    ps = [r["vs_zero_shot"]["t_pvalue"] for r in trained if r.get("vs_zero_shot")]
+    tested = f" (paired t-test against zero-shot where measured: p {min(ps):.3f}-{max(ps):.3f})" if ps else ""
+    out.append(f"every trained student above its zero-shot: {'met' if not below else 'MISSED: ' + '; '.join(below)}"
+               f"{tested}")
     model_free = [f"{r['label']} {r['ndcg@10']:.4f} (zero-shot {r['zero_shot']:.4f})" for r in rows
                   if r.get("model_free") and r["ndcg@10"] <= r["zero_shot"]]
     if model_free:
