@@ -50,9 +50,9 @@ def token_lengths(tokenizer, texts: list[str], text_pairs: list[str] | None = No
     """Each text's (or pair's) token count after truncation, tokenised ``LENGTH_CHUNK`` at a time.
 
     All at once, a fast tokenizer holds every encoding (tokens, offsets, the truncated overflow) until
-    the call returns: ~62 KB a pair for NFCorpus's passages at 128 tokens, 8 GB for RocketQA's denoising
-    list of 129,500 pairs, kept by the process as heap after it is freed. In chunks the peak is one
-    chunk's. The lengths are the same either way."""
+    the call returns: ~68 KB a pair for NFCorpus's passages at 128 tokens, 8.7 GB above the process's base
+    for 129,500 pairs (RocketQA's denoising list; bench/token_lengths_memory.py), kept by the process as
+    heap after it is freed. In chunks the peak is one chunk's. The lengths are the same either way."""
     lengths: list[int] = []
     for s in range(0, len(texts), LENGTH_CHUNK):
         enc = tokenizer(texts[s:s + LENGTH_CHUNK], text_pairs[s:s + LENGTH_CHUNK] if text_pairs is not None else None,

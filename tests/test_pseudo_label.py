@@ -52,7 +52,7 @@ def run_to_negatives(run: pa.Table, miner: str) -> pa.Table:
 
 def test_lengths_are_measured_a_chunk_at_a_time_with_the_lengths_and_scores_of_one_call(env, monkeypatch):
     """Scoring first measures every pair's token length. In one tokenizer call a fast tokenizer held every
-    encoding until it returned (8 GB for NFCorpus's 129,500 denoising pairs); in chunks only one chunk's
+    encoding until it returned (8.7 GB for 129,500 NFCorpus pairs); in chunks only one chunk's
     are held, and the lengths, so the batches and the scores, are those of one call."""
     from transformers import AutoTokenizer
 
