@@ -160,13 +160,12 @@ def rows_for(ds: str) -> list[dict]:
             newest.setdefault(system, r["ndcg@10"])
     # settings chosen on a train-side dev cut, then run on test (bench/train_dev.py --on-test)
     for recipe in ("rocketqa", "ance"):
+        config_file, config_was, budget_was = config_from(ds, recipe)
         f = RESULTS / f"train_dev_{recipe}_{ds}_offline_test.json"
         if f.exists():
-            _, config_was, budget_was = config_from(ds, recipe)
             was = ", ".join(w for w in (config_was, TRAIN_DEV_BEFORE.get(f.name)) if w)
             rows += train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system, budget_was),
                                    f" [before: {was}]" if was else "", superseded=bool(was))
-        config_file, _, _ = config_from(ds, recipe)
         if config_file and (RESULTS / config_file).exists():  # the config as it is
             rows += train_dev_rows(RESULTS / config_file, recipe, lambda system: budget(ds, recipe, system), "",
                                    also=("mc-rerank",))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -53,8 +54,6 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "bench/results/token_lengths_memory.json"))
     args = ap.parse_args()
-
-    import random
 
     corpus, queries, qrels = harness.read_beir(DATASETS / f"{args.dataset}.zip", "train")
     texts = [f"{d.get('title') or ''} {d.get('text') or ''}".strip() for d in corpus]
