@@ -86,6 +86,9 @@ def console_logging() -> None:
     handler.setFormatter(_Console("%(asctime)s %(name)s %(mark)s%(message)s", datefmt="%H:%M:%S"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+    # faiss-cpu's wheel tries its AVX-512 and AVX2 builds first and logs, at INFO, a ModuleNotFoundError for
+    # each one it lacks before it loads the generic one: it reads like a failure, and is not one
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
 
 
 _USER_ERROR_NAMES = ("StageFailed", "ConfigError", "DataError", "IngestError", "ModelNotAvailable", "UserError")

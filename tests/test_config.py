@@ -327,3 +327,15 @@ def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
     code, _, err = run_cli("config", DEMO)
     assert code == 0 and "warning" not in err
     assert not api.preflight(api.load_config(DEMO), str(tmp_path / "s"))
+
+
+def test_the_console_log_has_no_faiss_loader_lines():
+    """faiss-cpu logs, at INFO, a ModuleNotFoundError for each CPU build it lacks (AVX-512, AVX2) before it
+    loads another: on a run's console that reads like a failure. The console log leaves them out and
+    keeps irflow's own INFO lines."""
+    code = ("from irflow.orchestration import console_logging; console_logging(); import faiss, logging; "
+            "faiss.IndexFlatIP(4); logging.getLogger('irflow').info('ready')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "irflow ready" in p.stderr
+    assert "faiss.loader" not in p.stderr and "ModuleNotFoundError" not in p.stderr, p.stderr
