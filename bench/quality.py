@@ -71,6 +71,10 @@ CONFIG_FROM = {"nfcorpus": {"ance": ("train_dev_ance_nfcorpus_offline_test_460.j
                                          "40 steps x 32 per dual encoder",
                                          "40 steps x 32 per dual encoder (of ~3.8k steps an epoch), 128 tokens; "
                                          "M_C 200 steps x 16")}}
+# bench/seed_mean.py over a config's rows at more than one seed (CONFIG_FROM's file and a students-only seed run):
+# (file, what was run again)
+CONFIG_SEED_MEAN = {"nfcorpus": {"rocketqa": ("seed_mean_rocketqa_nfcorpus_offline_test_114.json",
+                                              "the students at student.seed 42 and 43, one M_D0 and M_C")}}
 # what seed_mean_<ds>.json's seeds were trained with, where a config has moved on since
 SEED_MEAN_NOTE = {"nfcorpus": "; 40 steps a model: RocketQA's and ANCE's configs before"}
 TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher scores every candidate with both miners"}
@@ -290,6 +294,19 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
                    "zero-shot): " + "; ".join(
             f"{k} {v['ndcg@10_mean']:.4f} ({v['gain']:+.4f}, {v['seeds']} seeds, p {v['t_pvalue']:.2f})"
             for k, v in d.items()))
+    for recipe, (name, what) in CONFIG_SEED_MEAN.get(ds, {}).items():
+        f = RESULTS / name
+        if f.exists():  # bench/seed_mean.py over the config's file and a seed run of its students
+            d = json.loads(f.read_text())
+            line = (f"{'RocketQA' if recipe == 'rocketqa' else 'ANCE'}'s config over seeds ({name}: {what}; each query "
+                    "averaged, paired t-test against zero-shot): " + "; ".join(
+                        f"{k} {v['ndcg@10_mean']:.4f} ({v['gain']:+.4f}, {v['seeds']} seeds: "
+                        f"{' / '.join(f'{x:.4f}' for x in v['ndcg@10_each'])}, {p_text(v['t_pvalue'])})"
+                        for k, v in d["systems"].items()))
+            if d.get("pairs"):
+                line += "; against each other: " + "; ".join(
+                    f"{x['system']} - {x['against']} {x['difference']:+.4f} ({p_text(x['t_pvalue'])})" for x in d["pairs"])
+            out.append(line)
     # the config's GPL student at each seed (bench/gpl_teacher.py, the teacher scoring every candidate)
     seeded = [r for r in trained if r["system"].startswith("gpl-student-every-")]
     gpl_seeds = [r for r in seeded if r.get("vs_zero_shot")]

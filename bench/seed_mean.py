@@ -62,10 +62,17 @@ def main() -> None:
                     per_seed.setdefault(system, []).append(values)
     if zero is None:
         raise SystemExit("no zero-shot row in these runs")
-    rows, out = [], {"store": args.store, "zero_shot": zero_name, "runs": sources, "systems": {}}
+    # a system trained in one of the runs only (a seed run that stopped at the students, say) has no mean to take
+    single = sorted(system for system, seeds in per_seed.items() if len(seeds) < 2)
+    rows, out = [], {"store": args.store, "zero_shot": zero_name, "runs": sources, "systems": {},
+                     "one_run_only": single, "pairs": []}
     z_mean = sum(zero.values()) / len(zero)
+    means: dict[str, dict[str, float]] = {}  # system -> each query's nDCG@10 averaged over its seeds
     for system, seeds in per_seed.items():
+        if system in single:
+            continue
         mean, t = seed_mean_against(zero, seeds)
+        means[system] = mean
         queries = list(mean)
         each = [round(sum(s[q] for q in queries) / len(queries), 4) for s in seeds]
         m = sum(mean.values()) / len(mean)
@@ -76,6 +83,21 @@ def main() -> None:
                      f"{t.wins} / {t.losses}", f"{t.t_pvalue:.3f}"])
     print(f"each query's nDCG@10 averaged over seeds, against {zero_name} ({z_mean:.4f}):")
     harness.table(["system", "seeds", "each seed", "mean", "vs zero-shot", "wins / losses", "p"], rows)
+    if single:
+        print(f"in one run only, not averaged: {', '.join(single)}")
+    # the trained systems against each other, each query averaged over seeds (is denoising's gain real?)
+    from irflow.stats import paired
+
+    systems, pair_rows = list(means), []
+    for i, a in enumerate(systems):
+        for b in systems[i + 1:]:
+            t = paired(means[a], means[b])
+            out["pairs"].append({"system": b, "against": a, "difference": round(t.mean_diff, 4), "wins": t.wins,
+                                 "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)})
+            pair_rows.append([b, a, f"{t.mean_diff:+.4f}", f"{t.wins} / {t.losses}", f"{t.t_pvalue:.3f}"])
+    if pair_rows:
+        print("the averaged systems against each other:")
+        harness.table(["system", "against", "difference", "better / worse", "p"], pair_rows)
     if args.out:
         harness.write_json(Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out, out)
         print(f"wrote {args.out}")
