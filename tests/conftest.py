@@ -33,6 +33,56 @@ def pytest_sessionstart(session):
 # most tests use one core (runtime.threads: 1, tiny models), so the other core would idle. By file, not
 # by test: the Ray tests count the machine's Ray processes, so one worker runs them all. (--dist
 # loadgroup would group by mark, but xdist 3.8 renames item._nodeid, which pytest 9 no longer reads.)
+#
+# A session fixture lives in one worker: the files that read the same sample run (below) would each
+# make it again in their own worker. So they are one unit of work, sent to one worker together.
+SAMPLE_RUN_FIXTURES = ("gpl_sample", "rocketqa_sample")
+SAMPLE_RUN_FILES = ("test_gpl_flow.py", "test_inside.py", "test_report.py", "test_rocketqa.py")
+
+
+# The longest units of work go out first (a worker that takes a long unit last finishes alone), and the
+# two that each start a process tree (Ray's cluster; the kill -9 test's runs, each with its own Prefect
+# server and JVM) start on different workers, not side by side at the end. Measured with --durations on 2
+# cores: test_ray.py ~630 s, the sample runs' files ~580 s, test_crash.py ~340 s, test_shards.py ~150 s,
+# test_onnx.py ~115 s, test_flows.py and test_training.py ~100 s each; every other file after, by name.
+LONGEST_FIRST = ("test_ray.py", "sample-runs", "test_crash.py", "test_shards.py", "test_onnx.py", "test_flows.py",
+                 "test_training.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for any other --dist
+
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByFileSampleRunsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "sample-runs" if Path(path).name in SAMPLE_RUN_FILES else path
+
+        def schedule(self) -> None:
+            # the collection's order (pytest_collection_modifyitems, below), not xdist's most-tests-first
+            self.config.option.loadscopereorder = False
+            super().schedule()
+
+    return ByFileSampleRunsTogether(config, log)
+
+
+def _rank(item) -> int:
+    """The item's unit's place in LONGEST_FIRST (after them all: not listed)."""
+    unit = "sample-runs" if item.path.name in SAMPLE_RUN_FILES else item.path.name
+    return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_rank)  # stable: a file's tests keep their order; every worker collects the same order
+    # A new file that reads a sample run must join SAMPLE_RUN_FILES, or its worker makes the run again.
+    strays = sorted({item.path.name for item in items
+                     if set(getattr(item, "fixturenames", ())) & set(SAMPLE_RUN_FIXTURES)
+                     and item.path.name not in SAMPLE_RUN_FILES})
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)} use(s) a sample run ({', '.join(SAMPLE_RUN_FIXTURES)}): "
+                                "add it to SAMPLE_RUN_FILES in tests/conftest.py, so that one worker makes the run")
 
 
 @pytest.fixture(scope="session")
