@@ -49,6 +49,7 @@ LONGEST_FIRST = ("test_ray.py", "sample-runs", "test_crash.py", "test_shards.py"
                  "test_training.py")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist has no such hook
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None  # xdist's own scheduler for any other --dist
