@@ -21,6 +21,21 @@ import harness
 from train_dev import per_query_ndcg
 
 
+def every_pair(per_query: dict[str, dict[str, float]]) -> tuple[list[dict], list[list[str]]]:
+    """``irflow.stats.paired`` on every two systems of ``per_query`` (system -> {query: nDCG@10}), each later one
+    against each earlier one: (JSON records, table rows)."""
+    from irflow.stats import paired
+
+    systems, pairs, rows = list(per_query), [], []
+    for i, base in enumerate(systems):
+        for other in systems[i + 1:]:
+            t = paired(per_query[base], per_query[other])
+            pairs.append({"system": other, "against": base, "mean_diff": round(t.mean_diff, 4),
+                          "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)})
+            rows.append([other, base, f"{t.mean_diff:+.4f}", f"{t.wins} / {t.losses}", f"{t.t_pvalue:.4f}"])
+    return pairs, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", help="a bench/train_dev.py result file")
@@ -28,21 +43,13 @@ def main() -> None:
     ap.add_argument("--variant", default=None, help="the variant's name (default: the file's first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from irflow.stats import paired
 
     d = json.loads(Path(args.file).read_text())
     v = next((v for v in d["variants"] if args.variant in (None, v["name"])), None)
     if v is None:
         raise SystemExit(f"{args.file}: no variant {args.variant!r} (it has: {[x['name'] for x in d['variants']]})")
     per_query = per_query_ndcg(Path(args.store), v["run_id"])
-    systems = [s for s in v["metrics"] if s in per_query]
-    pairs, rows = [], []
-    for i, base in enumerate(systems):
-        for other in systems[i + 1:]:
-            t = paired(per_query[base], per_query[other])
-            pairs.append({"system": other, "against": base, "mean_diff": round(t.mean_diff, 4),
-                          "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)})
-            rows.append([other, base, f"{t.mean_diff:+.4f}", f"{t.wins} / {t.losses}", f"{t.t_pvalue:.4f}"])
+    pairs, rows = every_pair({s: per_query[s] for s in v["metrics"] if s in per_query})
     print(f"{v['name']} ({v['run_id']}), nDCG@10 over {len(next(iter(per_query.values())))} queries:")
     harness.table(["system", "against", "difference", "better / worse", "p"], rows)
     out = Path(args.out or Path(args.file).with_name("paired_" + Path(args.file).name.removeprefix("train_dev_")))

@@ -78,6 +78,7 @@ CONFIG_SEED_MEAN = {"nfcorpus": {"rocketqa": ("seed_mean_rocketqa_nfcorpus_offli
                                               "students (both on seed 42's M_D0, M_C and lists)")}}
 # what seed_mean_<ds>.json's seeds were trained with, where a config has moved on since
 SEED_MEAN_NOTE = {"nfcorpus": "; 40 steps a model: RocketQA's and ANCE's configs before"}
+RECIPE_NAMES = {"rocketqa": "RocketQA", "ance": "ANCE"}  # bench/rocketqa.py's and train_dev.py's recipes, as rows name them
 TEACHER = {"own": "teacher fuses each miner's own top 50", "every": "teacher scores every candidate with both miners"}
 # bench/train_dev.py --on-test files of a budget the config does not have, taken from a GPU run's dev choice
 # (bench/gpu_lease.py): shown with what they set, and read by the GPU goal line, not by the configs' goals
@@ -217,7 +218,7 @@ def train_dev_rows(f: Path, recipe: str, budget_of, suffix: str, what: str = "",
     for v in d["variants"]:
         m = v["metrics"]
         for system in (k for k in m if is_student(k) or k in also):
-            rows.append({"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE",
+            rows.append({"recipe": RECIPE_NAMES[recipe],
                          "system": f"{prefix}{system}" + (f"-{v['name']}" if prefix else ""),
                          "label": f"{system}, {what + ', ' if what else ''}variant {v['name']} "
                                   f"({'; '.join(v['sets']) or 'no override'}){suffix}",
@@ -243,7 +244,7 @@ def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, b
     label = r["label"] + (" (200 tokens)" if ds == "scifact" else " (128 tokens)") if r["system"] == ZERO else r["label"]
     if superseded and r["system"] != ZERO:
         label += f" [before: {before}]"
-    return {"recipe": "RocketQA" if recipe == "rocketqa" else "ANCE", "system": r["system"], "label": label,
+    return {"recipe": RECIPE_NAMES[recipe], "system": r["system"], "label": label,
             "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero,
             "budget": budget(ds, recipe, r["system"], budget_was) if is_student(r["system"]) or r["system"] == "mc-rerank" else "-",
             "machine": machine(d.get("machine")), "superseded": superseded,
@@ -299,14 +300,14 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
         f = RESULTS / name
         if f.exists():  # bench/seed_mean.py over the config's file and a seed run of its students
             d = json.loads(f.read_text())
-            line = (f"{'RocketQA' if recipe == 'rocketqa' else 'ANCE'}'s config over seeds ({name}: {what}; each query "
+            line = (f"{RECIPE_NAMES[recipe]}'s config over seeds ({name}: {what}; each query "
                     "averaged, paired t-test against zero-shot): " + "; ".join(
                         f"{k} {v['ndcg@10_mean']:.4f} ({v['gain']:+.4f}, {v['seeds']} seeds: "
                         f"{' / '.join(f'{x:.4f}' for x in v['ndcg@10_each'])}, {p_text(v['t_pvalue'])})"
                         for k, v in d["systems"].items()))
             if d.get("pairs"):
                 line += "; against each other: " + "; ".join(
-                    f"{x['system']} - {x['against']} {x['difference']:+.4f} ({p_text(x['t_pvalue'])})" for x in d["pairs"])
+                    f"{x['system']} - {x['against']} {x['mean_diff']:+.4f} ({p_text(x['t_pvalue'])})" for x in d["pairs"])
             out.append(line)
     # the config's GPL student at each seed (bench/gpl_teacher.py, the teacher scoring every candidate)
     seeded = [r for r in trained if r["system"].startswith("gpl-student-every-")]

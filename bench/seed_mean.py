@@ -20,6 +20,7 @@ from pathlib import Path
 
 import harness
 from harness import ROOT
+from paired import every_pair
 from train_dev import per_query_ndcg
 
 ZERO = "dense-"
@@ -65,7 +66,7 @@ def main() -> None:
     # a system trained in one of the runs only (a seed run that stopped at the students, say) has no mean to take
     single = sorted(system for system, seeds in per_seed.items() if len(seeds) < 2)
     rows, out = [], {"store": args.store, "zero_shot": zero_name, "runs": sources, "systems": {},
-                     "one_run_only": single, "pairs": []}
+                     "one_run_only": single}
     z_mean = sum(zero.values()) / len(zero)
     means: dict[str, dict[str, float]] = {}  # system -> each query's nDCG@10 averaged over its seeds
     for system, seeds in per_seed.items():
@@ -86,15 +87,7 @@ def main() -> None:
     if single:
         print(f"in one run only, not averaged: {', '.join(single)}")
     # the trained systems against each other, each query averaged over seeds (is denoising's gain real?)
-    from irflow.stats import paired
-
-    systems, pair_rows = list(means), []
-    for i, a in enumerate(systems):
-        for b in systems[i + 1:]:
-            t = paired(means[a], means[b])
-            out["pairs"].append({"system": b, "against": a, "difference": round(t.mean_diff, 4), "wins": t.wins,
-                                 "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)})
-            pair_rows.append([b, a, f"{t.mean_diff:+.4f}", f"{t.wins} / {t.losses}", f"{t.t_pvalue:.3f}"])
+    out["pairs"], pair_rows = every_pair(means)
     if pair_rows:
         print("the averaged systems against each other:")
         harness.table(["system", "against", "difference", "better / worse", "p"], pair_rows)

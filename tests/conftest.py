@@ -58,8 +58,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByFileSampleRunsTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return "sample-runs" if Path(path).name in SAMPLE_RUN_FILES else path
+            return _unit(super()._split_scope(nodeid))
 
         def schedule(self) -> None:
             # the collection's order (pytest_collection_modifyitems, below), not xdist's most-tests-first
@@ -69,9 +68,15 @@ def pytest_xdist_make_scheduler(config, log):
     return ByFileSampleRunsTogether(config, log)
 
 
+def _unit(path: str) -> str:
+    """A test file's unit of work: "sample-runs" for SAMPLE_RUN_FILES, else its own file name."""
+    name = Path(path).name
+    return "sample-runs" if name in SAMPLE_RUN_FILES else name
+
+
 def _rank(item) -> int:
     """The item's unit's place in LONGEST_FIRST (after them all: not listed)."""
-    unit = "sample-runs" if item.path.name in SAMPLE_RUN_FILES else item.path.name
+    unit = _unit(item.path.name)
     return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
