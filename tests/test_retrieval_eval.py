@@ -321,7 +321,7 @@ def test_queries_without_a_judged_document_in_the_corpus(slice_with_missing_docs
     """Through the stages on real data: keep (the default) evaluates the two queries whose judged
     documents are all missing (0 each) and the metrics and the printed report count them; drop leaves
     them out. A "perfect" run ranks each query's judged documents that exist first."""
-    from irflow.flows.common import Dataset, evaluate_runs
+    from irflow.flows.common import Dataset
     from irflow.tasks.evaluate import EvaluationParams
     from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
     from irflow.tasks.report import format_table, record_metrics
@@ -387,3 +387,53 @@ def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
     out = common.evaluate_runs(run, c, data, runs)
     assert calls == [{"ranking", "qrels", "queries", "corpus"}]  # the recipes give evaluate the corpus
     return out
+
+
+_COMPARE_WITH_PYSERINI = """
+import json, sys
+from irflow.java import LuceneBM25Searcher, setup_pyserini_env
+from irflow.tasks.bm25 import SEARCH_FIELDS
+
+setup_pyserini_env("512m")  # Java 21 before pyserini starts the JVM
+from pyserini.search.lucene import LuceneSearcher
+
+args = json.loads(sys.argv[1])
+out = {}
+for variant, index in args["indexes"].items():
+    ours, theirs = LuceneBM25Searcher(index, "512m"), LuceneSearcher(index)
+    ours.set_bm25(1.2, 0.75)
+    theirs.set_bm25(1.2, 0.75)
+    hits = [s.batch_search(args["texts"], args["qids"], k=20, threads=2, fields=SEARCH_FIELDS[variant])
+            for s in (ours, theirs)]
+    out[variant] = [{q: [(h.docid, h.score) for h in found[q]] for q in args["qids"]} for found in hits]
+print(json.dumps(out))
+"""
+
+
+def test_bm25_searcher_returns_pyserinis_hits_and_scores(tmp_path, scifact_docs):
+    """irflow's searcher calls Anserini's SimpleSearcher without importing pyserini.search.lucene (8.5 s
+    of imports in each search's child process): on a flat and a multi-field index it returns exactly
+    Pyserini's LuceneSearcher.batch_search hits and scores."""
+    import subprocess
+    import sys
+
+    from irflow.tasks.bm25 import BM25IndexParams, bm25_index
+
+    run = Run(str(tmp_path / "store"), "r", runtime=RuntimeConfig(jvm_heap="512m", threads=1))
+    corpus, _ = run.store.publish_table("corpus", "corpus", scifact_docs)
+    indexes = {v: bm25_index.run(run, BM25IndexParams(variant=v), tag=v, corpus=corpus).path
+               for v in ("flat", "multifield")}
+    titles = scifact_docs.column("title").to_pylist()[:12]
+    args = {"indexes": {v: str(p) for v, p in indexes.items()}, "qids": [f"q{i}" for i in range(14)],
+            "texts": titles + ["cancer cells in mice", "zzqxv qqzzvk"]}
+    proc = subprocess.run([sys.executable, "-c", _COMPARE_WITH_PYSERINI, json.dumps(args)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for variant in ("flat", "multifield"):
+        ours, theirs = found[variant]
+        assert ours == theirs, variant
+        assert all(ours[f"q{i}"] for i in range(13)) and ours["q13"] == []
+        assert max(len(hits) for hits in ours.values()) == 20  # k
+    # the two variants search different fields: some score differs
+    assert found["flat"][0] != found["multifield"][0]

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from pydantic import Field, PositiveInt
 
-from irflow.java import anserini_jar, java_binary, pyserini_searcher
+from irflow.java import LuceneBM25Searcher, anserini_jar, java_binary
 from irflow.pairs import candidate_pairs, scored_run
 from irflow.params import Params
 from irflow.processes import die_with_parent
@@ -133,7 +133,7 @@ def _search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: 
     Chunks of 100 queries: every hit Anserini returns carries its stored document, so the JVM's live
     heap is ~queries x hits x document size. 1000 SciFact queries x 1000 hits needed 2.3 GB (stalled
     in GC under the default -Xmx2g); 100 need 0.24 GB, at the same speed (bench/README.md, Memory)."""
-    searcher = pyserini_searcher(index_dir, heap)
+    searcher = LuceneBM25Searcher(index_dir, heap)
     searcher.set_bm25(k1, b)
     cols: dict[str, list] = {"query_id": [], "doc_id": [], "rank": [], "score": []}
     # Like Pyserini's --remove-query: fetch top_k, then drop the query's own id (so <= top_k remain).
