@@ -286,15 +286,13 @@ class Catalog:
                             [run_id, stage, cache_key, r["index"], r["rows"][0], r["rows"][1], r["host"], r["pid"],
                              r["device"], r["seconds"], r["status"]])
 
-    def shards(self, cache_key: str, run_id: str | None = None) -> list[dict]:
-        """The shards a sharded stage was computed in (by the run that computed it, or ``run_id``'s)."""
-        with self.connect() as con:
-            rows = con.execute(
-                "SELECT shard, start_row, stop_row, host, pid, device, seconds, status, run_id FROM shard_runs "
-                "WHERE cache_key = ? AND (? IS NULL OR run_id = ?) ORDER BY run_id, shard",
-                [cache_key, run_id, run_id]).fetchall()
+    @staticmethod
+    def _shards(con, where: str, args: list) -> list[dict]:
+        rows = con.execute(
+            "SELECT shard, start_row, stop_row, host, pid, device, seconds, status, run_id, cache_key FROM shard_runs "
+            f"WHERE {where} ORDER BY run_id, shard", args).fetchall()
         return [{"index": r[0], "rows": [r[1], r[2]], "host": r[3], "pid": r[4], "device": r[5],
-                 "seconds": r[6], "status": r[7], "run_id": r[8]} for r in rows]
+                 "seconds": r[6], "status": r[7], "run_id": r[8], "cache_key": r[9]} for r in rows]
 
     def last_stage_detail(self, stage: str, exclude_run: str | None = None) -> dict | None:
         """The key ingredients of the most recent execution of a stage label (any earlier run)."""
@@ -329,12 +327,14 @@ class Catalog:
                 "WHERE run_id = ? ORDER BY position",
                 [run_id],
             ).fetchall()
+            shards: dict[str, list[dict]] = {}  # the run's shards, read at once (not a connection per stage)
+            for sh in self._shards(con, "run_id = ?", [run_id]):
+                shards.setdefault(sh.pop("cache_key"), []).append({k: v for k, v in sh.items() if k != "run_id"})
         return [
             {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4],
              "runtime": json.loads(r[5]) if r[5] else None, "started": r[7].isoformat() if r[7] else None,
              **({"inputs": json.loads(r[6] or "{}").get("inputs", {})} if with_inputs else {}),
-             "shards": [{k: v for k, v in sh.items() if k != "run_id"} for sh in self.shards(r[4], run_id)]
-             if r[1] == "computed" else []}
+             "shards": shards.get(r[4], []) if r[1] == "computed" else []}
             for r in rows
         ]
 

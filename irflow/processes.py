@@ -129,6 +129,24 @@ def die_with_parent(sig: int = signal.SIGTERM, own_session: bool = False):
     return preexec
 
 
+@contextlib.contextmanager
+def older_objects_frozen():
+    """While a run's stages run, the objects that exist at its start (modules, classes, Prefect's and
+    torch's state, a caller's own objects) are left out of the cyclic garbage collector's scans
+    (``gc.freeze``): ``release_memory``'s collection after each stage then walks only what stages made
+    since. A full collection walked them all: 0.64 s per stage in a GPL sample run (30 stages, 19 s of
+    its 67). Frozen objects are still freed by reference counting; only one in a reference cycle that
+    dies while frozen waits for the unfreeze at the end."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def release_memory() -> None:
     """Give the memory a finished stage freed back to the system. Collects reference cycles, then
     asks glibc to return its free pages (``malloc_trim``): glibc keeps freed memory in its arenas

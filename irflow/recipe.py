@@ -34,7 +34,7 @@ from irflow.errors import ConfigError
 from irflow.follows import Follow, resolve
 from irflow.orchestration import configure
 from irflow.params import Params, explain
-from irflow.processes import check_interrupted
+from irflow.processes import check_interrupted, older_objects_frozen
 from irflow.runtime import RuntimeConfig
 from irflow.stage import Run
 
@@ -253,7 +253,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     try:
         # executor ray: the run's Ray; and its stage calls run at once where they may (irflow.branches:
         # leaving the block waits for every stage and raises the first failure)
-        with _executor(c.runtime), branches_for(run, c.runtime):
+        with older_objects_frozen(), _executor(c.runtime), branches_for(run, c.runtime):
             evaluations = recipe.body(c, run)
         # an evaluation that --to left out has no metrics to report
         rows = report(run, [ev for ev in evaluations if ev["metrics"].kind != PENDING])

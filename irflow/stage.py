@@ -312,7 +312,9 @@ class Stage:
         key = hash_payload(detail)  # = self.key(params, inputs), without dumping the params twice
         clock = _Clock()
 
-        forced = bool({self.name, stage_label} & run.force) or catalog.tainted(run.run_id, input_ids)
+        # taints are recorded only below a forced stage: without --from there are none to look up
+        forced = bool({self.name, stage_label} & run.force) or (bool(run.force)
+                                                                and catalog.tainted(run.run_id, input_ids))
         pending_inputs = any(r.kind == PENDING for v in inputs.values() for r in _as_list(v))
         provenance = None
         if run.dry_run:
