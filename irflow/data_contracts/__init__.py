@@ -11,6 +11,7 @@ is checked without ever being held in memory (see ``irflow.store.write_rows``).
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,14 +35,27 @@ def _num_rows(table: Rows) -> int:
 _LOCAL = threading.local()
 
 
+@contextmanager
+def _one_connection():
+    """One in-memory DuckDB for every check of one validation, closed at its end. Opening one costs
+    ~15-30 ms on 2 cores; a connection per query cost a GPL sample run 7 s (~220 queries). Not one per
+    thread kept open for good: with those, the BM25 indexer's forked child (``subprocess.run`` with a
+    ``preexec_fn``, in a run with executor ray) died with SIGSEGV before it ran Java, in 3 of
+    tests/test_ray.py's runs; closed after each validation, it does not."""
+    con = _LOCAL.con = duckdb.connect()
+    try:
+        yield
+    finally:
+        _LOCAL.con = None
+        con.close()
+
+
 def _query(table: Rows, sql: str) -> list[tuple]:
-    """``sql``'s rows, with ``table`` as ``t``, in this thread's in-memory DuckDB. One connection per
-    thread, not one per check: opening one costs ~30 ms on 2 cores, and a sample run's ~220 checks
-    spent 7 s doing it. Stages run in several threads (Prefect's, executor ray's branches); a DuckDB
-    connection is not for concurrent use."""
+    """``sql``'s rows with ``table`` as ``t``, in the validation's connection (a check called alone: its own)."""
     con = getattr(_LOCAL, "con", None)
     if con is None:
-        con = _LOCAL.con = duckdb.connect()
+        with _one_connection():
+            return _query(table, sql)
     con.register("t", table)
     try:
         return con.execute(sql).fetchall()
@@ -131,7 +145,8 @@ class Contract:
 
     def check(self, table: Rows) -> None:
         """Run the checks over conformed rows (``conform`` first: the checks assume its columns)."""
-        problems = [p for check in self.checks for p in check(table)]
+        with _one_connection():
+            problems = [p for check in self.checks for p in check(table)]
         if problems:
             raise ContractError(f"contract '{self.name}' violated: " + "; ".join(problems))
 
