@@ -2,10 +2,10 @@
 
     .venv/bin/python bench/stage_overhead.py [--reps 3] [--out bench/results/stage_overhead.json]
 
-The slice (SciFact, 8 test queries, 48 passages) and the tiny T5 / bi-encoder / cross-encoders are the
-test suite's GPL sample (tests/conftest.py): every stage of the recipe runs, each on seconds' worth of
-model work, so what is left is what every stage of every run pays: Prefect's task, the catalog,
-contract checks, Parquet, BM25's child process, the garbage collector. Each rep is a cold run in a new
+The slice (SciFact, 8 test queries, 48 passages) and the tiny T5 / bi-encoder / cross-encoder are the
+test suite's GPL sample (``irflow.testing.gpl_sample_config``): every stage of the recipe runs, each on
+seconds' worth of model work, so what is left is what every stage of every run pays: Prefect's task, the
+catalog, contract checks, Parquet, BM25's child process, the garbage collector. Each rep is a cold run in a new
 store through ``irflow.api.run`` (Prefect's temporary server, as ``irflow run``), one after another in
 one process. Prints and writes: wall and flow seconds per rep, and per stage its median seconds.
 
@@ -23,29 +23,7 @@ import tempfile
 from pathlib import Path
 
 import harness
-import yaml
 from harness import DATASETS, ROOT
-
-
-def sample_config(root: Path) -> Path:
-    from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
-
-    data = beir_slice(DATASETS / "scifact.zip", root / "slice", n_test_queries=8, n_extra_docs=40, seed=5)
-    t5, bi = make_tiny_t5(root / "t5"), make_tiny_bi_encoder(root / "bi", normalize=True)
-    ce = make_tiny_cross_encoder(root / "ce", seed=0)
-    cfg = {"flow": "gpl", "dataset": {"name": "slice", "source": str(data), "split": "test"},
-           "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16, "max_length": 12},
-           "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
-                    "depth": 10},
-           "teacher": {"type": "cross_encoder", "model": str(ce), "batch_size": 16, "max_length": 64},
-           "label": {"negatives_per_positive": 1},
-           "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 48,
-                     "warmup_steps": 1, "steps": 3, "checkpoint_every": 2, "qgen": {"steps": 2}},
-           "bm25": {"variants": ["flat"], "depth": 100}, "dense": {"batch_size": 32, "depth": 100},
-           "runtime": {"threads": 1}}
-    config = root / "gpl.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    return config
 
 
 def main() -> None:
@@ -56,10 +34,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     import irflow
+    from irflow.testing import gpl_sample_config
 
     harness.log(f"commit {commit}, irflow from {Path(irflow.__file__).parent}")
     with tempfile.TemporaryDirectory(prefix="stage-overhead-") as tmp:
-        config = sample_config(Path(tmp))
+        config = gpl_sample_config(Path(tmp), DATASETS / "scifact.zip")
         reps = []
         for i in range(args.reps):
             t = harness.run(config, store=Path(tmp) / f"store-{i}")

@@ -160,6 +160,37 @@ def beir_slice(zip_path: str | Path, out_dir: str | Path, *, n_test_queries: int
     return out_dir
 
 
+def gpl_sample_config(root: str | Path, scifact_zip: str | Path) -> Path:
+    """GPL on a real SciFact slice (8 test queries, 48 passages) with tiny local models in place of the
+    paper's hub models (a T5 generator, a bi-encoder, a cross-encoder teacher): every stage of the recipe
+    on seconds of model work. Writes the slice, the models and ``gpl.yaml`` under ``root``; returns the
+    config's path. The test suite's GPL sample run (tests/conftest.py) and bench/stage_overhead.py."""
+    import yaml
+
+    root = Path(root)
+    data = beir_slice(scifact_zip, root / "slice", n_test_queries=8, n_extra_docs=40, seed=5)
+    t5, bi = make_tiny_t5(root / "t5"), make_tiny_bi_encoder(root / "bi", normalize=True)
+    ce = make_tiny_cross_encoder(root / "ce-a", seed=0)
+    cfg = {
+        "flow": "gpl",
+        "dataset": {"name": "slice", "source": str(data), "split": "test"},
+        "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
+                     "max_length": 12},
+        "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
+                 "depth": 10},
+        "teacher": {"type": "cross_encoder", "model": str(ce), "batch_size": 16, "max_length": 64},
+        "label": {"negatives_per_positive": 1},
+        "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 48, "warmup_steps": 1,
+                  "steps": 3, "checkpoint_every": 2, "qgen": {"steps": 2}},
+        "bm25": {"variants": ["flat"], "depth": 100},
+        "dense": {"batch_size": 32, "depth": 100},
+        "runtime": {"threads": 1},
+    }
+    config = root / "gpl.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
 def ingest_folder(run, source, dangling_qrels: str = "drop") -> dict:
     """Ingest a BEIR folder or zip with ``run`` (a ``irflow.stage.Run``): {corpus, queries, qrels} refs."""
     from irflow.tasks.ingest import IngestParams, ingest_beir, source_ref

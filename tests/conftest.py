@@ -17,8 +17,8 @@ import pytest  # noqa: E402
 
 import yaml  # noqa: E402
 
-from irflow.testing import (SHARED_DATASETS, beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder,  # noqa: E402
-                            make_tiny_t5)
+from irflow.testing import (SHARED_DATASETS, beir_slice, gpl_sample_config, make_tiny_bi_encoder,  # noqa: E402
+                            make_tiny_cross_encoder)
 
 
 def pytest_sessionstart(session):
@@ -112,28 +112,8 @@ def prefect_harness():
 def gpl_sample(tmp_path_factory, shared_datasets, prefect_harness):
     """GPL on a real SciFact slice with tiny local models in place of the paper's hub models: config and store."""
     root = tmp_path_factory.mktemp("gpl")
-    data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=8, n_extra_docs=40, seed=5)
-    t5 = make_tiny_t5(root / "t5")
-    bi = make_tiny_bi_encoder(root / "bi", normalize=True)
-    ce_a = make_tiny_cross_encoder(root / "ce-a", seed=0)
+    config = gpl_sample_config(root, shared_datasets / "scifact.zip")
     ce_b = make_tiny_cross_encoder(root / "ce-b", seed=1)
-    cfg = {
-        "flow": "gpl",
-        "dataset": {"name": "slice", "source": str(data), "split": "test"},
-        "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
-                     "max_length": 12},
-        "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
-                 "depth": 10},
-        "teacher": {"type": "cross_encoder", "model": str(ce_a), "batch_size": 16, "max_length": 64},
-        "label": {"negatives_per_positive": 1},
-        "train": {"model": str(bi), "similarity": "dot", "batch_size": 8, "max_seq_length": 48, "warmup_steps": 1,
-                  "steps": 3, "checkpoint_every": 2, "qgen": {"steps": 2}},
-        "bm25": {"variants": ["flat"], "depth": 100},
-        "dense": {"batch_size": 32, "depth": 100},
-        "runtime": {"threads": 1},
-    }
-    config = root / "gpl.yaml"
-    config.write_text(yaml.safe_dump(cfg))
     return {"config": config, "store": root / "store", "ce_b": ce_b}
 
 
