@@ -74,8 +74,8 @@ CONFIG_FROM = {"nfcorpus": {"ance": ("train_dev_ance_nfcorpus_offline_test_460.j
 # bench/seed_mean.py over a config's rows at more than one seed (CONFIG_FROM's file and a students-only seed run):
 # (file, what was run again)
 CONFIG_SEED_MEAN = {"nfcorpus": {"rocketqa": ("seed_mean_rocketqa_nfcorpus_offline_test_114.json",
-                                              "dual_encoder.seed 42 and 43 for M_D0 and + BM25 negatives, student.seed 42 and 43 for the "
-                                              "students (both on seed 42's M_D0, M_C and lists)")}}
+                                              "dual_encoder.seed 42-44 for M_D0 and + BM25 negatives, student.seed 42-44 for the "
+                                              "students (all on seed 42's M_D0, M_C and lists)")}}
 # what seed_mean_<ds>.json's seeds were trained with, where a config has moved on since
 SEED_MEAN_NOTE = {"nfcorpus": "; 40 steps a model: RocketQA's and ANCE's configs before"}
 RECIPE_NAMES = {"rocketqa": "RocketQA", "ance": "ANCE"}  # bench/rocketqa.py's and train_dev.py's recipes, as rows name them
