@@ -286,14 +286,6 @@ class Catalog:
                             [run_id, stage, cache_key, r["index"], r["rows"][0], r["rows"][1], r["host"], r["pid"],
                              r["device"], r["seconds"], r["status"]])
 
-    @staticmethod
-    def _shards(con, where: str, args: list) -> list[dict]:
-        rows = con.execute(
-            "SELECT shard, start_row, stop_row, host, pid, device, seconds, status, run_id, cache_key FROM shard_runs "
-            f"WHERE {where} ORDER BY run_id, shard", args).fetchall()
-        return [{"index": r[0], "rows": [r[1], r[2]], "host": r[3], "pid": r[4], "device": r[5],
-                 "seconds": r[6], "status": r[7], "run_id": r[8], "cache_key": r[9]} for r in rows]
-
     def last_stage_detail(self, stage: str, exclude_run: str | None = None) -> dict | None:
         """The key ingredients of the most recent execution of a stage label (any earlier run)."""
         with self.connect() as con:
@@ -328,8 +320,10 @@ class Catalog:
                 [run_id],
             ).fetchall()
             shards: dict[str, list[dict]] = {}  # the run's shards, read at once (not a connection per stage)
-            for sh in self._shards(con, "run_id = ?", [run_id]):
-                shards.setdefault(sh.pop("cache_key"), []).append({k: v for k, v in sh.items() if k != "run_id"})
+            for r in con.execute("SELECT cache_key, shard, start_row, stop_row, host, pid, device, seconds, status "
+                                 "FROM shard_runs WHERE run_id = ? ORDER BY shard", [run_id]).fetchall():
+                shards.setdefault(r[0], []).append({"index": r[1], "rows": [r[2], r[3]], "host": r[4], "pid": r[5],
+                                                    "device": r[6], "seconds": r[7], "status": r[8]})
         return [
             {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4],
              "runtime": json.loads(r[5]) if r[5] else None, "started": r[7].isoformat() if r[7] else None,
