@@ -131,6 +131,28 @@ def test_ance_adding_a_round_computes_that_round_and_its_evaluation_only(setup):
     assert stage["encode_corpus[ance-r3-train]"].dataset_id == stage["encode_corpus[ance-round2]"].dataset_id
 
 
+def test_ance_control_trains_the_rounds_on_the_warmup_negatives_without_a_refresh(setup):
+    refreshed = run(setup, "ance")
+    control = run(setup, "ance", "round.negatives=warmup")
+    # No index refresh: no train-query retrieval, no mining of a model's list; the warm-up is reused.
+    refresh = {f"{stage}[ance-r{r}{suffix}]" for r in (1, 2)
+               for stage, suffix in (("encode_corpus", "-train"), ("dense_search", "-train"), ("mine_negatives", ""))}
+    assert refresh <= {s.name for s in refreshed.stages}
+    assert not refresh & {s.name for s in control.stages}
+    assert "train_dual_encoder[ance-warmup]" in control.cached
+    assert {"train_dual_encoder[ance-round1]", "train_dual_encoder[ance-round2]"} <= control.computed
+    assert {m["system"] for m in control.metrics} == {m["system"] for m in refreshed.metrics}
+    # Each round reads the warm-up's BM25 negatives, and continues from the previous round's model.
+    plan = {s.name: s for s in api.status(setup["ance"], ["round.negatives=warmup"], store=setup["store"])}
+    bm25_negatives = plan["mine_negatives[bm25]"].outputs["negatives"]
+    for r, previous in ((1, "ance-warmup"), (2, "ance-round1")):
+        stage = plan[f"train_dual_encoder[ance-round{r}]"]
+        assert stage.inputs["negatives"] == [bm25_negatives]
+        assert stage.inputs["base_model"] == [plan[f"train_dual_encoder[{previous}]"].outputs["model"]]
+    assert refreshed.stage("train_dual_encoder[ance-round1]").outputs["model"] != \
+        control.stage("train_dual_encoder[ance-round1]").outputs["model"]
+
+
 # ---- data stages on real tables ---------------------------------------------------------------------
 def test_denoise_walks_ranks_with_quota_threshold_and_fill():
     p = DenoiseParams(negative_threshold=0.1,

@@ -10,7 +10,9 @@
 ANCE refreshes its index asynchronously (an inference job re-encodes the corpus every 10k training
 steps while the trainer goes on); here the rounds are synchronous, as Tevatron reproduces it. Each
 round's stages are keyed on the previous round's model: raising ``rounds`` from 2 to 3 computes
-round 3 and its evaluation only.
+round 3 and its evaluation only. ``round.negatives: warmup`` is the control that tells the refresh's
+gain from more training: the same rounds, continued from the same models, on the warm-up's BM25
+negatives.
 """
 
 # No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
@@ -51,6 +53,10 @@ class RoundConfig(HardNegativeTraining):
     init: Literal["previous", "base"] = Field("previous", description="previous: continue from the last round's "
                                                                       "model (ANCE); base: retrain from base_model "
                                                                       "(Tevatron's cheap reproduction)")
+    negatives: Literal["refreshed", "warmup"] = Field(
+        "refreshed", description="refreshed: each round mines the current model's own top `depth` (ANCE); "
+                                 "warmup: each round trains on the warm-up's BM25 negatives again, no refresh "
+                                 "(the control: as many steps, from the same models, without the new index)")
 
     @model_validator(mode="after")
     def _ranks(self):
@@ -112,9 +118,12 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
 
     # Rounds: the current model's own top 200 become the next negatives.
     for r in range(1, c.rounds + 1):
-        top = retrieve(run, c.dense, data, model, train_q, c.round.depth, tag=f"ance-r{r}-train")
-        negatives = mine_negatives(run, round_negative_mining(c.round, r), tag=f"ance-r{r}", rankings=[top],
-                                   qrels=data.qrels)
+        if c.round.negatives == "refreshed":
+            top = retrieve(run, c.dense, data, model, train_q, c.round.depth, tag=f"ance-r{r}-train")
+            negatives = mine_negatives(run, round_negative_mining(c.round, r), tag=f"ance-r{r}", rankings=[top],
+                                       qrels=data.qrels)
+        else:  # the control: is it the refresh that helps, or only the longer training?
+            negatives = bm25_negatives
         model = train_dual_encoder(run, c.round.to(TrainDualEncoderParams), tag=f"ance-round{r}",
                                    queries=[train_q], corpus=data.corpus,
                                    base_model=model if c.round.init == "previous" else base, qrels=[data.qrels],
