@@ -107,7 +107,7 @@ def run(fn: Callable[[dict, StageRuntime], None], job: dict, rt: StageRuntime, p
 
 
 def _torchrun(spec: Path, processes: int, threads: int) -> None:
-    from irflow.processes import die_with_parent
+    from irflow.processes import dying_with_parent
 
     # OMP_NUM_THREADS: torchrun would otherwise set 1; the processes share the stage's threads.
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -116,8 +116,8 @@ def _torchrun(spec: Path, processes: int, threads: int) -> None:
     log_path = spec.with_name("torchrun.log")  # the whole output, beside the job, whatever happened
     for attempt in (1, 2):
         log.info("training on %d processes: %s", processes, " ".join(cmd[2:]))
-        proc = subprocess.run(cmd, env=env, preexec_fn=die_with_parent(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+        argv, dying = dying_with_parent(cmd)
+        proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **dying)
         log_path.write_text(proc.stdout)
         if proc.returncode == 0:
             break

@@ -3,9 +3,9 @@
 A run killed with ``kill -9`` gets no chance to clean up, so the cleaning is arranged beforehand or
 done by the next process:
 
-- children (Prefect's temporary API server, the Java indexer) are started with Linux's
-  parent-death signal (``prctl(PR_SET_PDEATHSIG)``): the kernel signals them when the thread that
-  started them dies, however it dies;
+- children (Prefect's temporary API server, the Java indexer, torchrun, a local Ray cluster) are
+  started with Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``, set by ``setpriv`` before it
+  execs the child): the kernel signals them when the thread that started them dies, however it dies;
 - staging dirs are named ``tmp/<pid>-<uuid>``; a later run (or ``irflow gc``) removes those of
   processes that no longer exist;
 - the run row of a dead process is marked ``interrupted`` by the next run (see Catalog.start_run);
@@ -22,6 +22,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,21 +113,33 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def die_with_parent(sig: int = signal.SIGTERM, own_session: bool = False):
-    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it dies (Linux).
-    Elsewhere it does nothing (and children may outlive a killed run). ``own_session``: the child
-    does not get the terminal's Ctrl-C (its parent stops it when the parent is done)."""
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """This process gets ``sig`` when the thread that started it dies (Linux; elsewhere nothing).
+    For a child that runs Python anyway (a spawned pool's initializer)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
-    def preexec() -> None:
-        if own_session:
-            os.setsid()
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
 
-    return preexec
+def dying_with_parent(cmd: list[str], sig: int = signal.SIGTERM,
+                      own_session: bool = False) -> tuple[list[str], dict]:
+    """``cmd`` and the Popen keywords that start it so that it gets ``sig`` when the thread that
+    starts it dies, however that thread dies (Linux). ``own_session``: the child does not get the
+    terminal's Ctrl-C (its parent stops it when the parent is done).
+
+    Through util-linux's ``setpriv --pdeathsig``, which sets the signal and execs ``cmd``, so that no
+    Python runs in the forked child. A ``preexec_fn`` would, between fork and exec, in a copy of a
+    process that has threads (Ray's, Prefect's, a run's branches): a lock another thread held at the
+    fork (the loader's, the allocator's) stays held in the child for good. Where setpriv is missing,
+    that ``preexec_fn`` is the fallback."""
+    kwargs: dict = {"start_new_session": True} if own_session else {}
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if setpriv:
+        name = signal.Signals(sig).name.removeprefix("SIG")
+        return [setpriv, "--pdeathsig", name, "--", *map(str, cmd)], kwargs
+    return list(cmd), {**kwargs, "preexec_fn": lambda: set_parent_death_signal(sig)}
 
 
 @contextlib.contextmanager
@@ -223,11 +236,11 @@ def start_prefect_server(prefect_home: Path) -> None:
         return
     real_popen = subprocess.Popen
 
-    def popen(*args, **kwargs):
+    def popen(args, **kwargs):
         # Its own session: a Ctrl-C meant for the run must not take the server down under it (the
         # run would then hang retrying its API calls); the run stops it on the way out (atexit).
-        kwargs.setdefault("preexec_fn", die_with_parent(signal.SIGTERM, own_session=True))
-        return real_popen(*args, **kwargs)
+        args, extra = dying_with_parent(args, signal.SIGTERM, own_session=True)
+        return real_popen(args, **{**extra, **kwargs})
 
     with file_lock(Path(prefect_home) / "irflow-server-start.lock",
                    waiting="prefect: waiting for another run's temporary Prefect server to start"):

@@ -93,11 +93,11 @@ def _free_port() -> int:
 def local_cluster(cpus: int, gpus: int):
     """A Ray cluster on this machine for as long as the block runs (and not a moment after the run's
     process dies). Yields its address."""
-    from irflow.processes import die_with_parent
+    from irflow.processes import dying_with_parent
 
-    proc = subprocess.Popen([sys.executable, "-m", "irflow.ray_cluster", str(cpus), str(gpus)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            preexec_fn=die_with_parent(signal.SIGTERM, own_session=True))
+    argv, dying = dying_with_parent([sys.executable, "-m", "irflow.ray_cluster", str(cpus), str(gpus)],
+                                    signal.SIGTERM, own_session=True)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **dying)
     try:
         line = proc.stdout.readline().strip()
         if not line.startswith("address "):

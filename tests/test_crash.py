@@ -267,3 +267,37 @@ def test_a_ctrl_c_landing_outside_the_run_is_still_one_line_and_130(where, monke
         sys.unraisablehook = hook
     assert code == 130
     assert capsys.readouterr().err.splitlines()[-1:] == ["irflow: error: interrupted"]
+
+
+@pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "preexec-fallback"])
+@pytest.mark.parametrize("own_session", [False, True])
+def test_a_child_dies_when_the_thread_that_started_it_ends(setpriv, own_session, monkeypatch):
+    """What a kill -9 of a run relies on (the indexer, torchrun, a Ray cluster, the Prefect server):
+    the kernel signals the child when its starting thread is gone. With setpriv no Python runs in the
+    forked child; without it (not Linux's util-linux) a preexec_fn sets the signal."""
+    import shutil
+
+    from irflow import processes
+
+    if not setpriv:
+        monkeypatch.setattr(shutil, "which", lambda name: None)
+    started, release = {}, threading.Event()
+
+    def start():
+        argv, kwargs = processes.dying_with_parent(["sleep", "60"], signal.SIGKILL, own_session=own_session)
+        started["argv"], started["kwargs"] = argv, kwargs
+        started["p"] = p = subprocess.Popen(argv, **kwargs)
+        started["sid"] = os.getsid(p.pid)
+        release.wait(10)  # the thread lives on until released: the child with it
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    time.sleep(0.5)
+    p = started["p"]
+    assert p.poll() is None  # alive while its thread is
+    assert (started["sid"] == p.pid) is own_session  # its own session: the terminal's Ctrl-C is not for it
+    assert ("preexec_fn" in started["kwargs"]) is not setpriv
+    assert (started["argv"][1:4] == ["--pdeathsig", "KILL", "--"]) is setpriv
+    release.set()
+    thread.join()
+    assert p.wait(timeout=10) == -signal.SIGKILL

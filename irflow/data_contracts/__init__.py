@@ -41,7 +41,8 @@ def _one_connection():
     ~15-30 ms on 2 cores; a connection per query cost a GPL sample run 7 s (~220 queries). Not one per
     thread kept open for good: with those, the BM25 indexer's forked child (``subprocess.run`` with a
     ``preexec_fn``, in a run with executor ray) died with SIGSEGV before it ran Java, in 3 of
-    tests/test_ray.py's runs; closed after each validation, it does not."""
+    tests/test_ray.py's runs; closed after each validation, it does not. (Children no longer run a
+    ``preexec_fn``: ``irflow.processes.dying_with_parent``.)"""
     con = _LOCAL.con = duckdb.connect()
     try:
         yield

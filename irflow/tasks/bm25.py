@@ -29,7 +29,7 @@ from pydantic import Field, PositiveInt
 from irflow.java import LuceneBM25Searcher, anserini_jar, java_binary
 from irflow.pairs import candidate_pairs, scored_run
 from irflow.params import Params
-from irflow.processes import die_with_parent
+from irflow.processes import dying_with_parent, set_parent_death_signal
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef, parquet_batches
@@ -101,7 +101,8 @@ def bm25_index(p: BM25IndexParams, rt: StageRuntime, *, corpus: DatasetRef) -> P
     cmd = index_command(collection_dir, index_dir, p.variant, rt.threads, rt.jvm_heap)
     t0 = time.perf_counter()
     # SIGKILL when this stage's thread dies: a killed run leaves no indexer writing into tmp/
-    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=die_with_parent(signal.SIGKILL))
+    cmd, dying = dying_with_parent(cmd, signal.SIGKILL)
+    proc = subprocess.run(cmd, capture_output=True, text=True, **dying)
     if proc.returncode != 0 or not index_dir.exists():
         raise RuntimeError(f"Anserini indexing failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     log.info("bm25 %s index of %d docs in %.1fs", p.variant, num_docs, time.perf_counter() - t0)
@@ -123,7 +124,7 @@ def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: f
 
 
 def _dies_with_parent() -> None:
-    die_with_parent()()
+    set_parent_death_signal()
 
 
 def _search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: float, top_k: int,
