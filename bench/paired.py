@@ -8,7 +8,9 @@ first, or ``--variant``) from the store, takes every system's per-query nDCG@10 
 outputs (as the report page reads them), and runs ``irflow.stats.paired`` on every ordered pair of systems
 in the file's order: the mean difference, the queries where the later system is better / worse, and the
 paired t-test's p. Used to say whether ANCE's round 1 beats its warm-up (the refresh's direction), or a
-student beats BM25, beyond chance. Prints a table and writes JSON.
+student beats BM25, beyond chance. ``--with`` adds another file's run in the same store (its systems that
+differ, named '<variant>: <system>'): ANCE's rounds against the control trained without a refresh
+(``round.negatives=warmup``). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -36,25 +38,40 @@ def every_pair(per_query: dict[str, dict[str, float]]) -> tuple[list[dict], list
     return pairs, rows
 
 
+def variant(file: str, name: str | None) -> dict:
+    """The variant ``name`` (default: the first) of a train_dev.py result file."""
+    d = json.loads(Path(file).read_text())
+    v = next((v for v in d["variants"] if name in (None, v["name"])), None)
+    if v is None:
+        raise SystemExit(f"{file}: no variant {name!r} (it has: {[x['name'] for x in d['variants']]})")
+    return v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", help="a bench/train_dev.py result file")
     ap.add_argument("--store", required=True, help="the store its runs are in")
     ap.add_argument("--variant", default=None, help="the variant's name (default: the file's first)")
+    ap.add_argument("--with", dest="other", default=None,
+                    help="another train_dev.py result file whose first variant ran in the same store: its systems "
+                         "that differ from this run's join as '<variant>: <system>' (a control's rounds against "
+                         "the rounds)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    d = json.loads(Path(args.file).read_text())
-    v = next((v for v in d["variants"] if args.variant in (None, v["name"])), None)
-    if v is None:
-        raise SystemExit(f"{args.file}: no variant {args.variant!r} (it has: {[x['name'] for x in d['variants']]})")
+    v = variant(args.file, args.variant)
     per_query = per_query_ndcg(Path(args.store), v["run_id"])
-    pairs, rows = every_pair({s: per_query[s] for s in v["metrics"] if s in per_query})
+    systems = {s: per_query[s] for s in v["metrics"] if s in per_query}
+    if args.other:
+        w = variant(args.other, None)
+        theirs = per_query_ndcg(Path(args.store), w["run_id"])
+        systems |= {f"{w['name']}: {s}": theirs[s] for s in w["metrics"] if s in theirs and theirs[s] != systems.get(s)}
+    pairs, rows = every_pair(systems)
     print(f"{v['name']} ({v['run_id']}), nDCG@10 over {len(next(iter(per_query.values())))} queries:")
     harness.table(["system", "against", "difference", "better / worse", "p"], rows)
     out = Path(args.out or Path(args.file).with_name("paired_" + Path(args.file).name.removeprefix("train_dev_")))
     harness.write_json(out, {"file": Path(args.file).name, "store": args.store, "variant": v["name"],
-                             "run_id": v["run_id"], "pairs": pairs})
+                             "run_id": v["run_id"], "with": args.other and Path(args.other).name, "pairs": pairs})
     print(f"wrote {out}")
 
 
