@@ -9,7 +9,8 @@ them), averages each query over the seeds, and compares that mean with the zero-
 nDCG@10 (the same in every seed: nothing trained) by ``irflow.stats.paired``: wins / losses and the paired
 t-test's p over the queries. Averaging over seeds takes out the seed's share of each query's variance,
 so a gap that holds at every seed shows more clearly than in any one run; it says nothing about seeds
-not run. Prints a table and writes JSON.
+not run. ``--arm key=value`` keeps the runs that set that override apart (ANCE's control without a refresh
+against its rounds, each averaged over its own seeds). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", help="train_dev.py result files (variants = seeds)")
     ap.add_argument("--store", required=True, help="the store the runs are in")
+    ap.add_argument("--arm", action="append", default=[],
+                    help="an override (key=value) that makes a second arm: the systems of the variants that set "
+                         "it are named '<system> [key=value]' and averaged apart (a control against the method, "
+                         "e.g. round.negatives=warmup)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -51,6 +56,7 @@ def main() -> None:
         d = json.loads(Path(f).read_text())
         for v in d["variants"]:
             sources.append({"file": Path(f).name, "variant": v["name"], "sets": v["sets"], "run_id": v["run_id"]})
+            arm = "".join(f" [{a}]" for a in args.arm if a in v["sets"])
             for system, values in per_query_ndcg(Path(args.store), v["run_id"]).items():
                 if system.startswith(ZERO):
                     if zero is not None and values != zero:
@@ -60,7 +66,7 @@ def main() -> None:
                 elif system.startswith(("bm25", "hybrid", "fusion", "mc-rerank")):
                     continue  # untrained rows: the same at every seed
                 else:
-                    per_seed.setdefault(system, []).append(values)
+                    per_seed.setdefault(system + arm, []).append(values)
     if zero is None:
         raise SystemExit("no zero-shot row in these runs")
     # a system trained in one of the runs only (a seed run that stopped at the students, say) has no mean to take
