@@ -118,13 +118,10 @@ def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: f
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_dies_with_parent) as pool:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=set_parent_death_signal) as pool:
         return pool.submit(_search, index_dir, qids, texts, k1=k1, b=b, top_k=top_k, fields=fields,
                            remove_query=remove_query, threads=threads, batch_size=batch_size, heap=heap).result()
-
-
-def _dies_with_parent() -> None:
-    set_parent_death_signal()
 
 
 def _search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: float, top_k: int,
@@ -178,7 +175,8 @@ def score_pairs(index_dir: str, pairs: list[tuple[str, str]], qtext: dict[str, s
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_dies_with_parent) as pool:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=set_parent_death_signal) as pool:
         return pool.submit(_score_pairs, index_dir, pairs, qtext, k1=k1, b=b, heap=heap).result()
 
 
