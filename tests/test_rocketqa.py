@@ -88,6 +88,47 @@ def test_cross_encoder_lr_recomputes_from_m_c_onward(setup):
                           "evaluate[bm25-flat]", "evaluate[md0]"}
 
 
+def test_m_c_fused_with_m_d0_is_the_weighted_sum_of_their_z_scores_over_the_re_ranked_top(setup):
+    """cross_encoder.rerank_md0_weight adds one fuse and one evaluate (M_C and M_D0 reused); per query
+    the fused order is w z(M_D0) + (1 - w) z(M_C) over the passages M_C re-ranked."""
+    import pyarrow.parquet as pq
+
+    from irflow.store import TABLE_FILE, Store
+
+    run(setup, "rocketqa")
+    result = run(setup, "rocketqa", "cross_encoder.rerank_md0_weight=0.3")
+    assert result.computed == {"fuse[mc-rerank-fused]", "evaluate[mc-rerank-fused]"}
+    assert "mc-rerank-fused" in {m["system"] for m in result.metrics}
+    store = Store(setup["store"])
+    depth = api.load_config(setup["rocketqa"], []).cross_encoder.rerank.depth
+
+    def rows(stage):
+        t = pq.read_table(store.object_dir(result.stage(stage).outputs["run"]) / TABLE_FILE).to_pylist()
+        by_q = {}
+        for r in t:
+            if r["rank"] <= depth:
+                by_q.setdefault(r["query_id"], {})[r["doc_id"]] = r["score"]
+        return by_q
+
+    md0, mc, fused = rows("dense_search[md0]"), rows("rerank[mc]"), rows("fuse[mc-rerank-fused]")
+    assert fused.keys() == mc.keys() and len(fused) > 5
+
+    def z(scores, docs):
+        v = np.array([scores[d] for d in docs], dtype=np.float64)
+        return (v - v.mean()) / v.std() if v.std() > 0 else np.zeros_like(v)
+
+    moved = 0
+    for q, got in fused.items():
+        docs = sorted(mc[q])
+        assert set(got) == set(docs) == set(md0[q])  # the same candidates, none added or lost
+        want = 0.3 * z(md0[q], docs) + 0.7 * z(mc[q], docs)
+        np.testing.assert_allclose([got[d] for d in docs], want, atol=1e-4)
+        moved += [d for d in sorted(got, key=got.get, reverse=True)] != sorted(mc[q], key=mc[q].get, reverse=True)
+    assert moved  # the fusion changed some query's order: it is not M_C's ranking under another name
+    code, _, err = cli("config", setup["rocketqa"], "--set", "cross_encoder.rerank_md0_weight=1.5")
+    assert code == 2 and "cross_encoder.rerank_md0_weight" in err and "Traceback" not in err
+
+
 def test_denoise_outputs_are_consistent(setup):
     import pyarrow.parquet as pq
 

@@ -6,6 +6,7 @@
        │              M_D0 retrieves the train queries' top 1000 (encode_corpus + dense_search)
        │                                   │
        ├──train_cross_encoder (positives + negatives from M_D0's top k) ──> M_C ──rerank test top-100──> "mc-rerank"
+       │                                   │          (optionally fused with M_D0's own scores: "mc-rerank-fused")
        │                                   │
        │  score_candidates (M_C, or the BM25 + M_D0 fusion, reads M_D0's top 50) ──> denoise (p < 0.1 -> negative)
        │                                   │
@@ -48,6 +49,7 @@ from irflow.stage import Run
 from irflow.store import DatasetRef
 from irflow.tasks.augment import AUGMENTED_SPLIT, AugmentParams, AugmentSettings, augment
 from irflow.tasks.denoise import DenoiseParams, denoise
+from irflow.tasks.fuse import FuseParams, fuse
 from irflow.tasks.generate_queries import CropSource, ICTSource, UnlabelledSource, generate_queries
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.rerank import RerankParams, RerankSettings, rerank
@@ -87,6 +89,13 @@ class CrossEncoderConfig(TrainCrossEncoderParams):
                                                  "positives excluded (RocketQA: 1000)")
     rerank: RerankSettings = Field(RerankSettings(), description="M_C evaluated as a re-ranker of M_D0's test "
                                                                  "top-n (system mc-rerank)")
+    rerank_md0_weight: float | None = Field(
+        None, ge=0, le=1, description="also evaluate mc-rerank-fused: M_C's scores and M_D0's own over the same "
+                                      "re-ranked top-n, z-scored per query, summed with this weight on M_D0 and 1 - w "
+                                      "on M_C (null: not evaluated). A cross-encoder fine-tuned on a few hundred "
+                                      "labelled queries from a bi-encoder's body re-ranks below M_D0 alone, yet "
+                                      "disagrees with it usefully: interpolating the two is the usual remedy "
+                                      "(bench/README.md, choose w on a dev cut with bench/train_dev.py)")
 
     def scoring(self) -> CrossEncoderTeacher:
         """How M_C scores pairs (denoising, augmentation): at the length it was trained on, quantised as
@@ -386,6 +395,12 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
     runs = test_runs(run, c, data, base, systems)
     runs["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), tag="mc",
                                ranking=runs["md0"], queries=data.test_queries, corpus=data.corpus, model=cross_encoder)
+    if (w := c.cross_encoder.rerank_md0_weight) is not None:
+        # Both normalised over the same candidates: M_D0's list cut to the depth M_C re-ranked.
+        depth = c.cross_encoder.rerank.depth
+        runs["mc-rerank-fused"] = fuse(run, FuseParams(weights={"md0": w, "mc-rerank": 1 - w}, input_depth=depth,
+                                                       depth=depth, system="mc-rerank-fused"),
+                                       tag="mc-rerank-fused", rankings=[runs["md0"], runs["mc-rerank"]])
     return evaluate_runs(run, c.evaluate, data, runs)
 
 
