@@ -1,4 +1,4 @@
-"""Training losses for bi-encoders, in the sentence-transformers style.
+"""Training losses for bi-encoders (and one for cross-encoders), in the sentence-transformers style.
 
 Each loss is an ``nn.Module`` that can either embed tokenized inputs with a model
 (``loss(features, labels)``, as sentence-transformers losses do) or take embeddings that were
@@ -281,3 +281,25 @@ class ListwiseDistillationLoss(nn.Module):
         student = torch.einsum("bd,bmd->bm", q, candidates) * self.scale
         teacher = F.log_softmax(teacher_scores.float() / self.temperature, dim=-1)
         return F.kl_div(F.log_softmax(student, dim=-1), teacher, log_target=True, reduction="batchmean")
+
+
+# ---- cross-encoders --------------------------------------------------------------------------------
+class LocalizedContrastiveLoss(nn.Module):
+    """Softmax cross-entropy over groups of a cross-encoder's logits, each group one positive (first)
+    and its hard negatives from the retriever's top list.
+
+    Gao, Dai, Callan (ECIR 2021), "Rethink Training of BERT Rerankers in Multi-Stage Retrieval
+    Pipeline" (arXiv:2101.08751): Localized Contrastive Estimation (LCE). For a group with logits
+    ``s_0`` (the positive) and ``s_1..s_m`` (its negatives):
+
+        loss = -log( exp(s_0) / sum_j exp(s_j) )        (mean over groups)
+
+    Only differences within a group are learnt, so unlike binary cross-entropy the logits carry no
+    label prior to fall back on, and they are not probabilities. Groups may be ragged: a padded slot
+    holds ``-inf`` and takes no probability.
+    """
+
+    def forward(self, logits: Tensor) -> Tensor:
+        """logits: (groups, members), the positive in column 0."""
+        logits = logits.float()
+        return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))

@@ -129,6 +129,20 @@ def test_m_c_fused_with_m_d0_is_the_weighted_sum_of_their_z_scores_over_the_re_r
     assert code == 2 and "cross_encoder.rerank_md0_weight" in err and "Traceback" not in err
 
 
+def test_a_listwise_m_c_never_thresholds_raw_logits(setup):
+    """A listwise cross-encoder's logits are not probabilities: denoising by M_C needs Platt calibration,
+    and augmentation (which thresholds M_C's sigmoid) needs another first teacher or none."""
+    listwise = ["cross_encoder.loss=listwise", "denoise.teachers=[cross_encoder, fusion]"]
+    with pytest.raises(ConfigError, match="denoise.calibration.method: platt"):
+        api.load_config(setup["rocketqa"], listwise)
+    with pytest.raises(ConfigError, match="augmentation thresholds"):
+        api.load_config(setup["rocketqa"], [*listwise, "denoise.calibration.method=platt", "augment.enabled=true"])
+    c = api.load_config(setup["rocketqa"], [*listwise, "denoise.calibration.method=platt", "augment.enabled=false"])
+    assert c.cross_encoder.loss == "listwise"
+    assert api.load_config(setup["rocketqa"], ["cross_encoder.loss=listwise", "denoise.teachers=[fusion]",
+                                               "augment.enabled=true"]).denoise.teachers == ("fusion",)
+
+
 def test_denoise_outputs_are_consistent(setup):
     import pyarrow.parquet as pq
 

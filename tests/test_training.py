@@ -518,6 +518,50 @@ def test_train_cross_encoder_learns_and_loads(env):
     assert m.config.num_labels == 1
 
 
+def test_listwise_cross_encoder_learns_to_put_each_positive_above_its_own_negatives(env, tmp_path):
+    """loss: listwise groups each positive with the negatives drawn for it and lowers the softmax
+    cross-entropy of those groups (LCE); batch_size still counts pairs; bce stays out of the key."""
+    from irflow.losses import LocalizedContrastiveLoss
+    from irflow.scoring import cross_encoder_scores
+    from irflow.tasks.train_cross_encoder import pair_groups
+
+    params = _ce_params(loss="listwise", negatives_per_positive=3, batch_size=8, steps=40)
+    assert params.examples_per_step() == 2  # groups of 4 pairs
+    ex = training_pairs(env["qrels"].table(), sorted(env["docs"]), params, env["negatives"].table())
+    groups = pair_groups(ex)
+    assert len(groups) == int(sum(ex["label"])) and all(len(g) == 4 for g in groups)
+    for g in groups:
+        assert [ex["label"][i] for i in g] == [1.0, 0.0, 0.0, 0.0] and len({ex["q"][i] for i in g}) == 1
+
+    def group_loss(model_path) -> float:
+        pairs = [(env["queries_text"][ex["q"][i]], env["docs"][ex["d"][i]]) for g in groups for i in g]
+        logits = torch.from_numpy(cross_encoder_scores(model_path, pairs, batch_size=16, max_length=48,
+                                                       show_progress=False)).view(len(groups), 4)
+        return LocalizedContrastiveLoss()(logits).item()
+
+    before = group_loss(env["ce"])
+    out = train_cross_encoder.fn(params, StageRuntime(workdir=tmp_path), queries=env["queries"], corpus=env["corpus"],
+                                 qrels=env["qrels"], negatives=env["negatives"], base_model=env["ce_ref"])
+    after = group_loss(out["cross_encoder"])
+    assert after < 0.8 * before, (before, after)
+    assert out["training_losses"].column("step").to_pylist() == list(range(1, 41))
+    assert "loss" not in _ce_params().key_dump() and params.key_dump()["loss"] == "listwise"
+    with pytest.raises(ValueError, match="cannot hold one listwise group"):
+        _ce_params(loss="listwise", negatives_per_positive=8, batch_size=8)
+
+
+def test_localized_contrastive_loss_is_the_positive_s_softmax_cross_entropy_in_its_group():
+    from irflow.losses import LocalizedContrastiveLoss
+
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.5, 3.0, float("-inf")]])
+    want = (-torch.log_softmax(torch.tensor([2.0, 1.0, 0.0]), 0)[0]
+            - torch.log_softmax(torch.tensor([0.5, 3.0]), 0)[0]) / 2  # a padded slot takes no probability
+    assert abs(LocalizedContrastiveLoss()(logits).item() - want.item()) < 1e-6
+    # only differences within a group count: shifting a group's logits changes nothing
+    shifted = logits + torch.tensor([[5.0], [-2.0]])
+    assert abs(LocalizedContrastiveLoss()(shifted).item() - want.item()) < 1e-5
+
+
 def test_cross_encoder_positives_per_query_caps_each_query(env):
     """positives_per_query keeps a seeded sample of each query's positives, each still with its
     negatives_per_positive negatives (never judged); left at its default it stays out of the cache key."""

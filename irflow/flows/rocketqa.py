@@ -208,6 +208,16 @@ class RocketQAConfig(SupervisedConfig):
             raise ValueError(f"denoise.fill_ranks: {list(fill)} must lie below the teacher's top "
                              f"{self.denoise.depth} (denoise.depth: those it judged) and within M_D0's list of "
                              f"{self.retrieve.depth} (retrieve.depth); null: no fill")
+        if self.cross_encoder.loss == "listwise" and "cross_encoder" in self.denoise.teachers:
+            # A listwise M_C learns only differences within a query's group: sigmoid(logit) is no probability.
+            if self.denoise.calibration.method != "platt":
+                raise ValueError("cross_encoder.loss: listwise logits are not probabilities, and M_C denoises "
+                                 "(denoise.teachers); set denoise.calibration.method: platt, or denoise with "
+                                 "fusion only")
+            if self.augment.enabled and self.denoise.teachers[0] == "cross_encoder":
+                raise ValueError("cross_encoder.loss: listwise logits are not probabilities, and augmentation "
+                                 "thresholds M_C's sigmoid (the first of denoise.teachers labels); put fusion "
+                                 "first, or augment.enabled: false")
         if len(set(self.denoise.teachers)) != len(self.denoise.teachers):
             raise ValueError(f"denoise.teachers: each teacher once, got {list(self.denoise.teachers)}")
         if set(self.denoise.fusion.weights) != {"bm25", "dense"}:

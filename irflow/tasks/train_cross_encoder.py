@@ -4,9 +4,10 @@ Training pairs: every positive of the ``split`` qrels (score > 0) with label 1 (
 ``positives_per_query`` of each query's, a seeded sample, when it is set), and for each positive
 ``negatives_per_positive`` negatives with label 0 -- sampled (seeded) from the query's mined negatives
 when the ``negatives`` input is given, else random corpus passages; a judged positive of the query is
-never a negative. Loss: binary cross-entropy on the logit (as sentence-transformers'
-CrossEncoder trains with one label). The loop, precision, checkpoints and resume are
-``irflow.training``'s.
+never a negative. Loss (``loss``): binary cross-entropy on each pair's logit (as sentence-transformers'
+CrossEncoder trains with one label; RocketQA's M_C), or ``listwise``: each positive and its negatives
+as one group, softmax cross-entropy with the positive as the target (``irflow.losses.
+LocalizedContrastiveLoss``). The loop, precision, checkpoints and resume are ``irflow.training``'s.
 
 With ``runtime.train_processes: N`` (not keyed) the same training runs in N torchrun processes
 (``irflow.distributed``; one per GPU on CUDA): each computes the loss of ``batch_size / N`` pairs of
@@ -26,10 +27,10 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pyarrow as pa
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from irflow import distributed
 from irflow.errors import DataError
@@ -62,12 +63,42 @@ class TrainCrossEncoderParams(LoopParams):
     warmup_steps: int = Field(100, ge=0, description="linear warm-up steps, then linear decay to 0")
     head_lr: float | None = Field(None, gt=0, description="peak learning rate of the classification head (the "
                                                           "parameters outside the pretrained body); null: lr")
+    loss: Annotated[Literal["bce", "listwise"], KEYED_WHEN_SET] = Field(
+        "bce", description="bce: each pair alone, label 1 or 0 (binary cross-entropy: RocketQA's M_C, "
+                           "sentence-transformers' CrossEncoder); listwise: each positive with its "
+                           "negatives_per_positive negatives as one group, softmax cross-entropy towards the "
+                           "positive (Localized Contrastive Estimation, Gao et al. 2021): batch_size pairs a step "
+                           "are batch_size / (1 + negatives_per_positive) groups; its logits are not "
+                           "probabilities (calibrate them where a threshold reads them)")
     positives_per_query: Annotated[PositiveInt | None, KEYED_WHEN_SET] = Field(
         None, description="keep at most this many of each query's positives (a seeded sample per query; null: "
                           "every positive), each with its negatives_per_positive negatives. The pairs are "
                           "shuffled, so without it a query weighs as much as it has judged passages (NFCorpus: "
                           "180 broad queries of 2,590 hold half the 110,575 positives). Measured there at 200 "
                           "steps: it did not lift M_C off its label prior (bench/README.md)")
+
+    @model_validator(mode="after")
+    def _groups_fit_a_batch(self):
+        if self.loss == "listwise" and self.batch_size < 1 + self.negatives_per_positive:
+            raise ValueError(f"batch_size: {self.batch_size} pairs cannot hold one listwise group of 1 positive + "
+                             f"{self.negatives_per_positive} negatives (negatives_per_positive)")
+        return self
+
+    def examples_per_step(self) -> int:
+        """What one step's batch counts: pairs (bce), or groups of 1 + negatives_per_positive (listwise)."""
+        return self.batch_size if self.loss == "bce" else self.batch_size // (1 + self.negatives_per_positive)
+
+
+def pair_groups(ex: dict) -> list[list[int]]:
+    """Indices into ``ex``, one group per positive: the positive first, then the negatives
+    ``training_pairs`` drew for it (which follow it); a positive that got none makes no group."""
+    groups: list[list[int]] = []
+    for i, label in enumerate(ex["label"]):
+        if label > 0:
+            groups.append([i])
+        elif groups:
+            groups[-1].append(i)
+    return [g for g in groups if len(g) > 1]
 
 
 def training_pairs(qrels: pa.Table, corpus_ids: list[str], p: TrainCrossEncoderParams,
@@ -106,6 +137,8 @@ def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], ba
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from irflow.losses import LocalizedContrastiveLoss
+
     device = rt.device
     seed_everything(p.seed)  # the fresh head's initialisation
     tok = AutoTokenizer.from_pretrained(base_path)
@@ -118,20 +151,39 @@ def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], ba
         log.warning("train_cross_encoder: %s has no relevance head; a fresh one is trained at lr %g, where it barely "
                     "leaves its initialisation in a few hundred steps (set head_lr, e.g. 1e-3)", base_path, p.lr)
     model.to(device)
-    bce = torch.nn.BCEWithLogitsLoss()
+    bce, lce = torch.nn.BCEWithLogitsLoss(), LocalizedContrastiveLoss()
     labels = torch.tensor(ex["label"], dtype=torch.float32)
 
-    def compute_loss(idx: list[int]):
+    def logits_of(idx: list[int]):
         enc = tok([qtext[ex["q"][i]] for i in idx], [dtext[ex["d"][i]] for i in idx], padding=True,
                   truncation="longest_first", max_length=p.max_length, return_tensors="pt").to(device)
-        logits = model(**enc).logits.view(-1).float()
-        return bce(logits, labels[idx].to(device))
+        return model(**enc).logits.view(-1).float()
 
-    plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed)
+    if p.loss == "bce":
+        def compute_loss(idx: list[int]):
+            return bce(logits_of(idx), labels[idx].to(device))
+        examples = len(ex["q"])
+    else:
+        groups = pair_groups(ex)
+        if not groups:
+            raise DataError("listwise: no positive has a negative to be contrasted with")
+
+        def compute_loss(idx: list[int]):
+            members = [groups[g] for g in idx]
+            flat = logits_of([i for m in members for i in m])
+            table = torch.full((len(members), max(map(len, members))), float("-inf"), device=flat.device)
+            at = 0
+            for row, m in enumerate(members):
+                table[row, :len(m)] = flat[at:at + len(m)]
+                at += len(m)
+            return lce(table)
+        examples = len(groups)
+
+    plan = BatchPlan(examples, p.examples_per_step(), p.seed)
     rank, world = distributed.rank_and_world()
     if rank == 0:
-        log.info("%s: %d pairs (%d positive), %d steps on %d process(es) (%s, %s)", desc, len(ex["q"]),
-                 int(sum(ex["label"])), plan.total_steps(p), world, device, rt.precision)
+        log.info("%s: %d pairs (%d positive), %s loss, %d steps on %d process(es) (%s, %s)", desc, len(ex["q"]),
+                 int(sum(ex["label"])), p.loss, plan.total_steps(p), world, device, rt.precision)
     history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, desc, show_progress=show_progress,
                          head_lr=p.head_lr)
     model.eval()
@@ -158,7 +210,8 @@ def train_cross_encoder(p: TrainCrossEncoderParams, rt: StageRuntime, *, queries
     if not ex["q"]:
         raise DataError("no training pairs")
 
-    distributed.check_split(p.batch_size, rt.train_processes)
+    distributed.check_split(p.examples_per_step(), rt.train_processes,
+                            "batch_size" if p.loss == "bce" else "listwise groups a step")
     out = Path(rt.workdir) / "cross_encoder"
     job = {"ex": ex, "qtext": qtext, "dtext": dtext, "base_model": base_model.path, "out": str(out),
            "params": p.model_dump(mode="json")}
