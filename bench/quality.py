@@ -174,7 +174,7 @@ def rows_for(ds: str) -> list[dict]:
                                    f" [before: {was}]" if was else "", superseded=bool(was))
         if config_file and (RESULTS / config_file).exists():  # the config as it is
             rows += train_dev_rows(RESULTS / config_file, recipe, lambda system: budget(ds, recipe, system), "",
-                                   also=("mc-rerank",))
+                                   also=("mc-rerank", "mc-rerank-fused"))
     for name, changed in GPU_FILES.get(ds, []):
         f = RESULTS / name
         if not f.exists():
@@ -246,7 +246,7 @@ def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, b
         label += f" [before: {before}]"
     return {"recipe": RECIPE_NAMES[recipe], "system": r["system"], "label": label,
             "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero,
-            "budget": budget(ds, recipe, r["system"], budget_was) if is_student(r["system"]) or r["system"] == "mc-rerank" else "-",
+            "budget": budget(ds, recipe, r["system"], budget_was) if is_student(r["system"]) or r["system"].startswith("mc-rerank") else "-",
             "machine": machine(d.get("machine")), "superseded": superseded,
             "file": file + (f" ({', '.join(d['overrides'])})" if d.get("overrides") else "")}
 

@@ -25,12 +25,13 @@ import harness
 from harness import ROOT
 
 ORDER = ["bm25-flat", "dense-all-MiniLM-L6-v2", "md0", "md0-bm25neg", "md0-hardneg", "md1-ce", "md1-fusion",
-         "md1-listwise", "md2", "mc-rerank", "ance-warmup", *(f"ance-round{r}" for r in range(1, 11))]
+         "md1-listwise", "md2", "mc-rerank", "mc-rerank-fused", "ance-warmup", *(f"ance-round{r}" for r in range(1, 11))]
 LABELS = {"bm25-flat": "BM25", "dense-all-MiniLM-L6-v2": "zero-shot MiniLM", "md0": "M_D0 in-batch",
           "md0-bm25neg": "+ BM25 negatives", "md0-hardneg": "+ M_D0 hard negatives, not denoised",
           "md1-ce": "M_D1 denoised by M_C", "md1-fusion": "M_D1 denoised by fusion",
           "md1-listwise": "M_D1 listwise KL from M_C (frozen)", "md2": "M_D2 + augmentation",
-          "mc-rerank": "M_C re-ranking M_D0 top-100", "ance-warmup": "ANCE warm-up (BM25 negatives)",
+          "mc-rerank": "M_C re-ranking M_D0 top-100", "mc-rerank-fused": "M_C re-ranking fused with M_D0's scores",
+          "ance-warmup": "ANCE warm-up (BM25 negatives)",
           **{f"ance-round{r}": f"ANCE round {r}" for r in range(1, 11)}}
 
 
