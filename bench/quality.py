@@ -175,6 +175,12 @@ def rows_for(ds: str) -> list[dict]:
         if config_file and (RESULTS / config_file).exists():  # the config as it is
             rows += train_dev_rows(RESULTS / config_file, recipe, lambda system: budget(ds, recipe, system), "",
                                    also=("mc-rerank", "mc-rerank-fused"))
+        f = RESULTS / f"train_dev_{recipe}_{ds}_mc_test.json"
+        if f.exists():  # M_C's loss, and its fusion with M_D0: chosen on a dev cut of train, then run on test
+            rows += [r for r in train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system), "",
+                                               what="M_C chosen on a dev cut of train", prefix="m_c:",
+                                               also=("mc-rerank", "mc-rerank-fused"))
+                     if r["system"].startswith("m_c:mc-rerank")]
     for name, changed in GPU_FILES.get(ds, []):
         f = RESULTS / name
         if not f.exists():
