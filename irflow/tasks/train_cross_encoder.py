@@ -10,9 +10,9 @@ as one group, softmax cross-entropy with the positive as the target (``irflow.lo
 LocalizedContrastiveLoss``). The loop, precision, checkpoints and resume are ``irflow.training``'s.
 
 With ``runtime.train_processes: N`` (not keyed) the same training runs in N torchrun processes
-(``irflow.distributed``; one per GPU on CUDA): each computes the loss of ``batch_size / N`` pairs of
-every batch and gradients are averaged, so the steps are those of one process with the whole batch.
-``batch_size`` must be divisible by N.
+(``irflow.distributed``; one per GPU on CUDA): each computes the loss of ``batch_size / N`` pairs (listwise:
+groups) of every batch and gradients are averaged, so the steps are those of one process with the whole batch.
+``batch_size`` (listwise: its groups a step) must be divisible by N.
 
 The base checkpoint may be a plain encoder (e.g. MiniLM's BERT weights): a fresh 1-logit head is
 initialised (seeded). The result is saved with ``save_pretrained`` (model + tokenizer), so
@@ -137,6 +137,8 @@ def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], ba
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from torch.nn.utils.rnn import pad_sequence
+
     from irflow.losses import LocalizedContrastiveLoss
 
     device = rt.device
@@ -171,12 +173,9 @@ def fit_cross_encoder(ex: dict, qtext: dict[str, str], dtext: dict[str, str], ba
         def compute_loss(idx: list[int]):
             members = [groups[g] for g in idx]
             flat = logits_of([i for m in members for i in m])
-            table = torch.full((len(members), max(map(len, members))), float("-inf"), device=flat.device)
-            at = 0
-            for row, m in enumerate(members):
-                table[row, :len(m)] = flat[at:at + len(m)]
-                at += len(m)
-            return lce(table)
+            # one row per group; a shorter group's empty slots are -inf (no probability)
+            return lce(pad_sequence(flat.split([len(m) for m in members]), batch_first=True,
+                                    padding_value=float("-inf")))
         examples = len(groups)
 
     plan = BatchPlan(examples, p.examples_per_step(), p.seed)
