@@ -130,17 +130,67 @@ def test_m_c_fused_with_m_d0_is_the_weighted_sum_of_their_z_scores_over_the_re_r
 
 
 def test_a_listwise_m_c_never_thresholds_raw_logits(setup):
-    """A listwise cross-encoder's logits are not probabilities: denoising by M_C needs Platt calibration,
-    and augmentation (which thresholds M_C's sigmoid) needs another first teacher or none."""
+    """A listwise cross-encoder's logits are not probabilities: denoising by M_C, and augmentation labelled
+    by it, need Platt calibration (a fusion-only denoiser needs nothing)."""
     listwise = ["cross_encoder.loss=listwise", "denoise.teachers=[cross_encoder, fusion]"]
     with pytest.raises(ConfigError, match="denoise.calibration.method: platt"):
         api.load_config(setup["rocketqa"], listwise)
-    with pytest.raises(ConfigError, match="augmentation thresholds"):
-        api.load_config(setup["rocketqa"], [*listwise, "denoise.calibration.method=platt", "augment.enabled=true"])
-    c = api.load_config(setup["rocketqa"], [*listwise, "denoise.calibration.method=platt", "augment.enabled=false"])
+    c = api.load_config(setup["rocketqa"], [*listwise, "denoise.calibration.method=platt", "augment.enabled=true"])
     assert c.cross_encoder.loss == "listwise"
     assert api.load_config(setup["rocketqa"], ["cross_encoder.loss=listwise", "denoise.teachers=[fusion]",
                                                "augment.enabled=true"]).denoise.teachers == ("fusion",)
+
+
+def test_platt_calibrated_m_c_labels_augmentation_with_the_fit_it_denoised_with(setup):
+    """With denoise.calibration.method: platt, M_C's augmentation probabilities are sigmoid(a * score + b),
+    (a, b) fitted on the labelled lists M_C scored for denoising -- what a listwise M_C needs. M_C and its
+    scoring of the labelled lists are reused; the augment stage reads denoise[ce]'s scores as its
+    calibration input."""
+    import pyarrow.parquet as pq
+
+    from irflow.store import TABLE_FILE, Store
+    from irflow.tasks.augment import AugmentParams
+
+    run(setup, "rocketqa")
+    platt = ["denoise.calibration.method=platt"]
+    first = run(setup, "rocketqa", *platt)
+    assert {"denoise[ce]", "augment"} <= first.computed
+    # M_D1-ce changes, and so does what it retrieves to label; M_C and its reading of the labelled lists do not
+    assert not first.computed & {"train_cross_encoder", "score_candidates[ce]"}
+    store = Store(setup["store"])
+
+    def table(result, stage, output):
+        return pq.read_table(store.object_dir(result.stage(stage).outputs[output]) / TABLE_FILE)
+
+    cal = table(first, "denoise[ce]", "scores")
+    a, b = fit_platt_on_lists(cal.column("score").to_numpy(), np.array(cal.column("positive").to_pylist(), float),
+                              cal.column("rank").to_numpy())
+    assert a > 0 and (a, b) != (1.0, 0.0)  # M_C ranks judged positives higher; the fit is not the identity
+    scored = table(first, "score_candidates[augment]", "out")
+    raw = scored.column("score").to_numpy().astype(np.float64)
+    prob = sigmoid(a * raw + b)
+    # Thresholds read off the calibrated probabilities, so that the tiny M_C keeps some queries and drops
+    # others whatever its scale; a threshold change re-decides from the same scores.
+    top1 = {}
+    for q, pr in zip(scored.column("query_id").to_pylist(), prob):
+        top1[q] = max(top1.get(q, 0.0), pr)
+    pos_t, neg_t = float(np.median(list(top1.values()))), float(np.quantile(prob, 0.4))
+    sets = [*platt, f"augment.positive_threshold={pos_t}", f"augment.negative_threshold={neg_t}"]
+    result = run(setup, "rocketqa", *sets)
+    assert "augment" in result.computed and "score_candidates[augment]" not in result.computed
+    plan = {s.name: s for s in api.status(setup["rocketqa"], sets, store=setup["store"])}
+    assert plan["augment"].inputs["calibration"] == [result.stage("denoise[ce]").outputs["scores"]]
+
+    c = api.load_config(setup["rocketqa"], sets)
+    p = c.augment.to(AugmentParams, calibration=c.denoise.calibration)
+    pairs = list(zip(*(scored.column(k).to_pylist() for k in ("query_id", "doc_id", "rank"))))
+    want = augment_tables(p, pairs, prob)
+    got = table(result, "augment", "qrels").to_pylist()
+    assert got == want["qrels"].to_pylist() and 0 < len(got) < len(top1)
+    assert table(result, "augment", "negatives").to_pylist() == want["negatives"].to_pylist()
+    # the same scores through a plain sigmoid decide otherwise: the calibration is what augment applied
+    plain = augment_tables(p, pairs, sigmoid(raw))
+    assert (plain["qrels"].to_pylist(), plain["negatives"].to_pylist()) != (got, want["negatives"].to_pylist())
 
 
 def test_denoise_outputs_are_consistent(setup):

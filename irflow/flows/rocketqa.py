@@ -208,16 +208,12 @@ class RocketQAConfig(SupervisedConfig):
             raise ValueError(f"denoise.fill_ranks: {list(fill)} must lie below the teacher's top "
                              f"{self.denoise.depth} (denoise.depth: those it judged) and within M_D0's list of "
                              f"{self.retrieve.depth} (retrieve.depth); null: no fill")
-        if self.cross_encoder.loss == "listwise" and "cross_encoder" in self.denoise.teachers:
+        if (self.cross_encoder.loss == "listwise" and "cross_encoder" in self.denoise.teachers
+                and self.denoise.calibration.method != "platt"):
             # A listwise M_C learns only differences within a query's group: sigmoid(logit) is no probability.
-            if self.denoise.calibration.method != "platt":
-                raise ValueError("cross_encoder.loss: listwise logits are not probabilities, and M_C denoises "
-                                 "(denoise.teachers); set denoise.calibration.method: platt, or denoise with "
-                                 "fusion only")
-            if self.augment.enabled and self.denoise.teachers[0] == "cross_encoder":
-                raise ValueError("cross_encoder.loss: listwise logits are not probabilities, and augmentation "
-                                 "thresholds M_C's sigmoid (the first of denoise.teachers labels); put fusion "
-                                 "first, or augment.enabled: false")
+            raise ValueError("cross_encoder.loss: listwise logits are not probabilities, and M_C denoises "
+                             "(denoise.teachers) and, first of them, labels augmentation; set "
+                             "denoise.calibration.method: platt, or denoise with fusion only")
         if len(set(self.denoise.teachers)) != len(self.denoise.teachers):
             raise ValueError(f"denoise.teachers: each teacher once, got {list(self.denoise.teachers)}")
         if set(self.denoise.fusion.weights) != {"bm25", "dense"}:
@@ -244,7 +240,8 @@ class Judge:
 
 @dataclass(frozen=True)
 class CrossEncoderJudge(Judge):
-    """M_C: reads each (query, passage) pair; its logits are probabilities through the configured calibration."""
+    """M_C: reads each (query, passage) pair; its logits are probabilities through ``denoise.calibration``,
+    in denoising and in augmentation alike."""
 
     tag: ClassVar[str] = "ce"
     model: DatasetRef
@@ -261,7 +258,13 @@ class CrossEncoderJudge(Judge):
         p = self.c.augment.to(ScoreCandidatesParams, split=None, teacher=self.c.cross_encoder.scoring())
         scores = score_candidates(self.run, p, tag="augment", ranking=ranking, queries=queries,
                                   corpus=self.data.corpus, teacher=self.model)
-        return augment(self.run, self.c.augment.to(AugmentParams), scores=scores)
+        # The probabilities augmentation thresholds are the ones M_C denoised with: with Platt, fitted on the
+        # labelled lists M_C scored for denoising (what a listwise M_C needs; its sigmoid is no probability).
+        calibration = self.c.denoise.calibration
+        if calibration.method == "sigmoid":
+            return augment(self.run, self.c.augment.to(AugmentParams), scores=scores)
+        return augment(self.run, self.c.augment.to(AugmentParams, calibration=calibration), scores=scores,
+                       calibration=calibrated_on)
 
 
 @dataclass(frozen=True)
