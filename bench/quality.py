@@ -181,6 +181,11 @@ def rows_for(ds: str) -> list[dict]:
                                                what="M_C chosen on a dev cut of train", prefix="m_c:",
                                                also=("mc-rerank", "mc-rerank-fused"))
                      if r["system"].startswith("m_c:mc-rerank")]
+        f = RESULTS / f"train_dev_{recipe}_{ds}_mc_denoise_test.json"
+        if f.exists():  # the listwise M_C (Platt-calibrated) as denoiser: its M_D1-ce (its M_D2 labels no query)
+            rows += [r for r in train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system), "",
+                                               what="denoised by the listwise M_C, Platt-calibrated", prefix="m_c:")
+                     if r["system"].startswith("m_c:md1-ce")]
     for name, changed in GPU_FILES.get(ds, []):
         f = RESULTS / name
         if not f.exists():
