@@ -182,10 +182,10 @@ def rows_for(ds: str) -> list[dict]:
                                                also=("mc-rerank", "mc-rerank-fused"))
                      if r["system"].startswith("m_c:mc-rerank")]
         f = RESULTS / f"train_dev_{recipe}_{ds}_mc_denoise_test.json"
-        if f.exists():  # the listwise M_C (Platt-calibrated) as denoiser: its M_D1-ce (its M_D2 labels no query)
+        if f.exists():  # the listwise M_C (Platt-calibrated) as denoiser and labeller: M_D1-ce once, M_D2
             rows += [r for r in train_dev_rows(f, recipe, lambda system: budget(ds, recipe, system), "",
                                                what="denoised by the listwise M_C, Platt-calibrated", prefix="m_c:")
-                     if r["system"].startswith("m_c:md1-ce")]
+                     if r["system"] == "m_c:md1-ce-lce100-platt" or r["system"].startswith("m_c:md2")]
     for name, changed in GPU_FILES.get(ds, []):
         f = RESULTS / name
         if not f.exists():
