@@ -261,10 +261,8 @@ class CrossEncoderJudge(Judge):
         # The probabilities augmentation thresholds are the ones M_C denoised with: with Platt, fitted on the
         # labelled lists M_C scored for denoising (what a listwise M_C needs; its sigmoid is no probability).
         calibration = self.c.denoise.calibration
-        if calibration.method == "sigmoid":
-            return augment(self.run, self.c.augment.to(AugmentParams), scores=scores)
         return augment(self.run, self.c.augment.to(AugmentParams, calibration=calibration), scores=scores,
-                       calibration=calibrated_on)
+                       calibration=calibrated_on if calibration.method == "platt" else None)
 
 
 @dataclass(frozen=True)
