@@ -243,7 +243,7 @@ def _bad_corpus(tmp_path: Path) -> Path:
     return src
 
 
-def test_user_error_in_a_stage_is_one_line_exit_2(tmp_path):
+def test_user_error_in_a_stage_is_one_line_exit_2(tmp_path, prefect_harness):
     """Through the real command (a subprocess, as a user runs it): no Prefect tracebacks, no
     binding-leak noise at exit; --debug shows the traceback."""
     src = _bad_corpus(tmp_path)
@@ -262,6 +262,11 @@ def test_user_error_in_a_stage_is_one_line_exit_2(tmp_path):
     assert len([ln for ln in p.stderr.splitlines() if ln.startswith("irflow: error:")]) == 1
     assert "irflow: error: stage ingest: " in p.stderr and "corpus.jsonl:" in p.stderr and "malformed JSON" in p.stderr
 
+    # --debug against the session's test server (the temporary server's quiet exit was checked above;
+    # starting one costs ~10-15 s)
+    from prefect.settings import PREFECT_API_URL
+
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     p = subprocess.run(cmd[:3] + ["--debug"] + cmd[3:], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 2
     assert "Traceback" in p.stderr

@@ -28,6 +28,10 @@ def setup(gpl_sample):
     return gpl_sample
 
 
+# A test that changes one setting takes ``gpl_sample_run``: the store then holds every output of the config
+# as it is (the session's first run made them), so what the changed run computes is what the change made stale.
+
+
 def test_gpl_cold_run_shows_every_system(setup, gpl_sample_run):
     result = gpl_sample_run  # the first run in its store (shared with tests/test_inside.py)
     names = [s.name for s in result.stages]
@@ -40,24 +44,21 @@ def test_gpl_cold_run_shows_every_system(setup, gpl_sample_run):
     assert computed(run(setup["config"], setup["store"])) == set()
 
 
-def test_change_train_recomputes_training_and_evaluation_only(setup):
-    run(setup["config"], setup["store"])
+def test_change_train_recomputes_training_and_evaluation_only(setup, gpl_sample_run):
     changed = computed(run(setup["config"], setup["store"], "train.lr=3.0e-5"))
     assert changed == {"train_student[gpl]", "train_student[qgen]",
                        "encode_corpus[gpl-student]", "dense_search[gpl-student]", "evaluate[gpl-student]",
                        "encode_corpus[qgen-student]", "dense_search[qgen-student]", "evaluate[qgen-student]"}
 
 
-def test_change_teacher_reuses_generation_and_mining(setup):
-    run(setup["config"], setup["store"])
+def test_change_teacher_reuses_generation_and_mining(setup, gpl_sample_run):
     changed = computed(run(setup["config"], setup["store"], f"teacher.model={setup['ce_b']}"))
     assert {"label_scores", "pseudo_label", "train_student[gpl]", "evaluate[gpl-student]"} <= changed
     assert not {"generate_queries[t5]", "mine_negatives", "bm25_search[miner-bm25]", "dense_search[miner-bi]",
                 "evaluate[bm25-flat]", "evaluate[hybrid]"} & changed
 
 
-def test_change_generator_recomputes_everything_after_ingest(setup):
-    run(setup["config"], setup["store"])
+def test_change_generator_recomputes_everything_after_ingest(setup, gpl_sample_run):
     changed = computed(run(setup["config"], setup["store"], "generate.seed=7"))
     assert {"generate_queries[t5]", "bm25_search[miner-bm25]", "mine_negatives", "label_scores", "pseudo_label",
             "train_student[gpl]", "doc2query_expand", "evaluate[gpl-student]"} <= changed
@@ -66,8 +67,7 @@ def test_change_generator_recomputes_everything_after_ingest(setup):
                 "encode_corpus[zero-shot]"} & changed
 
 
-def test_change_scale_relabels_without_rescoring(setup):
-    run(setup["config"], setup["store"])
+def test_change_scale_relabels_without_rescoring(setup, gpl_sample_run):
     changed = computed(run(setup["config"], setup["store"], "label.scale=0.5"))
     assert {"pseudo_label", "train_student[gpl]", "evaluate[gpl-student]"} <= changed
     # the teacher's scoring is cached; the QGen baseline reads the labels' (query, positive) pairs only,
@@ -75,8 +75,7 @@ def test_change_scale_relabels_without_rescoring(setup):
     assert not {"label_scores", "mine_negatives", "generate_queries[t5]", "train_student[qgen]"} & changed
 
 
-def test_from_stage_and_status(setup):
-    run(setup["config"], setup["store"])
+def test_from_stage_and_status(setup, gpl_sample_run):
     plan = {p.name: p for p in api.status(setup["config"], ["label.negatives_per_positive=2"], store=setup["store"])}
     assert plan["generate_queries[t5]"].status == "cached"
     assert plan["label_scores"].status == plan["pseudo_label"].status == "stale"

@@ -61,16 +61,14 @@ def test_denoise_threshold_recomputes_denoise_onward_only(setup):
     assert {s.name for s in first.stages} - downstream <= run(setup, "rocketqa", "denoise.negative_threshold=0.95").cached
 
 
-def test_augment_threshold_redecides_without_rescoring(setup):
-    run(setup, "rocketqa")
+def test_augment_threshold_redecides_without_rescoring(setup, rocketqa_sample_run):
     changed = run(setup, "rocketqa", "augment.negative_threshold=0.3").computed
     assert "augment" in changed
     # M_C's reading of the unlabelled queries' candidates is not redone; only M_D2 can change
     assert changed <= {"augment", "train_dual_encoder[md2]", "encode_corpus[md2]", "dense_search[md2]", "evaluate[md2]"}
 
 
-def test_cross_encoder_lr_recomputes_from_m_c_onward(setup):
-    run(setup, "rocketqa")
+def test_cross_encoder_lr_recomputes_from_m_c_onward(setup, rocketqa_sample_run):
     changed = run(setup, "rocketqa", "cross_encoder.lr=5.0e-5").computed
     m_c_onward = {"train_cross_encoder", "rerank[mc]", "evaluate[mc-rerank]", "score_candidates[ce]", "denoise[ce]",
                   "score_candidates[augment]", "augment",
@@ -88,14 +86,13 @@ def test_cross_encoder_lr_recomputes_from_m_c_onward(setup):
                           "evaluate[bm25-flat]", "evaluate[md0]"}
 
 
-def test_m_c_fused_with_m_d0_is_the_weighted_sum_of_their_z_scores_over_the_re_ranked_top(setup):
+def test_m_c_fused_with_m_d0_is_the_weighted_sum_of_their_z_scores_over_the_re_ranked_top(setup, rocketqa_sample_run):
     """cross_encoder.rerank_md0_weight adds one fuse and one evaluate (M_C and M_D0 reused); per query
     the fused order is w z(M_D0) + (1 - w) z(M_C) over the passages M_C re-ranked."""
     import pyarrow.parquet as pq
 
     from irflow.store import TABLE_FILE, Store
 
-    run(setup, "rocketqa")
     result = run(setup, "rocketqa", "cross_encoder.rerank_md0_weight=0.3")
     assert result.computed == {"fuse[mc-rerank-fused]", "evaluate[mc-rerank-fused]"}
     assert "mc-rerank-fused" in {m["system"] for m in result.metrics}
@@ -141,7 +138,7 @@ def test_a_listwise_m_c_never_thresholds_raw_logits(setup):
                                                "augment.enabled=true"]).denoise.teachers == ("fusion",)
 
 
-def test_platt_calibrated_m_c_labels_augmentation_with_the_fit_it_denoised_with(setup):
+def test_platt_calibrated_m_c_labels_augmentation_with_the_fit_it_denoised_with(setup, rocketqa_sample_run):
     """With denoise.calibration.method: platt, M_C's augmentation probabilities are sigmoid(a * score + b),
     (a, b) fitted on the labelled lists M_C scored for denoising -- what a listwise M_C needs. M_C and its
     scoring of the labelled lists are reused; the augment stage reads denoise[ce]'s scores as its
@@ -151,7 +148,6 @@ def test_platt_calibrated_m_c_labels_augmentation_with_the_fit_it_denoised_with(
     from irflow.store import TABLE_FILE, Store
     from irflow.tasks.augment import AugmentParams
 
-    run(setup, "rocketqa")
     platt = ["denoise.calibration.method=platt"]
     first = run(setup, "rocketqa", *platt)
     assert {"denoise[ce]", "augment"} <= first.computed
