@@ -42,9 +42,10 @@ SAMPLE_RUN_FILES = ("test_gpl_flow.py", "test_inside.py", "test_report.py", "tes
 
 # The longest units of work go out first (a worker that takes a long unit last finishes alone), and the
 # two that each start a process tree (Ray's cluster; the kill -9 test's runs, each with its own Prefect
-# server and JVM) start on different workers, not side by side at the end. Measured with --durations on 2
-# cores: test_ray.py ~630 s, the sample runs' files ~580 s, test_crash.py ~340 s, test_shards.py ~150 s,
-# test_onnx.py ~115 s, test_flows.py and test_training.py ~100 s each; every other file after, by name.
+# server and JVM) start on different workers, not side by side at the end. Measured with --durations in
+# `make test` on 2 Intel cores: test_ray.py ~500 s, the sample runs' files ~610 s, test_crash.py ~300 s,
+# test_training.py ~140 s, test_onnx.py ~120 s, test_flows.py ~80 s, test_shards.py ~50 s; every other file
+# after, by name. Alone, after the trims that followed: test_ray.py 331 s, the sample runs' files 423 s.
 LONGEST_FIRST = ("test_ray.py", "sample-runs", "test_crash.py", "test_shards.py", "test_onnx.py", "test_flows.py",
                  "test_training.py")
 
