@@ -54,7 +54,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import pyarrow.parquet as pq
-    import torch
 
     from irflow.catalog import Catalog
     from irflow.encoding import encode_texts
@@ -76,7 +75,6 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     splits = args.splits.split(",")
     autocast = None  # fp32, as the runs encode (precision auto is fp32 for inference)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     judged = {sp: qrels_to_dict(data["qrels"], sp) for sp in splits}
     queries = {sp: query_texts(data["queries"], set(judged[sp])) for sp in splits}
