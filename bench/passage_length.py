@@ -9,7 +9,7 @@ says otherwise. A student saved by ``train_student`` keeps the length it was tra
 200 tokens), so it is evaluated at 200 while the zero-shot MiniLM reads 256; 88% of SciFact's passages are
 longer than 200 tokens (median 316). This script takes a finished run's zero-shot model and trained students
 (from its catalog: ``train_student[...]`` and ``train_dual_encoder[...]`` outputs), encodes the run's corpus at
-each length, searches exactly (flat inner product) and scores every split asked (``train``: the split's judged
+each length, searches exactly (the pipeline's flat index) and scores every split asked (``train``: the split's judged
 queries, whose texts GPL's SciFact config reads as its query log without their judgements, as the teacher was
 chosen; ``test`` afterwards). Each row: nDCG@10 and R@100, and a paired t-test against the same model at its
 own length. Prints a table and writes JSON. Nothing is written to the store.
@@ -27,8 +27,8 @@ import numpy as np
 import harness
 
 
-def _ingested(stage_runs: list[dict]) -> dict[str, str]:
-    return next(s["outputs"] for s in stage_runs if s["name"] == "ingest")
+def _ingested(stage_runs: list[dict]) -> dict[str, str] | None:
+    return next((s["outputs"] for s in stage_runs if s["name"] == "ingest"), None)
 
 
 def models_of(stage_runs: list[dict]) -> dict[str, str]:
@@ -45,7 +45,7 @@ def models_of(stage_runs: list[dict]) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True)
-    ap.add_argument("--run", required=True, help="a finished run in the store")
+    ap.add_argument("--run", required=True, help="a finished run in the store: its id, a unique prefix, or latest")
     ap.add_argument("--lengths", default="200,256,350", help="passage lengths in tokens, comma-separated")
     ap.add_argument("--splits", default="train,test")
     ap.add_argument("--systems", default=None, help="comma-separated systems (default: zero-shot and every student)")
@@ -53,45 +53,56 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    import pyarrow.parquet as pq
-
     from irflow.catalog import Catalog
     from irflow.encoding import encode_texts
     from irflow.models import load_sentence_transformer, resolve
+    from irflow.report.runs import UnknownRun, read_table, resolve_run
     from irflow.stats import paired
-    from irflow.store import TABLE_FILE, Store
+    from irflow.store import Store
+    from irflow.tasks.dense import build_index, search_index
     from irflow.tasks.evaluate import evaluate_run, qrels_to_dict
     from irflow.text import passage_texts, query_texts
 
+    if not (Path(args.store) / "catalog.duckdb").is_file():
+        ap.error(f"--store {args.store}: not an irflow store (no catalog.duckdb)")
     store = Store(args.store)
-    stage_runs = Catalog(Path(args.store) / "catalog.duckdb").stage_runs(args.run)
-    data = {k: pq.read_table(store.object_dir(v) / TABLE_FILE) for k, v in _ingested(stage_runs).items()}
+    catalog = Catalog(Path(args.store) / "catalog.duckdb")
+    try:  # an id, a unique prefix or 'latest', as `irflow report` takes it
+        args.run = resolve_run(catalog, args.run)
+    except UnknownRun as e:
+        ap.error(f"--run: {e}")
+    stage_runs = catalog.stage_runs(args.run)
+    if _ingested(stage_runs) is None:
+        ap.error(f"--run {args.run}: the run has no ingest stage (it failed before its data was read)")
+    data = {k: read_table(catalog, v) for k, v in _ingested(stage_runs).items()}
     corpus, doc_ids = data["corpus"], data["corpus"].column("doc_id").to_pylist()
     docs = passage_texts(corpus)
     systems = {"zero-shot": resolve("all-MiniLM-L6-v2").path}
     systems.update({name: store.object_dir(mid) for name, mid in models_of(stage_runs).items()})
     if args.systems:
+        unknown = set(args.systems.split(",")) - set(systems)
+        if unknown:
+            ap.error(f"--systems: {', '.join(sorted(unknown))} not in run {args.run} (it has {', '.join(systems)})")
         systems = {k: v for k, v in systems.items() if k in args.systems.split(",")}
     lengths = [int(x) for x in args.lengths.split(",")]
     splits = args.splits.split(",")
-    autocast = None  # fp32, as the runs encode (precision auto is fp32 for inference)
 
     judged = {sp: qrels_to_dict(data["qrels"], sp) for sp in splits}
     queries = {sp: query_texts(data["queries"], set(judged[sp])) for sp in splits}
     rows, per_query = [], {}
     for system, path in systems.items():
+        own = int(load_sentence_transformer(str(path), "cpu").max_seq_length)  # the length it was saved with
         for length in lengths:
             t0 = time.perf_counter()
             st = load_sentence_transformer(str(path), "cpu", length)
-            own = int(load_sentence_transformer(str(path), "cpu").max_seq_length)
-            emb = encode_texts(st, docs, args.batch_size, True, desc=f"{system} @{length}", autocast=autocast)
+            # fp32, as the runs encode (precision auto is fp32 for inference)
+            index = build_index(encode_texts(st, docs, args.batch_size, True, desc=f"{system} @{length}"), "flat")
             for sp in splits:
                 qids = sorted(queries[sp])
-                q = encode_texts(st, [queries[sp][i] for i in qids], args.batch_size, True, desc="queries",
-                                 autocast=autocast)
-                scores = q @ emb.T
-                top = np.argsort(-scores, axis=1)[:, :100]
-                results = {qid: {doc_ids[j]: float(scores[i, j]) for j in top[i]} for i, qid in enumerate(qids)}
+                q = encode_texts(st, [queries[sp][i] for i in qids], args.batch_size, True, desc="queries")
+                scores, hits = search_index(index, q, 100)  # row ids, best first
+                results = {qid: {doc_ids[j]: float(x) for x, j in zip(scores[i], hits[i]) if j >= 0}
+                           for i, qid in enumerate(qids)}
                 m = evaluate_run(judged[sp], results, ["ndcg@10", "recall@100"])
                 per_query[(system, length, sp)] = m["ndcg@10"]
                 rows.append({"system": system, "length": length, "own_length": own, "split": sp,
