@@ -10,7 +10,8 @@ in the file's order: the mean difference, the queries where the later system is 
 paired t-test's p. Used to say whether ANCE's round 1 beats its warm-up (the refresh's direction), or a
 student beats BM25, beyond chance. ``--with`` adds another file's run in the same store (its systems that
 differ, named '<variant>: <system>'): ANCE's rounds against the control trained without a refresh
-(``round.negatives=warmup``). Prints a table and writes JSON.
+(``round.negatives=warmup``); ``--with-variant`` picks which of its variants, so two variants of one file pair
+too (GPL's ``train.lr=5e-5`` against the config on SciFact's dev cut). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main() -> None:
                     help="another train_dev.py result file whose first variant ran in the same store: its systems "
                          "that differ from this run's join as '<variant>: <system>' (a control's rounds against "
                          "the rounds)")
+    ap.add_argument("--with-variant", action="append", default=[],
+                    help="which variant of the --with file (default: its first; repeatable); with --with naming this "
+                         "same file, variants' systems are paired (settings against the config on a dev cut)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -63,15 +67,18 @@ def main() -> None:
     per_query = per_query_ndcg(Path(args.store), v["run_id"])
     systems = {s: per_query[s] for s in v["metrics"] if s in per_query}
     if args.other:
-        w = variant(args.other, None)
-        theirs = per_query_ndcg(Path(args.store), w["run_id"])
-        systems |= {f"{w['name']}: {s}": theirs[s] for s in w["metrics"] if s in theirs and theirs[s] != systems.get(s)}
+        joined = [variant(args.other, name) for name in args.with_variant or [None]]
+        for w in joined:
+            theirs = per_query_ndcg(Path(args.store), w["run_id"])
+            systems |= {f"{w['name']}: {s}": theirs[s] for s in w["metrics"]
+                        if s in theirs and theirs[s] != systems.get(s)}
     pairs, rows = every_pair(systems)
     print(f"{v['name']} ({v['run_id']}), nDCG@10 over {len(next(iter(per_query.values())))} queries:")
     harness.table(["system", "against", "difference", "better / worse", "p"], rows)
     out = Path(args.out or Path(args.file).with_name("paired_" + Path(args.file).name.removeprefix("train_dev_")))
     harness.write_json(out, {"file": Path(args.file).name, "store": args.store, "variant": v["name"],
-                             "run_id": v["run_id"], "with": args.other and Path(args.other).name, "pairs": pairs})
+                             "run_id": v["run_id"], "with": args.other and Path(args.other).name,
+                             "with_variants": [w["name"] for w in joined] if args.other else [], "pairs": pairs})
     print(f"wrote {out}")
 
 
