@@ -62,6 +62,8 @@ def main() -> None:
                          "same file, variants' systems are paired (settings against the config on a dev cut)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.with_variant and not args.other:
+        ap.error("--with-variant names variants of the --with file: give --with FILE too")
 
     v = variant(args.file, args.variant)
     per_query = per_query_ndcg(Path(args.store), v["run_id"])
