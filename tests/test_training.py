@@ -313,6 +313,69 @@ def test_train_student_margin_mse_saves_a_loadable_model_and_caches(env):
     assert train_student.key(_student_params(), other) != train_student.key(_student_params(), inputs)
 
 
+def test_listwise_examples_group_each_query_and_keep_the_margins(env):
+    from irflow.tasks.train_student import listwise_examples
+
+    pl = env["pl_t"]
+    ex = listwise_examples(pl)
+    rows = pl.to_pylist()
+    assert len(ex["q"]) == len({(r["query_id"], r["pos_doc_id"]) for r in rows}) == 12
+    assert sum(len(n) for n in ex["negs"]) == len(rows)
+    for q, p, negs, scores in zip(ex["q"], ex["p"], ex["negs"], ex["scores"]):
+        mine = [r for r in rows if (r["query_id"], r["pos_doc_id"]) == (q, p)]
+        assert negs == [r["neg_doc_id"] for r in mine] and len(scores) == 1 + len(negs)
+        # the softmax over [pos, negs...] sees exactly the triples' margins
+        for r, s in zip(mine, scores[1:]):
+            assert scores[0] - s == pytest.approx(r["margin"], abs=1e-6)
+
+
+def test_train_student_listwise_kl_trains_on_whole_lists(env):
+    from sentence_transformers import SentenceTransformer
+
+    run = env["run"]
+    inputs = _mm_inputs(env)
+    params = _student_params(loss="listwise_kl", similarity="cos", batch_size=3, steps=5)
+    ref = train_student.run(run, params, tag="lw", **inputs)["student"]
+    log = json.loads((Path(ref.path) / "irflow_training.json").read_text())
+    # one example per query with its list (12 generated queries), not one per triple (24)
+    assert (log["loss"], log["examples"], log["steps"]) == ("listwise_kl", 12, 5)
+    assert all(np.isfinite(h["loss"]) and h["loss"] >= 0 for h in log["history"])
+    trained, base = SentenceTransformer(ref.path, device="cpu").state_dict(), _weights(env["bi"])
+    assert any(not torch.equal(trained[k], base[k]) for k in base)
+    assert train_student.key(params, inputs) != train_student.key(params.model_copy(update={"loss": "margin_mse"}),
+                                                                 inputs)
+    # the factor is keyed when set; at its default it is not in the key, so stores made before it existed
+    # keep their students
+    assert "listwise_scale" not in params.key_dump() and "listwise_scale" not in _student_params().key_dump()
+    assert train_student.key(params.model_copy(update={"listwise_scale": 10.0}), inputs) != train_student.key(
+        params, inputs)
+
+
+def test_listwise_kl_decreases_on_a_repeated_list(env):
+    from sentence_transformers import SentenceTransformer
+
+    from irflow.losses import ListwiseDistillationLoss
+    from irflow.tasks.train_student import _embed, listwise_examples
+
+    torch.manual_seed(0)
+    model = SentenceTransformer(env["bi"], device="cpu")
+    model.max_seq_length = 48
+    ex = listwise_examples(env["pl_t"])
+    qt, dt = env["queries_text"], env["docs"]
+    loss_fn = ListwiseDistillationLoss(similarity="cos", scale=20.0, temperature=1 / 20.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    losses = []
+    for _ in range(12):
+        q = _embed(model, [qt[ex["q"][0]]], "cpu")
+        cands = _embed(model, [dt[ex["p"][0]]] + [dt[d] for d in ex["negs"][0]], "cpu")
+        loss = loss_fn.from_embeddings(q, cands.unsqueeze(0), torch.tensor([ex["scores"][0]]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
 def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, caplog):
     from irflow.testing import model
 

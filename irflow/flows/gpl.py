@@ -214,9 +214,13 @@ class GPLConfig(RecipeConfig):
     @model_validator(mode="after")
     def _rules(self):
         source = self.generate.source
-        if self.train.loss != "margin_mse":
-            raise ValueError("train.loss: the GPL student learns the teacher's margins (margin_mse); the MNRL "
-                             "baseline is train.qgen")
+        if self.train.loss == "mnrl":
+            raise ValueError("train.loss: the GPL student learns the teacher's labels (margin_mse or "
+                             "listwise_kl); the MNRL baseline is train.qgen")
+        if self.train.loss == "listwise_kl" and self.label.scale is None:
+            raise ValueError("train.loss: listwise_kl puts the teacher's scores and the student's similarities "
+                             "under one softmax scale, so label.scale must bring the scores to the student's "
+                             "units: set label.scale (auto, or a factor)")
         if source == "unlabelled" and self.label.positive == "qrels":
             raise ValueError("label.positive: qrels needs the source passage of each query; unlabelled queries "
                              "have none: use teacher_top1 (or leave it out)")

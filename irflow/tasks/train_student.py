@@ -1,4 +1,5 @@
-"""Train a bi-encoder student: Margin-MSE on pseudo labels (GPL) or MNRL on (query, positive) pairs (QGen).
+"""Train a bi-encoder student: Margin-MSE on pseudo labels (GPL), listwise KL on the same pseudo labels
+grouped per query, or MNRL on (query, positive) pairs (QGen).
 
 The loop, optimizer, schedule, precision and checkpoints are ``irflow.training``'s; the losses are
 ``irflow.losses``'s. For MNRL no two examples in a batch share a query or a passage (in-batch
@@ -7,8 +8,8 @@ negatives must be negatives). Passages are BEIR's ``title + " " + text``. The mo
 
 With ``runtime.train_processes: N`` (not keyed) the same training runs in N torchrun processes
 (``irflow.distributed``; one per GPU on CUDA): each embeds ``batch_size / N`` examples of every batch
-and gradients are averaged, so the steps are those of one process with the whole batch (Margin-MSE is
-a mean over examples; MNRL gathers every process's passages, so each query still sees the whole
+and gradients are averaged, so the steps are those of one process with the whole batch (Margin-MSE and
+the listwise KL are means over examples; MNRL gathers every process's passages, so each query still sees the whole
 batch's in-batch negatives). ``batch_size`` must be divisible by N.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +26,8 @@ from pydantic import Field, PositiveInt
 
 from irflow import distributed
 from irflow.errors import DataError
-from irflow.losses import CrossBatchInfoNCE, MarginMSELoss
+from irflow.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, MarginMSELoss
+from irflow.params import KEYED_WHEN_SET
 from irflow.qrels import group, judged_positives, positive_pairs
 from irflow.runtime import StageRuntime
 from irflow.sampling import sample
@@ -38,16 +40,25 @@ log = logging.getLogger("irflow.train")
 
 
 class TrainStudentParams(LoopParams):
-    loss: Literal["margin_mse", "mnrl"] = Field("margin_mse", description="margin_mse: match the teacher's margins "
-                                                                        "(GPL); mnrl: in-batch negatives on "
-                                                                        "(query, positive) pairs (QGen)")
+    loss: Literal["margin_mse", "listwise_kl", "mnrl"] = Field(
+        "margin_mse", description="margin_mse: match the teacher's margins, one (query, positive, negative) "
+                                  "triple an example (GPL); listwise_kl: match the teacher's softmax over a "
+                                  "query's positive and all its negatives, one query an example (the same "
+                                  "pseudo labels; RocketQAv2's distillation with the teacher frozen); mnrl: "
+                                  "in-batch negatives on (query, positive) pairs (QGen)")
     similarity: Literal["cos", "dot"] = Field("dot", description="the student's similarity (GPL's student: dot)")
-    batch_size: PositiveInt = Field(32, description="examples per step")
+    batch_size: PositiveInt = Field(32, description="examples per step (listwise_kl: queries, each with its "
+                                                    "positive and every negative)")
     max_seq_length: PositiveInt = Field(350, description="tokens per text")
     warmup_steps: int = Field(1000, ge=0, description="linear warm-up steps, then linear decay to 0")
     split: str = Field("generated", min_length=1, description="mnrl: the qrels split of the (query, positive) pairs")
     mnrl_scale: float | None = Field(None, gt=0, description="mnrl: similarity scale before the softmax (null: 20 "
                                                              "for cos, 1 for dot)")
+    # added after stores were made: not in the key while it holds its default, so existing students stay cached
+    listwise_scale: Annotated[float, KEYED_WHEN_SET] = Field(20.0, gt=0, description="listwise_kl: the factor on both the student's "
+                                                          "similarities and the teacher's scores (already in "
+                                                          "the student's units, pseudo_label's scale) before "
+                                                          "each softmax; larger is sharper")
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -64,6 +75,22 @@ def margin_mse_examples(pseudo_labels: pa.Table) -> dict:
     t = pseudo_labels
     return {"q": t.column("query_id").to_pylist(), "p": t.column("pos_doc_id").to_pylist(),
             "n": t.column("neg_doc_id").to_pylist(), "margin": t.column("margin").to_numpy().astype(np.float32)}
+
+
+def listwise_examples(pseudo_labels: pa.Table) -> dict:
+    """One example per (query, positive) of the pseudo labels: the positive, its negatives (in the
+    table's order) and the teacher's scores relative to the positive, [0, -margin_1, -margin_2, ...]
+    (a softmax does not see a shift, so these are the teacher's scores, and the list carries exactly the
+    margins Margin-MSE reads as triples, even where a table gives one positive several scores)."""
+    t = pseudo_labels
+    groups: dict[tuple[str, str], dict] = {}
+    for q, p, n, m in zip(*(t.column(c).to_pylist() for c in ("query_id", "pos_doc_id", "neg_doc_id", "margin"))):
+        g = groups.setdefault((q, p), {"negs": [], "scores": [0.0]})
+        g["negs"].append(n)
+        g["scores"].append(-m)
+    keys = sorted(groups)
+    return {"q": [q for q, _ in keys], "p": [p for _, p in keys], "negs": [groups[k]["negs"] for k in keys],
+            "scores": [groups[k]["scores"] for k in keys]}
 
 
 def mnrl_examples(qrels: pa.Table, negatives: pa.Table | None, corpus_ids: list[str], split: str, seed: int) -> dict:
@@ -110,6 +137,10 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
         if pseudo_labels is None:
             raise ValueError("train_student: loss margin_mse needs the pseudo_labels input")
         ex = margin_mse_examples(pseudo_labels.table())
+    elif p.loss == "listwise_kl":
+        if pseudo_labels is None:
+            raise ValueError("train_student: loss listwise_kl needs the pseudo_labels input")
+        ex = listwise_examples(pseudo_labels.table())
     else:
         if qrels is None:
             raise ValueError("train_student: loss mnrl needs the qrels input")
@@ -117,10 +148,10 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
                            corpus_t.column("doc_id").to_pylist(), p.split, p.seed)
 
     qtext = query_texts(queries.table(), set(ex["q"]))
-    dtext = doc_texts(corpus_t, set(ex["p"]) | set(ex.get("n", [])))
+    dtext = doc_texts(corpus_t, set(ex["p"]) | set(ex.get("n", [])) | {d for ns in ex.get("negs", []) for d in ns})
     n_ex = len(ex["q"])
     keep = [i for i in range(n_ex) if ex["q"][i] in qtext and ex["p"][i] in dtext and
-            ("n" not in ex or ex["n"][i] in dtext)]
+            ("n" not in ex or ex["n"][i] in dtext) and ("negs" not in ex or all(d in dtext for d in ex["negs"][i]))]
     if len(keep) < n_ex:
         log.warning("train_student: %d example(s) refer to unknown queries/passages and are dropped", n_ex - len(keep))
         ex = {k: ([v[i] for i in keep] if isinstance(v, list) else v[keep]) for k, v in ex.items()}
@@ -148,6 +179,12 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
         keys = None
         loss_fn = MarginMSELoss(similarity=p.similarity)
         margins = torch.tensor(ex["margin"], dtype=torch.float32)
+    elif p.loss == "listwise_kl":
+        keys = None
+        # the teacher's scores are in the student's similarity units (pseudo_label's scale), so one factor
+        # serves both softmaxes: temperature = 1 / scale
+        loss_fn = ListwiseDistillationLoss(similarity=p.similarity, scale=p.listwise_scale,
+                                           temperature=1.0 / p.listwise_scale)
     else:
         cols = [c for c in ("q", "p", "n") if c in ex]
         keys = [frozenset((c, ex[c][i]) if c == "q" else ("d", ex[c][i]) for c in cols) for i in range(len(ex["q"]))]
@@ -165,6 +202,18 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
         if p.loss == "margin_mse":
             n = _embed(model, [dtext[ex["n"][i]] for i in idx], device)
             return loss_fn.from_embeddings(q, pos, n, margins[idx].to(device))
+        if p.loss == "listwise_kl":
+            # one forward pass for every negative of the batch; lists may differ in length, so each
+            # query's KL is taken on its own and averaged
+            negs = _embed(model, [dtext[d] for i in idx for d in ex["negs"][i]], device)
+            losses, at = [], 0
+            for row, i in enumerate(idx):
+                k = len(ex["negs"][i])
+                cands = torch.cat([pos[row:row + 1], negs[at:at + k]])
+                at += k
+                scores = torch.tensor(ex["scores"][i], dtype=torch.float32, device=device)
+                losses.append(loss_fn.from_embeddings(q[row:row + 1], cands.unsqueeze(0), scores.unsqueeze(0)))
+            return torch.stack(losses).mean()
         n = _embed(model, [dtext[ex["n"][i]] for i in idx], device) if "n" in ex else None
         return loss_fn.from_embeddings(q, pos, n)
 
