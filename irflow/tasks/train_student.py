@@ -9,8 +9,8 @@ negatives must be negatives). Passages are BEIR's ``title + " " + text``. The mo
 With ``runtime.train_processes: N`` (not keyed) the same training runs in N torchrun processes
 (``irflow.distributed``; one per GPU on CUDA): each embeds ``batch_size / N`` examples of every batch
 and gradients are averaged, so the steps are those of one process with the whole batch (Margin-MSE and
-the listwise KL are means over examples; MNRL gathers every process's passages, so each query still sees the whole
-batch's in-batch negatives). ``batch_size`` must be divisible by N.
+the listwise KL are means over examples; MNRL gathers every process's passages, so each query still
+sees the whole batch's in-batch negatives). ``batch_size`` must be divisible by N.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ class TrainStudentParams(LoopParams):
     mnrl_scale: float | None = Field(None, gt=0, description="mnrl: similarity scale before the softmax (null: 20 "
                                                              "for cos, 1 for dot)")
     # added after stores were made: not in the key while it holds its default, so existing students stay cached
-    listwise_scale: Annotated[float, KEYED_WHEN_SET] = Field(20.0, gt=0, description="listwise_kl: the factor on both the student's "
-                                                          "similarities and the teacher's scores (already in "
-                                                          "the student's units, pseudo_label's scale) before "
-                                                          "each softmax; larger is sharper")
+    listwise_scale: Annotated[float, KEYED_WHEN_SET] = Field(
+        20.0, gt=0, description="listwise_kl: the factor on both the student's similarities and the teacher's "
+                                "scores (already in the student's units, pseudo_label's scale) before each "
+                                "softmax; larger is sharper")
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -148,10 +148,12 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
                            corpus_t.column("doc_id").to_pylist(), p.split, p.seed)
 
     qtext = query_texts(queries.table(), set(ex["q"]))
-    dtext = doc_texts(corpus_t, set(ex["p"]) | set(ex.get("n", [])) | {d for ns in ex.get("negs", []) for d in ns})
+    listed = {d for negs in ex.get("negs", []) for d in negs}
+    dtext = doc_texts(corpus_t, set(ex["p"]) | set(ex.get("n", [])) | listed)
     n_ex = len(ex["q"])
     keep = [i for i in range(n_ex) if ex["q"][i] in qtext and ex["p"][i] in dtext and
-            ("n" not in ex or ex["n"][i] in dtext) and ("negs" not in ex or all(d in dtext for d in ex["negs"][i]))]
+            ("n" not in ex or ex["n"][i] in dtext) and
+            ("negs" not in ex or all(d in dtext for d in ex["negs"][i]))]
     if len(keep) < n_ex:
         log.warning("train_student: %d example(s) refer to unknown queries/passages and are dropped", n_ex - len(keep))
         ex = {k: ([v[i] for i in keep] if isinstance(v, list) else v[keep]) for k, v in ex.items()}
