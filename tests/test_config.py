@@ -75,6 +75,8 @@ BAD = [
     (DEMO, ["dense.similarity=dot"], ["dense.similarity: the evaluated students use train.similarity"]),
     (DEMO, ["train.loss=mnrl"], ["train.loss:", "margin_mse or listwise_kl"]),
     (DEMO, ["train.loss=listwise_kl", "label.scale=null"], ["train.loss: listwise_kl", "set label.scale"]),
+    (DEMO, ["rounds=2", "mine.miners.1.model=other-model"], ["rounds: 2 replaces", "no miner has it"]),
+    (DEMO, ["rounds=0"], ["rounds: 0", "greater than 0"]),
     (DEMO, ["teacher.score_every_candidate=true", "teacher.input_depth=20"],
      ["teacher.input_depth: with score_every_candidate"]),
     (DEMO, ["teacher.score_every_candidate=true", "mine.miners.0.variant=multifield"],

@@ -85,6 +85,40 @@ def test_from_stage_and_status(setup, gpl_sample_run):
     assert not {"generate_queries[t5]", "mine_negatives", "label_scores"} & forced
 
 
+def test_rounds_relabel_with_the_last_student_as_the_dense_miner(setup, gpl_sample_run):
+    """rounds: 2 keeps round 1 (the config's run, cached) and adds a round whose dense miner is round 1's
+    student: it mines and labels the same queries again and trains on from that student; round_init: base
+    trains train.model on round 2's labels instead, which are reused."""
+    two = run(setup["config"], setup["store"], "rounds=2")
+    changed = computed(two)
+    assert {"dense_search[miner-bi-r2]", "mine_negatives[r2]", "label_scores[r2]", "pseudo_label[r2]",
+            "train_student[gpl-r2]", "dense_search[gpl-student-r2]", "evaluate[gpl-student-r2]"} <= changed
+    assert not {"generate_queries[t5]", "dense_search[miner-bi]", "mine_negatives", "label_scores", "pseudo_label",
+                "train_student[gpl]", "train_student[qgen]", "evaluate[gpl-student]"} & changed
+    assert {m["system"] for m in two.metrics} >= {"gpl-student", "gpl-student-r2", "qgen-student"}
+
+    from irflow.catalog import Catalog
+
+    out = {s.name: s.outputs for s in two.stages}
+    first = out["train_student[gpl]"]["student"]
+    # the round-2 miner's corpus embeddings are round 1's student's (the same encoding as its evaluation)
+    assert out["encode_corpus[miner-bi-r2]"]["embeddings"] == out["encode_corpus[gpl-student]"]["embeddings"]
+    catalog = Catalog(setup["store"] / "catalog.duckdb")
+    second = out["train_student[gpl-r2]"]["student"]
+    assert ("base_model", first) in catalog.parents(second)  # trained on from round 1's student
+    assert ("pseudo_labels", out["pseudo_label[r2]"]["pseudo_labels"]) in catalog.parents(second)
+    ancestors = {a["dataset_id"] for a in catalog.lineage(second)}
+    assert out["dense_search[miner-bi-r2]"]["run"] in ancestors
+    assert out["pseudo_label[r2]"]["pseudo_labels"] != out["pseudo_label"]["pseudo_labels"]
+
+    again = run(setup["config"], setup["store"], "rounds=2", "round_init=base")
+    assert "train_student[gpl-r2]" in computed(again)
+    assert not {"mine_negatives[r2]", "label_scores[r2]", "pseudo_label[r2]", "train_student[gpl]"} & computed(again)
+    from_base = again.stage("train_student[gpl-r2]").outputs["student"]
+    assert from_base != second and ("base_model", first) not in catalog.parents(from_base)
+    assert ("pseudo_labels", out["pseudo_label[r2]"]["pseudo_labels"]) in catalog.parents(from_base)
+
+
 def test_paper_config_fails_fast_offline(tmp_path):
     with pytest.raises(ModelNotAvailable, match="BeIR/query-gen-msmarco-t5-base-v1"):
         api.run("configs/gpl_scifact.yaml", store=tmp_path / "s")

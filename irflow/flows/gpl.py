@@ -15,6 +15,11 @@
        │                 │
     test queries ──> BM25 | zero-shot | hybrid | doc2query | QGen | GPL ──> evaluate ──> report
 
+With ``rounds: R > 1`` mining, labelling and training repeat on the same queries: in round r the dense
+miner on train.model is round r-1's student (so a fusion teacher fuses BM25 with that student), and the
+round's student trains on from it (``round_init: previous``) or from train.model (``base``). Each round is
+keyed on the previous round's student: raising ``rounds`` computes only the new rounds.
+
 Each arrow is a stage cached on its inputs: change `train.*` and only training and evaluation
 recompute; change the teacher and labels, training, evaluation recompute while generation and
 mining are reused; change the generator and everything after ingest recomputes.
@@ -205,8 +210,20 @@ class GPLConfig(RecipeConfig):
     dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search (similarity "
                                                           "follows train.similarity)")
     hybrid: HybridConfig = Field(HybridConfig(), description="BM25 + zero-shot fusion")
+    rounds: PositiveInt = Field(
+        1, description="pseudo-labelling rounds (1: GPL). Round r > 1 mines, scores and labels the same queries "
+                       "again with the dense miner whose model is train.model replaced by round r-1's student "
+                       "(in the miners and so in a fusion teacher), and trains the next student from "
+                       "`round_init`")
+    round_init: Literal["previous", "base"] = Field(
+        "previous", description="where round r > 1's student starts: previous (round r-1's student, trained on) or "
+                                "base (train.model again, on the new labels)")
     doc2query: Doc2QueryConfig = Field(Doc2QueryConfig(), description="the docT5query baseline")
     evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
+
+    def _refreshed_miner(self) -> "DenseMiner | None":
+        """The dense miner that follows the student from round 2 on: the one on train.model."""
+        return next((m for m in self.mine.miners if isinstance(m, DenseMiner) and m.model == self.train.model), None)
 
     def advice(self) -> list[str]:
         return model_free_advice(self.generate.source)
@@ -261,6 +278,10 @@ class GPLConfig(RecipeConfig):
             if multifield:
                 raise ValueError(f"teacher.score_every_candidate: BM25 scores a single passage from a flat index; "
                                  f"miner(s) {multifield} use variant multifield")
+        if self.rounds > 1 and self._refreshed_miner() is None:
+            raise ValueError(f"rounds: {self.rounds} replaces, from round 2 on, the dense miner whose model is "
+                             f"train.model ({self.train.model}) with the last round's student; no miner has it "
+                             f"(miners: {names})")
         if self.label.miners and not set(self.label.miners) <= set(names):
             raise ValueError(f"label.miners: {sorted(set(self.label.miners) - set(names))} are not miners "
                              f"(miners: {names})")
@@ -278,8 +299,16 @@ def query_generation(run: Run, g, data: Dataset) -> dict[str, DatasetRef]:
     return generate_queries(run, g, tag=g.source, corpus=data.corpus)
 
 
-def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef
-              ) -> DatasetRef:
+def miner_model(run: Run, m: DenseMiner, c: GPLConfig, student: DatasetRef | None) -> DatasetRef:
+    """A dense miner's model: its own, or (``student``, rounds after the first) the last round's student if
+    the miner is the one on train.model."""
+    if student is not None and m is c._refreshed_miner():
+        return student
+    return run.model(m.model, f"mine.miners.{c.mine.miners.index(m)}.model")
+
+
+def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef,
+              student: DatasetRef | None = None, suffix: str = "") -> DatasetRef:
     """A miner's top `mine.depth` for the generated queries; the run's system is the miner's name."""
     name = miner_name(m)
     if isinstance(m, BM25Miner):
@@ -289,28 +318,27 @@ def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: Dataset
     # Same model and encoding as an evaluated system: its corpus embeddings are reused (cached).
     settings = c.dense.to(DenseRetrieval, depth=c.mine.depth, remove_query=False,
                           similarity=m.similarity or c.dense.similarity)
-    where = f"mine.miners.{c.mine.miners.index(m)}.model"
-    return dense_run(run, settings, corpus, queries, model=run.model(m.model, where), system=name,
-                     tag=f"miner-{name}")
+    return dense_run(run, settings, corpus, queries, model=miner_model(run, m, c, student), system=name,
+                     tag=f"miner-{name}{suffix}")
 
 
 def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, rankings: list[DatasetRef],
-              student: DatasetRef, corpus: DatasetRef) -> DatasetRef:
+              student: DatasetRef, corpus: DatasetRef, suffix: str = "") -> DatasetRef:
     """The teacher's (q, pos, neg, margin) triples: the teacher scores each query's triples (sharded by
     queries), then the margins are scaled (a scale change re-labels without re-scoring)."""
     teacher = c.teacher
     cross_encoder = isinstance(teacher, CrossEncoderTeacherConfig)
     p = c.label.to(LabelScoresParams, teacher=teacher.to(CrossEncoderTeacher if cross_encoder else FusionTeacher))
-    scores = label_scores(run, p, queries=gen["queries"], corpus=corpus, negatives=negatives,
+    scores = label_scores(run, p, tag=suffix.lstrip("-") or None, queries=gen["queries"], corpus=corpus, negatives=negatives,
                           qrels=gen["qrels"] if p.positive == "qrels" else None,
                           teacher_rankings=rankings if isinstance(teacher, FusionTeacher) else None,
                           teacher=run.model(teacher.model, "teacher.model") if cross_encoder else None)
-    return pseudo_label(run, c.label.to(PseudoLabelParams), scores=scores, queries=gen["queries"], corpus=corpus,
+    return pseudo_label(run, c.label.to(PseudoLabelParams), tag=suffix.lstrip("-") or None, scores=scores, queries=gen["queries"], corpus=corpus,
                         student=student if isinstance(c.label.scale, AutoScale) else None)
 
 
 def miner_scores(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef,
-                 candidates: list[DatasetRef]) -> DatasetRef:
+                 candidates: list[DatasetRef], student: DatasetRef | None = None, suffix: str = "") -> DatasetRef:
     """The miner's score of every candidate pair (``teacher.score_every_candidate``), from the index or
     the corpus embeddings its mining built (cached); the run's system is the miner's name."""
     name = miner_name(m)
@@ -319,20 +347,20 @@ def miner_scores(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: Data
         return bm25_score(run, m.to(BM25ScoreParams, system=name), tag=f"teacher-{name}", bm25_index=index,
                           queries=queries, candidates=candidates)
     settings = c.dense.to(EncodeParams, similarity=m.similarity or c.dense.similarity)
-    model = run.model(m.model, f"mine.miners.{c.mine.miners.index(m)}.model")
-    embeddings = encode_corpus(run, settings, tag=f"miner-{name}", corpus=corpus, model=model)
-    return dense_score(run, settings.to(DenseScoreParams, system=name), tag=f"teacher-{name}",
+    model = miner_model(run, m, c, student)
+    embeddings = encode_corpus(run, settings, tag=f"miner-{name}{suffix}", corpus=corpus, model=model)
+    return dense_score(run, settings.to(DenseScoreParams, system=name), tag=f"teacher-{name}{suffix}",
                        embeddings=embeddings, queries=queries, model=model, candidates=candidates)
 
 
 def teacher_runs(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined: list[DatasetRef],
-                 corpus: DatasetRef) -> list[DatasetRef]:
+                 corpus: DatasetRef, student: DatasetRef | None = None, suffix: str = "") -> list[DatasetRef]:
     """What a fusion teacher fuses: the miners' own lists, or (``score_every_candidate``) every miner's
     score of every candidate -- the mined negatives, and the positives of positive=qrels."""
     if not (isinstance(c.teacher, FusionTeacherConfig) and c.teacher.score_every_candidate):
         return mined
     candidates = [negatives] + ([gen["qrels"]] if c.label.positive == "qrels" else [])
-    return [miner_scores(run, m, c, corpus, gen["queries"], candidates) for m in c.mine.miners]
+    return [miner_scores(run, m, c, corpus, gen["queries"], candidates, student, suffix) for m in c.mine.miners]
 
 
 # ---- the recipe -----------------------------------------------------------------------------------
@@ -341,19 +369,30 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     data = ingest(run, c.dataset)
     base = run.model(c.train.model, "train.model")
 
-    # 1. Query generation; 2. negative mining with every miner; 3. pseudo labels from the teacher.
+    # 1. Query generation (once: every round labels the same queries).
     gen = query_generation(run, c.generate, data)
-    mined = [miner_run(run, m, c, data.corpus, gen["queries"]) for m in c.mine.miners]
-    negatives = mine_negatives(run, c.mine.to(MineParams), rankings=mined, qrels=gen["qrels"], corpus=data.corpus)
-    labels = labelling(run, c, gen, negatives, teacher_runs(run, c, gen, negatives, mined, data.corpus), base,
-                       data.corpus)
 
-    # 4. Students: GPL (Margin-MSE on the teacher's margins) and the QGen baseline (MNRL on (q, pos)).
-    #    (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
-    students = {"gpl-student": train_student(run, c.train.gpl_params(), tag="gpl", queries=gen["queries"],
-                                             corpus=data.corpus, base_model=base, pseudo_labels=labels)["student"]}
+    # Each round: 2. negative mining with every miner; 3. pseudo labels from the teacher; 4. the GPL student
+    # (Margin-MSE on the teacher's margins). Round 1 is GPL; from round 2 on, the dense miner on train.model is
+    # the last round's student, so the mining and a fusion teacher see it (self-training).
+    students, student, labels = {}, None, []
+    for r in range(1, c.rounds + 1):
+        suffix = "" if r == 1 else f"-r{r}"
+        mined = [miner_run(run, m, c, data.corpus, gen["queries"], student, suffix) for m in c.mine.miners]
+        negatives = mine_negatives(run, c.mine.to(MineParams), tag=suffix.lstrip("-") or None, rankings=mined,
+                                   qrels=gen["qrels"], corpus=data.corpus)
+        start = base if student is None or c.round_init == "base" else student
+        labels.append(labelling(run, c, gen, negatives,
+                                teacher_runs(run, c, gen, negatives, mined, data.corpus, student, suffix),
+                                start, data.corpus, suffix))
+        # (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
+        student = train_student(run, c.train.gpl_params(), tag=f"gpl{suffix}", queries=gen["queries"],
+                                corpus=data.corpus, base_model=start, pseudo_labels=labels[-1])["student"]
+        students[f"gpl-student{suffix}"] = student
+
+    # The QGen baseline: MNRL on (q, pos), the first round's positives.
     if c.train.qgen.enabled:
-        positives = label_positives(run, NoParams(), pseudo_labels=labels)
+        positives = label_positives(run, NoParams(), pseudo_labels=labels[0])
         students["qgen-student"] = train_student(run, c.train.qgen_params(), tag="qgen", queries=gen["queries"],
                                                  corpus=data.corpus, base_model=base, qrels=positives)["student"]
 
