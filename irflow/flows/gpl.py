@@ -221,7 +221,7 @@ class GPLConfig(RecipeConfig):
     doc2query: Doc2QueryConfig = Field(Doc2QueryConfig(), description="the docT5query baseline")
     evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
 
-    def _refreshed_miner(self) -> "DenseMiner | None":
+    def refreshed_miner(self) -> "DenseMiner | None":
         """The dense miner that follows the student from round 2 on: the one on train.model."""
         return next((m for m in self.mine.miners if isinstance(m, DenseMiner) and m.model == self.train.model), None)
 
@@ -278,7 +278,7 @@ class GPLConfig(RecipeConfig):
             if multifield:
                 raise ValueError(f"teacher.score_every_candidate: BM25 scores a single passage from a flat index; "
                                  f"miner(s) {multifield} use variant multifield")
-        if self.rounds > 1 and self._refreshed_miner() is None:
+        if self.rounds > 1 and self.refreshed_miner() is None:
             raise ValueError(f"rounds: {self.rounds} replaces, from round 2 on, the dense miner whose model is "
                              f"train.model ({self.train.model}) with the last round's student; no miner has it "
                              f"(miners: {names})")
@@ -302,7 +302,7 @@ def query_generation(run: Run, g, data: Dataset) -> dict[str, DatasetRef]:
 def miner_model(run: Run, m: DenseMiner, c: GPLConfig, student: DatasetRef | None) -> DatasetRef:
     """A dense miner's model: its own, or (``student``, rounds after the first) the last round's student if
     the miner is the one on train.model."""
-    if student is not None and m is c._refreshed_miner():
+    if student is not None and m is c.refreshed_miner():
         return student
     return run.model(m.model, f"mine.miners.{c.mine.miners.index(m)}.model")
 
@@ -323,18 +323,19 @@ def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: Dataset
 
 
 def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, rankings: list[DatasetRef],
-              student: DatasetRef, corpus: DatasetRef, suffix: str = "") -> DatasetRef:
+              student: DatasetRef, corpus: DatasetRef, round_tag: str | None = None) -> DatasetRef:
     """The teacher's (q, pos, neg, margin) triples: the teacher scores each query's triples (sharded by
-    queries), then the margins are scaled (a scale change re-labels without re-scoring)."""
+    queries), then the margins are scaled (a scale change re-labels without re-scoring). ``round_tag``
+    (``r2``, ...) tags the stages of rounds after the first."""
     teacher = c.teacher
     cross_encoder = isinstance(teacher, CrossEncoderTeacherConfig)
     p = c.label.to(LabelScoresParams, teacher=teacher.to(CrossEncoderTeacher if cross_encoder else FusionTeacher))
-    scores = label_scores(run, p, tag=suffix.lstrip("-") or None, queries=gen["queries"], corpus=corpus, negatives=negatives,
+    scores = label_scores(run, p, tag=round_tag, queries=gen["queries"], corpus=corpus, negatives=negatives,
                           qrels=gen["qrels"] if p.positive == "qrels" else None,
                           teacher_rankings=rankings if isinstance(teacher, FusionTeacher) else None,
                           teacher=run.model(teacher.model, "teacher.model") if cross_encoder else None)
-    return pseudo_label(run, c.label.to(PseudoLabelParams), tag=suffix.lstrip("-") or None, scores=scores, queries=gen["queries"], corpus=corpus,
-                        student=student if isinstance(c.label.scale, AutoScale) else None)
+    return pseudo_label(run, c.label.to(PseudoLabelParams), tag=round_tag, scores=scores, queries=gen["queries"],
+                        corpus=corpus, student=student if isinstance(c.label.scale, AutoScale) else None)
 
 
 def miner_scores(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef,
@@ -377,14 +378,15 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     # the last round's student, so the mining and a fusion teacher see it (self-training).
     students, student, labels = {}, None, []
     for r in range(1, c.rounds + 1):
-        suffix = "" if r == 1 else f"-r{r}"
+        round_tag = None if r == 1 else f"r{r}"  # stage tags of round r > 1: mine_negatives[r2], miner-bi-r2
+        suffix = f"-{round_tag}" if round_tag else ""
         mined = [miner_run(run, m, c, data.corpus, gen["queries"], student, suffix) for m in c.mine.miners]
-        negatives = mine_negatives(run, c.mine.to(MineParams), tag=suffix.lstrip("-") or None, rankings=mined,
+        negatives = mine_negatives(run, c.mine.to(MineParams), tag=round_tag, rankings=mined,
                                    qrels=gen["qrels"], corpus=data.corpus)
         start = base if student is None or c.round_init == "base" else student
         labels.append(labelling(run, c, gen, negatives,
                                 teacher_runs(run, c, gen, negatives, mined, data.corpus, student, suffix),
-                                start, data.corpus, suffix))
+                                start, data.corpus, round_tag))
         # (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
         student = train_student(run, c.train.gpl_params(), tag=f"gpl{suffix}", queries=gen["queries"],
                                 corpus=data.corpus, base_model=start, pseudo_labels=labels[-1])["student"]
