@@ -35,25 +35,12 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 import harness
-
-
-def stage_outputs(store: Path, run_id: str) -> dict[str, dict]:
-    """stage -> its outputs (name -> dataset id) in that run."""
-    import duckdb
-
-    con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
-    try:
-        rows = con.execute("SELECT stage, outputs::VARCHAR FROM stage_runs WHERE run_id = ?", [run_id]).fetchall()
-    finally:
-        con.close()
-    if not rows:
-        raise SystemExit(f"run {run_id} is not in {store}'s catalog")
-    return {stage: json.loads(outputs) for stage, outputs in rows}
 
 
 def main() -> None:
@@ -73,7 +60,10 @@ def main() -> None:
 
     import pyarrow.dataset as ds
 
-    from irflow.tasks.evaluate import evaluate_run
+    from irflow.catalog import Catalog
+    from irflow.qrels import positives
+    from irflow.report import runs as R
+    from irflow.tasks.evaluate import evaluate_run, qrels_to_dict
     from irflow.text import doc_texts
 
     store = Path(args.store)
@@ -81,31 +71,29 @@ def main() -> None:
     variants = result["variants"]
     v = next((x for x in variants if x["name"] == args.variant), None) if args.variant else variants[0]
     if v is None:
-        raise SystemExit(f"no variant {args.variant!r} in {args.file}: {[x['name'] for x in variants]}")
-    out = stage_outputs(store, v["run_id"])
+        ap.error(f"no variant {args.variant!r} in {args.file}: {[x['name'] for x in variants]}")
+    catalog = Catalog(store / "catalog.duckdb")
+    out = {s["name"]: s["outputs"] for s in R.stage_runs(catalog, v["run_id"])}
+    if not out:
+        ap.error(f"run {v['run_id']} is not in {store}'s catalog")
     if args.list not in out:
-        raise SystemExit(f"run {v['run_id']} has no {args.list!r}: {sorted(out)}")
-    table = lambda dataset_id: ds.dataset(store / "objects" / dataset_id, format="parquet").to_table()  # noqa: E731
+        ap.error(f"run {v['run_id']} has no {args.list!r}: {sorted(out)}")
 
     # the evaluated queries: the run's select_queries stage that is not the labelled (train) split's
     evaluated = [s for s in out if s.startswith("select_queries[") and s != "select_queries[train]"]
     if len(evaluated) != 1:
-        raise SystemExit(f"cannot tell the evaluated queries apart: {evaluated}")
+        ap.error(f"cannot tell the evaluated queries apart: {evaluated}")
     split = evaluated[0][len("select_queries["):-1]
-    queries = table(out[evaluated[0]]["queries"])
+    queries = R.read_table(catalog, out[evaluated[0]]["queries"], columns=["query_id", "text"])
     asked = set(queries.column("query_id").to_pylist())
     query_text = dict(zip(queries.column("query_id").to_pylist(), queries.column("text").to_pylist()))
     ingest = out["ingest"]
-    passage_text = doc_texts(table(ingest["corpus"]))
-    qrels, judged_in_train = {}, {}
-    for r in table(ingest["qrels"]).to_pylist():
-        if r["score"] <= 0:
-            continue
-        if r["split"] == split and r["query_id"] in asked:
-            qrels.setdefault(r["query_id"], {})[r["doc_id"]] = int(r["score"])
-        elif r["split"] == "train":
-            judged_in_train[r["doc_id"]] = judged_in_train.get(r["doc_id"], 0) + 1
-    rows = [r for r in table(out[args.list]["run"]).to_pylist() if r["rank"] <= args.depth and r["query_id"] in asked]
+    passage_text = doc_texts(R.read_table(catalog, ingest["corpus"]))
+    qrels_table = R.read_table(catalog, ingest["qrels"])
+    qrels = qrels_to_dict(qrels_table, split)  # as the evaluate stage reads them; evaluate_run keeps the asked
+    judged_in_train = Counter(d for docs in positives(qrels_table, "train").values() for d in docs)
+    rows = [r for r in R.read_table(catalog, out[args.list]["run"], columns=["query_id", "doc_id", "rank", "score"],
+                                    where=ds.field("rank") <= args.depth).to_pylist() if r["query_id"] in asked]
 
     def as_run(score, system: str):
         import pyarrow as pa
@@ -165,7 +153,7 @@ def main() -> None:
                         "seconds": seconds})
 
     report = {"file": Path(args.file).name, "variant": v["name"], "run_id": v["run_id"], "store": str(store),
-              "split": split, "queries": len(qrels), "list": args.list, "depth": args.depth, "pairs": len(rows),
+              "split": split, "queries": len(asked & set(qrels)), "list": args.list, "depth": args.depth, "pairs": len(rows),
               "orders": floors, "cross_encoders": crosses, "machine": harness.machine()}
     harness.table(["order of the list", "nDCG@10"],
                   [[k, f"{x['mean']} (sd {x['sd']})" if isinstance(x, dict) else x] for k, x in floors.items()]
