@@ -20,6 +20,7 @@ thresholds are applied to (``read_candidates``), not on the judged positives out
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal, Sequence, Union
 
 import numpy as np
@@ -28,6 +29,7 @@ from pydantic import Field, PositiveInt
 
 from irflow.fusion import FusionSettings, fuse_runs
 from irflow.params import QUANTIZATION_DOC, Params, Quantization
+from irflow.stats import Paired, paired
 
 
 class CrossEncoderTeacher(Params):
@@ -184,3 +186,76 @@ def probabilities(scores: np.ndarray, method: str,
     else:
         raise ValueError("platt calibration needs its fitted (a, b): fit_platt_on_lists")
     return sigmoid(a * np.asarray(scores, dtype=np.float64) + b), (a, b)
+
+
+# ---- does the teacher order the labelled lists? ------------------------------------------------------
+def list_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The chance that a judged positive of one list scores above an unjudged candidate of the same list
+    (ties count half): the area under the ROC curve of one query (Mann-Whitney U / (n_pos * n_neg)).
+    0.5 is a random order, 1 every judged positive above every other candidate."""
+    from scipy.stats import rankdata
+
+    pos = np.asarray(labels) > 0
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    ranks = rankdata(np.asarray(scores, dtype=np.float64))  # average ranks: ties count half
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+@dataclass(frozen=True)
+class ListOrderCheck:
+    """How a teacher orders the labelled lists it scored, per query: its AUC (judged positives against
+    the other retrieved candidates, ``list_auc``) beside the AUC of the retriever's own order of the
+    same candidates. Over the queries whose list holds both a judged positive and an unjudged candidate.
+
+    A denoiser keeps a candidate as a negative because the teacher scores it low. A teacher at chance
+    (AUC ~ 0.5) keeps and drops candidates at random, and one below the retriever orders them worse than
+    the list it is meant to clean: either way its "denoised" negatives are no better than undenoised
+    ones. NFCorpus's M_C on a CPU budget is such a teacher (bench/README.md, RocketQA: its logits all
+    in [-1.41, -1.17], the label prior)."""
+
+    queries: int
+    teacher_auc: float      # mean over the queries
+    list_auc: float         # the retriever's order (rank 1 first), same queries
+    vs_chance: Paired       # teacher's per-query AUC against 0.5 (b = teacher, a = chance)
+    vs_list: Paired         # teacher against the retriever's order (b = teacher, a = list)
+
+    def problem(self, alpha: float = 0.05) -> str | None:
+        """One sentence when the teacher is at chance or below the list (paired t-test at ``alpha``
+        over the queries), else None."""
+        if self.queries < 2:
+            return None
+        nums = (f"mean AUC {self.teacher_auc:.3f} over {self.queries} labelled lists, chance 0.5; the retriever's "
+                f"own order {self.list_auc:.3f}")
+        if not (self.teacher_auc > 0.5 and self.vs_chance.t_pvalue < alpha):
+            return (f"the teacher does not tell judged positives from the other candidates better than chance "
+                    f"({nums}; vs chance p {self.vs_chance.t_pvalue:.2g})")
+        if self.teacher_auc < self.list_auc and self.vs_list.t_pvalue < alpha:
+            return (f"the teacher orders the lists worse than the retriever that made them ({nums}; better on "
+                    f"{self.vs_list.wins} lists, worse on {self.vs_list.losses}, p {self.vs_list.t_pvalue:.2g})")
+        return None
+
+    def to_dict(self) -> dict:
+        return {"queries": self.queries, "teacher_auc": self.teacher_auc, "list_auc": self.list_auc,
+                "vs_chance": self.vs_chance.to_dict(), "vs_list": self.vs_list.to_dict()}
+
+
+def list_order_check(query_ids: Sequence[str], ranks: np.ndarray, scores: np.ndarray,
+                     labels: np.ndarray) -> ListOrderCheck:
+    """``ListOrderCheck`` of a teacher-scores table's columns: rows ``read_candidates`` keeps (the
+    retriever's top candidates, not the judged positives outside them), grouped by query."""
+    ranks, scores, labels = np.asarray(ranks), np.asarray(scores, dtype=np.float64), np.asarray(labels) > 0
+    on = read_candidates(ranks, labels)
+    rows: dict[str, list[int]] = {}
+    for i in np.flatnonzero(on):
+        rows.setdefault(query_ids[i], []).append(i)
+    teacher, listed = {}, {}
+    for q, idx in rows.items():
+        y = labels[idx]
+        if y.all() or not y.any():
+            continue
+        teacher[q] = list_auc(scores[idx], y)
+        listed[q] = list_auc(-ranks[idx].astype(np.float64), y)
+    n = len(teacher)
+    mean = lambda d: float(np.mean(list(d.values()))) if d else float("nan")  # noqa: E731
+    return ListOrderCheck(queries=n, teacher_auc=mean(teacher), list_auc=mean(listed),
+                          vs_chance=paired(dict.fromkeys(teacher, 0.5), teacher), vs_list=paired(listed, teacher))

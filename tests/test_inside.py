@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import re
+from html import unescape
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,6 +31,28 @@ def _open(store_dir) -> tuple[Catalog, Store]:
 
 def _stored(store: Store, dataset_id: str) -> pa.Table:
     return pq.read_table(store.object_dir(dataset_id) / TABLE_FILE)
+
+
+def _pairwise_aucs(scores: pa.Table) -> tuple[list[float], list[float]]:
+    """Per query with a judged positive and another candidate among the retrieved ones (rank 1 to the
+    deepest unjudged rank): the share of (positive, other) pairs the teacher's score, and the list's
+    rank, put the right way round (ties half)."""
+    rows = scores.to_pylist()
+    depth = max(r["rank"] for r in rows if not r["positive"])
+    lists: dict[str, list[dict]] = {}
+    for r in rows:
+        if 1 <= r["rank"] <= depth:
+            lists.setdefault(r["query_id"], []).append(r)
+    teacher, listed = [], []
+    for rs in lists.values():
+        pos = [r for r in rs if r["positive"]]
+        neg = [r for r in rs if not r["positive"]]
+        if pos and neg:
+            pairs = [(p, n) for p in pos for n in neg]
+            teacher.append(sum((p["score"] > n["score"]) + 0.5 * (p["score"] == n["score"]) for p, n in pairs)
+                           / len(pairs))
+            listed.append(sum(p["rank"] < n["rank"] for p, n in pairs) / len(pairs))
+    return teacher, listed
 
 
 def _section(sections, starts: str) -> str:
@@ -160,3 +183,9 @@ def test_rocketqa_sections_count_per_bucket_what_denoising_dropped_and_kept(rock
         # the kept negatives are the denoise stage's negatives mined from the lists (the rest is the fill)
         negatives = _stored(store, outputs["negatives"])
         assert total["kept"] == pc.sum(pc.equal(negatives.column("miner"), "denoised")).as_py()
+        # the teacher's order of the labelled lists, counted pair by pair from the stored scores
+        teacher, listed = _pairwise_aucs(_stored(store, outputs["scores"]))
+        mean = lambda v: sum(v) / len(v)  # noqa: E731
+        text = unescape(html)
+        assert (f"mean AUC {mean(teacher):.3f} over {len(teacher)} queries" in text
+                and f"the retriever's own order {mean(listed):.3f}" in text)

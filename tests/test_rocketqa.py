@@ -567,3 +567,81 @@ def test_m_c_is_evaluated_at_the_length_it_was_trained_on(setup):
     assert c.cross_encoder.rerank.max_length == 200
     c = api.load_config(setup["rocketqa"], [])
     assert c.cross_encoder.rerank.max_length == c.cross_encoder.max_length
+
+
+def _lists(rng, queries=150, depth=50):
+    """Retrieved lists whose judged positives sit near the top (the retriever orders them, imperfectly)."""
+    qids, ranks, labels = [], [], []
+    for q in range(queries):
+        for r in range(1, depth + 1):
+            qids.append(f"q{q}"), ranks.append(r), labels.append(rng.random() < 0.5 * np.exp(-r / 8))
+    return qids, np.array(ranks), np.array(labels, dtype=float)
+
+
+def test_list_auc_counts_pairs_and_ties_by_hand():
+    from irflow.teachers import list_auc
+
+    assert list_auc(np.array([3.0, 2.0, 1.0]), np.array([1, 0, 0])) == 1.0
+    assert list_auc(np.array([1.0, 2.0, 3.0]), np.array([1, 0, 0])) == 0.0
+    assert list_auc(np.array([2.0, 2.0, 2.0, 2.0]), np.array([1, 1, 0, 0])) == 0.5
+    # positives 5 and 2 against negatives 4, 2, 1: 5 beats all three, 2 ties one and beats one -> 4.5 of 6
+    assert list_auc(np.array([5.0, 2.0, 4.0, 2.0, 1.0]), np.array([1, 1, 0, 0, 0])) == 4.5 / 6
+
+
+def test_list_order_check_flags_a_teacher_at_chance_or_below_the_retriever_and_passes_one_that_orders():
+    from irflow.teachers import list_order_check
+
+    rng = np.random.default_rng(5)
+    qids, ranks, labels = _lists(rng)
+    good = labels * 2.0 + rng.normal(0, 0.5, len(labels))  # judged positives clearly higher
+    ok = list_order_check(qids, ranks, good, labels)
+    assert ok.problem() is None and ok.teacher_auc > ok.list_auc > 0.6 and ok.queries > 100
+
+    prior = np.full(len(labels), -1.3)  # NFCorpus's collapsed M_C: one logit for everything
+    flat = list_order_check(qids, ranks, prior, labels)
+    assert flat.teacher_auc == 0.5 and "better than chance" in flat.problem()
+    noise = list_order_check(qids, ranks, rng.normal(0, 1, len(labels)), labels)
+    assert abs(noise.teacher_auc - 0.5) < 0.05 and "better than chance" in noise.problem()
+
+    # informative, but less than the list's own order: a worse judge than the retriever it cleans
+    weak = labels * 0.4 + rng.normal(0, 1, len(labels))
+    below = list_order_check(qids, ranks, weak, labels)
+    assert 0.5 < below.teacher_auc < below.list_auc and "worse than the retriever" in below.problem()
+    # judged positives outside the lists (rank 0) are not read: they would flatter any teacher
+    outside = list_order_check(qids + ["q0"] * 20, np.r_[ranks, np.zeros(20, int)], np.r_[prior, np.full(20, 9.0)],
+                               np.r_[labels, np.ones(20)])
+    assert outside.teacher_auc == 0.5
+
+
+def test_denoising_with_a_teacher_at_chance_warns_with_its_numbers(tmp_path, caplog):
+    import logging
+
+    import pyarrow as pa
+
+    from irflow.runtime import StageRuntime
+    from irflow.tasks.denoise import denoise
+
+    rng = np.random.default_rng(9)
+    qids, ranks, labels = _lists(rng, queries=60, depth=30)
+    run = pa.table({"query_id": qids, "doc_id": [f"{q}-d{r}" for q, r in zip(qids, ranks)],
+                    "rank": pa.array(ranks, pa.int32()), "score": -ranks.astype(float), "system": ["md0"] * len(qids)})
+    judged = [(q, f"{q}-d{r}") for q, r, y in zip(qids, ranks, labels) if y]
+    qrels = pa.table({"query_id": [q for q, _ in judged], "doc_id": [d for _, d in judged],
+                      "score": pa.array([1] * len(judged), pa.int32()), "split": ["train"] * len(judged)})
+    refs = {"qrels": _table_ref(tmp_path, "qrels", qrels), "ranking": _table_ref(tmp_path, "run", run)}
+    p = DenoiseParams(fill_ranks=None, negatives_per_positive=2)
+    for name, score in (("prior", np.full(len(qids), -1.3)), ("ordered", labels * 4.0 - 2.0)):
+        scored = pa.table({"query_id": qids, "doc_id": run.column("doc_id"), "rank": pa.array(ranks, pa.int32()),
+                           "score": score, "positive": labels.astype(bool)})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="irflow.denoise"):
+            denoise.fn(p, StageRuntime(workdir=tmp_path / f"work-{name}"),
+                       scores=_table_ref(tmp_path, f"scores-{name}", scored), **refs)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "teacher" in
+                    r.getMessage()]
+        if name == "prior":
+            assert len(warnings) == 1 and "mean AUC 0.500 over" in warnings[0]
+            assert "denoise.teachers: [fusion]" in warnings[0]
+        else:
+            assert warnings == []
+            assert any("mean AUC 1.000" in r.getMessage() for r in caplog.records)

@@ -17,6 +17,11 @@ stage decides from its scores, without a model:
 3. queries short of negatives are filled with random passages from ranks ``fill_ranks`` of the
    retriever's list (not judged positives).
 
+It also checks the teacher (``teachers.list_order_check``): on the labelled lists, does it score judged
+positives above the other candidates more often than chance, and not less often than the retriever's own
+order? A teacher that does neither is logged as a warning with its numbers (and shown on the report page):
+its kept and dropped candidates are a random split, whatever the thresholds.
+
 Outputs: ``negatives`` (miner ``denoised`` or ``fill``, the retriever rank), ``scores`` (every scored
 pair with its probability: what listwise distillation and augmentation's calibration read), ``audit``
 (per query and rank bucket: candidates, judged positives, dropped, kept), and ``histogram`` (PNG +
@@ -42,7 +47,7 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.teachers import Calibration, fit_platt_on_lists, probabilities
+from irflow.teachers import Calibration, fit_platt_on_lists, list_order_check, probabilities
 
 log = logging.getLogger("irflow.denoise")
 
@@ -174,6 +179,16 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, ranking: 
     log.info("denoise: %d of %d candidates dropped as likely false negatives (p >= %.2f; calibration %s, "
              "a=%.4g b=%.4g); %d negatives", dropped, n_cand, p.negative_threshold, p.calibration.method, a, b,
              out["negatives"].num_rows)
+    # A teacher that cannot order the lists it judges "denoises" at random: say so (the run goes on; the
+    # report shows the same check, irflow.inside).
+    check = list_order_check([q for q, _, _ in triples], np.array([r for _, _, r in triples]), raw, labels)
+    if (problem := check.problem()) is not None:
+        log.warning("denoise: %s. Its negatives are no better than undenoised ones: denoise with a teacher that "
+                    "orders the lists (denoise.teachers: [fusion] needs no training), or give the cross-encoder "
+                    "the budget to learn (bench/README.md, RocketQA)", problem)
+    else:
+        log.info("denoise: the teacher orders the labelled lists with mean AUC %.3f over %d queries (the "
+                 "retriever's order %.3f)", check.teacher_auc, check.queries, check.list_auc)
     fig_dir = Path(rt.workdir) / "histogram"
     is_pos = labels > 0
     probability_histogram(fig_dir, {"judged positives": prob[is_pos], "other candidates": prob[~is_pos]},
