@@ -36,10 +36,14 @@ LABELS = {"bm25-flat": "BM25", "dense-all-MiniLM-L6-v2": "zero-shot MiniLM", "md
 
 
 def audit_summary(store: str, result) -> dict:
-    """Per denoise teacher: candidates, judged positives, dropped and kept by rank bucket."""
+    """Per denoise teacher: candidates, judged positives, dropped and kept by rank bucket, and the teacher's
+    order of the labelled lists (``irflow.teachers.list_order_check``, what the stage warns on)."""
     import duckdb
 
+    import pyarrow.parquet as pq
+
     from irflow.store import TABLE_FILE, Store
+    from irflow.teachers import list_order_check
 
     s = Store(store)
     out = {}
@@ -55,6 +59,11 @@ def audit_summary(store: str, result) -> dict:
                          "dropped_share_of_unjudged": round(d / (c - p), 4) if c - p else None}
                         for b, c, p, d, k in rows]
         out[st.name + ":histogram"] = str(s.object_dir(st.outputs["histogram"]) / "histogram.png")
+        scores = pq.read_table(s.object_dir(st.outputs["scores"]) / TABLE_FILE,
+                               columns=["query_id", "rank", "score", "positive"])
+        check = list_order_check(scores.column("query_id").to_pylist(), scores.column("rank").to_numpy(),
+                                 scores.column("score").to_numpy(), scores.column("positive").to_numpy())
+        out[st.name + ":teacher_check"] = {**check.to_dict(), "problem": check.problem()}  # bench/teacher_check.py
     return out
 
 
