@@ -183,9 +183,10 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, ranking: 
     # report shows the same check, irflow.inside).
     check = list_order_check([q for q, _, _ in triples], np.array([r for _, _, r in triples]), raw, labels)
     if (problem := check.problem()) is not None:
-        log.warning("denoise: %s. Its negatives are no better than undenoised ones: denoise with a teacher that "
-                    "orders the lists (denoise.teachers: [fusion] needs no training), or give the cross-encoder "
-                    "the budget to learn (bench/README.md, RocketQA)", problem)
+        log.warning("denoise: %s. What it keeps as negatives and drops as likely false negatives is then close to "
+                    "a random split of the candidates: denoise with a teacher that orders the lists "
+                    "(denoise.teachers: [fusion] needs no training), or give the cross-encoder the budget to learn "
+                    "(bench/README.md, RocketQA)", problem)
     else:
         log.info("denoise: the teacher orders the labelled lists with mean AUC %.3f over %d queries (the "
                  "retriever's order %.3f)", check.teacher_auc, check.queries, check.list_auc)
