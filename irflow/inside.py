@@ -122,7 +122,7 @@ def denoise_section(label: str, scores: pa.Table, audit: pa.Table, params: dict)
                     f"{check.queries} queries (judged positives above the other candidates; chance 0.5), the "
                     f"retriever's own order {check.list_auc:.3f}")
         if (problem := check.problem()) is not None:
-            caption += f". Warning: {problem}, so its denoising keeps and drops candidates at random"
+            caption += f". Warning: {problem}"
     rows = [[b["bucket"], b["candidates"], b["known_positives"], b["dropped"], b["kept"],
              f"{float(np.median(b['probs'])):.3f}" if b["probs"].size else "-"] for b in buckets]
     table = _html_table(["ranks", "candidates", "judged positives", "dropped", "kept",

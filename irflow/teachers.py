@@ -208,10 +208,10 @@ class ListOrderCheck:
     same candidates. Over the queries whose list holds both a judged positive and an unjudged candidate.
 
     A denoiser keeps a candidate as a negative because the teacher scores it low. A teacher at chance
-    (AUC ~ 0.5) keeps and drops candidates at random, and one below the retriever orders them worse than
-    the list it is meant to clean: either way its "denoised" negatives are no better than undenoised
-    ones. NFCorpus's M_C on a CPU budget is such a teacher (bench/README.md, RocketQA: its logits all
-    in [-1.41, -1.17], the label prior)."""
+    (AUC ~ 0.5) splits the candidates into kept and dropped close to at random, whatever the thresholds;
+    one below the retriever judges them worse than the list it is meant to clean. The lists are the
+    labelled queries', which a trained M_C (and M_D0) learnt from: the check is optimistic for them, a
+    teacher that fails it fails on new queries too."""
 
     queries: int
     teacher_auc: float      # mean over the queries
@@ -228,10 +228,12 @@ class ListOrderCheck:
                 f"own order {self.list_auc:.3f}")
         if not (self.teacher_auc > 0.5 and self.vs_chance.t_pvalue < alpha):
             return (f"the teacher does not tell judged positives from the other candidates better than chance "
-                    f"({nums}; vs chance p {self.vs_chance.t_pvalue:.2g})")
+                    f"({nums}; vs chance p {self.vs_chance.t_pvalue:.2g}): what it keeps and drops is close to a "
+                    f"random split of the candidates")
         if self.teacher_auc < self.list_auc and self.vs_list.t_pvalue < alpha:
             return (f"the teacher orders the lists worse than the retriever that made them ({nums}; better on "
-                    f"{self.vs_list.wins} lists, worse on {self.vs_list.losses}, p {self.vs_list.t_pvalue:.2g})")
+                    f"{self.vs_list.wins} lists, worse on {self.vs_list.losses}, p {self.vs_list.t_pvalue:.2g}): "
+                    f"it judges the candidates worse than the list it is meant to clean")
         return None
 
     def to_dict(self) -> dict:

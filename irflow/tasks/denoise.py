@@ -19,8 +19,8 @@ stage decides from its scores, without a model:
 
 It also checks the teacher (``teachers.list_order_check``): on the labelled lists, does it score judged
 positives above the other candidates more often than chance, and not less often than the retriever's own
-order? A teacher that does neither is logged as a warning with its numbers (and shown on the report page):
-its kept and dropped candidates are a random split, whatever the thresholds.
+order? A teacher that fails is logged as a warning with its numbers (and shown on the report page): at
+chance, its kept and dropped candidates are close to a random split, whatever the thresholds.
 
 Outputs: ``negatives`` (miner ``denoised`` or ``fill``, the retriever rank), ``scores`` (every scored
 pair with its probability: what listwise distillation and augmentation's calibration read), ``audit``
@@ -183,10 +183,8 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, ranking: 
     # report shows the same check, irflow.inside).
     check = list_order_check([q for q, _, _ in triples], np.array([r for _, _, r in triples]), raw, labels)
     if (problem := check.problem()) is not None:
-        log.warning("denoise: %s. What it keeps as negatives and drops as likely false negatives is then close to "
-                    "a random split of the candidates: denoise with a teacher that orders the lists "
-                    "(denoise.teachers: [fusion] needs no training), or give the cross-encoder the budget to learn "
-                    "(bench/README.md, RocketQA)", problem)
+        log.warning("denoise: %s. Denoise with a teacher that orders the lists (denoise.teachers: [fusion] needs "
+                    "no training), or give the cross-encoder the budget to learn (bench/README.md, RocketQA)", problem)
     else:
         log.info("denoise: the teacher orders the labelled lists with mean AUC %.3f over %d queries (the "
                  "retriever's order %.3f)", check.teacher_auc, check.queries, check.list_auc)
