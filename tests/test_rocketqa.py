@@ -645,3 +645,26 @@ def test_denoising_with_a_teacher_at_chance_warns_with_its_numbers(tmp_path, cap
         else:
             assert warnings == []
             assert any("mean AUC 1.000" in r.getMessage() for r in caplog.records)
+
+
+def test_the_cli_repeats_a_denoising_teacher_at_chance_after_the_run(setup, rocketqa_sample_run):
+    """The sample's M_C (a tiny model, 2 steps) cannot order its lists: `irflow run` says so in place and
+    again under the run's summary, where a long run's progress lines cannot bury it."""
+    import pyarrow.parquet as pq
+
+    from irflow.store import TABLE_FILE, Store
+    from irflow.teachers import list_order_check
+
+    scores = pq.read_table(Store(setup["store"]).object_dir(rocketqa_sample_run.stage("denoise[ce]").outputs["scores"])
+                           / TABLE_FILE)
+    problem = list_order_check(scores.column("query_id").to_pylist(), scores.column("rank").to_numpy(),
+                               scores.column("score").to_numpy(), scores.column("positive").to_numpy()).problem()
+    assert problem is not None and "better than chance" in problem
+    code, out, err = cli("run", setup["rocketqa"], "--store", setup["store"], "--from", "denoise[ce]", "--to",
+                         "denoise[ce]")
+    assert code == 0, err
+    summary, _, said_again = out.partition("warning(s) during the run (in place in the log above):")
+    assert "1 computed" in summary and said_again
+    again = [ln.removeprefix("- ") for ln in said_again.strip().splitlines()]
+    assert sum(ln.startswith(f"denoise: {problem}. Denoise with a teacher that orders the lists") for ln in again) == 1
+    assert len(again) == len(set(again))  # each warning once
