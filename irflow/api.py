@@ -113,6 +113,30 @@ def _no_store_left_on_error(root: str):
         raise
 
 
+class _Warnings(logging.Handler):
+    """irflow's warning records, each message once, in order. This process's only: a stage run on a Ray
+    worker logs there (and two runs started at once in one process would share what they collect)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.messages:
+            self.messages.append(message)
+
+
+@contextlib.contextmanager
+def _collect_warnings():
+    handler = _Warnings()
+    log.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        log.removeHandler(handler)
+
+
 def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store: str | os.PathLike | None = None,
         force: list[str] | tuple[str, ...] | set[str] = (), *, run_id: str | None = None,
         to: list[str] | tuple[str, ...] | set[str] = ()) -> RunResult:
@@ -121,8 +145,15 @@ def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store
     config: a YAML path, a mapping, or a config model; overrides: ``key=value`` edits (as ``--set``);
     force: stage names or labels to recompute with everything downstream (as ``--from``);
     to: stage names or labels to stop after: only they and the stages they need run (as ``--to``;
-    ``RunResult.skipped`` lists the others).
+    ``RunResult.skipped`` lists the others). ``RunResult.warnings``: what irflow warned about on the way.
     """
+    with _collect_warnings() as warnings:
+        result = _run(config, overrides, store, force, run_id=run_id, to=to)
+    result.warnings = list(warnings)
+    return result
+
+
+def _run(config: Any, overrides, store, force, *, run_id: str | None, to) -> RunResult:
     root = store_root(store)
     c = load_config(config, overrides)  # first: a bad config creates nothing
     recipe = get_recipe(c.flow)

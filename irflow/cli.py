@@ -44,32 +44,13 @@ def _catalog(args, must_exist: bool = True):
     return Catalog(root / "catalog.duckdb")
 
 
-class _Warnings(logging.Handler):
-    """irflow's warnings of one run (the recipe's advice, a stage's "the teacher is at chance"), each
-    once, in order. Records of this process only: a stage run on a Ray worker logs there."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message not in self.messages:
-            self.messages.append(message)
-
-
 def cmd_run(args) -> int:
     from irflow.tasks.report import format_table
 
     api.load_config(args.config, args.set)  # a bad config fails here, before Prefect or the store is touched
     if not getattr(args, "debug", False):
         orchestration.quiet_prefect(api.store_root(args.store))
-    warnings = _Warnings()
-    logging.getLogger("irflow").addHandler(warnings)
-    try:
-        result = api.run(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
-    finally:
-        logging.getLogger("irflow").removeHandler(warnings)
+    result = api.run(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
     print()
     print(format_table(result.metrics))
     computed = len(result.computed)
@@ -77,10 +58,10 @@ def cmd_run(args) -> int:
           f"{len(result.stages) - computed} cached, {result.seconds:.1f}s; store {result.store}")
     if result.skipped:
         print(f"not run (--to {', '.join(args.to_stage)}): {', '.join(result.skipped)}")
-    if warnings.messages:
+    if result.warnings:
         # Said again at the end: in place they scroll away among a long run's progress lines.
-        print(f"\n{len(warnings.messages)} warning(s) during the run (in place in the log above):")
-        for message in warnings.messages:
+        print(f"\n{len(result.warnings)} warning(s) during the run (in place in the log above):")
+        for message in result.warnings:
             print(f"- {message}")
     if args.json:
         print(json.dumps(result.to_dict(), default=str))

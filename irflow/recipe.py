@@ -113,6 +113,9 @@ class RunResult:
     metrics: list[dict] = field(default_factory=list)  # one dict per (system, dataset, split)
     prefect_flow_run_id: str | None = None
     skipped: list[str] = field(default_factory=list)  # stage labels left out by --to (not run, not recorded)
+    # irflow's warnings during the run (the recipe's advice, a stage's "the teacher is at chance"), each once,
+    # in order; api.run fills it from this process's log records
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def computed(self) -> set[str]:
