@@ -43,7 +43,7 @@ def audit_summary(store: str, result) -> dict:
     import pyarrow.parquet as pq
 
     from irflow.store import TABLE_FILE, Store
-    from irflow.teachers import list_order_check
+    from irflow.teachers import teacher_scores_check
 
     s = Store(store)
     out = {}
@@ -61,8 +61,7 @@ def audit_summary(store: str, result) -> dict:
         out[st.name + ":histogram"] = str(s.object_dir(st.outputs["histogram"]) / "histogram.png")
         scores = pq.read_table(s.object_dir(st.outputs["scores"]) / TABLE_FILE,
                                columns=["query_id", "rank", "score", "positive"])
-        check = list_order_check(scores.column("query_id").to_pylist(), scores.column("rank").to_numpy(),
-                                 scores.column("score").to_numpy(), scores.column("positive").to_numpy())
+        check = teacher_scores_check(scores)
         out[st.name + ":teacher_check"] = {**check.to_dict(), "problem": check.problem()}  # bench/teacher_check.py
     return out
 

@@ -6,7 +6,7 @@ back from stores.
 
 For each store (its latest run with a ``denoise`` stage, or ``--run``), every ``denoise[...]`` stage's
 ``scores`` output (the teacher's raw score of each retrieved candidate of the labelled queries, and whether
-the candidate is a judged positive) goes through ``irflow.teachers.list_order_check``: per query, the AUC of
+the candidate is a judged positive) goes through ``irflow.teachers.teacher_scores_check``: per query, the AUC of
 the teacher's scores (judged positives against the other retrieved candidates) and of the retriever's own
 order of the same candidates, their means, and paired t-tests (teacher against chance 0.5, teacher against
 the list). ``problem`` is the sentence the stage logs as a warning (null: none). Also per stage: the share
@@ -38,7 +38,7 @@ def main() -> None:
 
     from irflow.catalog import Catalog
     from irflow.report import runs as R
-    from irflow.teachers import list_order_check
+    from irflow.teachers import teacher_scores_check
 
     rows, out = [], {"machine": harness.machine(), "stores": []}
     for store in args.store:
@@ -58,8 +58,7 @@ def main() -> None:
         for s in stages:
             scores = R.read_table(catalog, s["outputs"]["scores"], ["query_id", "rank", "score", "positive"])
             audit = R.read_table(catalog, s["outputs"]["audit"], ["candidates", "known_positives", "dropped"])
-            check = list_order_check(scores.column("query_id").to_pylist(), scores.column("rank").to_numpy(),
-                                     scores.column("score").to_numpy(), scores.column("positive").to_numpy())
+            check = teacher_scores_check(scores)
             unjudged = (pc.sum(audit.column("candidates")).as_py() - pc.sum(audit.column("known_positives")).as_py())
             dropped = pc.sum(audit.column("dropped")).as_py() / max(unjudged, 1)
             raw = scores.column("score").to_numpy()

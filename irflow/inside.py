@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from irflow import plots
 from irflow.catalog import Catalog
 from irflow.store import TABLE_FILE, DatasetRef, Store
-from irflow.teachers import list_order_check
+from irflow.teachers import teacher_scores_check
 
 
 def _outputs(catalog: Catalog, run_id: str) -> list[tuple[str, dict[str, dict]]]:
@@ -115,8 +115,7 @@ def denoise_section(label: str, scores: pa.Table, audit: pa.Table, params: dict)
     caption = (f"{total['dropped']} of {total['candidates']} retrieved candidates dropped as likely false "
                f"negatives (teacher probability >= {threshold:g}, {method} calibration), {total['kept']} kept "
                f"as negatives, {total['known_positives']} judged positives")
-    check = list_order_check(scores.column("query_id").to_pylist(), scores.column("rank").to_numpy(),
-                             scores.column("score").to_numpy(), scores.column("positive").to_numpy())
+    check = teacher_scores_check(scores)
     if check.queries:
         caption += (f". The teacher's order of the labelled lists: mean AUC {check.teacher_auc:.3f} over "
                     f"{check.queries} queries (judged positives above the other candidates; chance 0.5), the "

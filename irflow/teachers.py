@@ -261,3 +261,10 @@ def list_order_check(query_ids: Sequence[str], ranks: np.ndarray, scores: np.nda
     mean = lambda d: float(np.mean(list(d.values()))) if d else float("nan")  # noqa: E731
     return ListOrderCheck(queries=n, teacher_auc=mean(teacher), list_auc=mean(listed),
                           vs_chance=paired(dict.fromkeys(teacher, 0.5), teacher), vs_list=paired(listed, teacher))
+
+
+def teacher_scores_check(scores: pa.Table) -> ListOrderCheck:
+    """``list_order_check`` of a stored ``teacher_scores`` table (denoise's ``scores`` output), for what reads
+    one back: the report page, the benchmarks."""
+    return list_order_check(scores.column("query_id").to_pylist(), scores.column("rank").to_numpy(),
+                            scores.column("score").to_numpy(), scores.column("positive").to_numpy())

@@ -653,12 +653,11 @@ def test_the_cli_repeats_a_denoising_teacher_at_chance_after_the_run(setup, rock
     import pyarrow.parquet as pq
 
     from irflow.store import TABLE_FILE, Store
-    from irflow.teachers import list_order_check
+    from irflow.teachers import teacher_scores_check
 
     scores = pq.read_table(Store(setup["store"]).object_dir(rocketqa_sample_run.stage("denoise[ce]").outputs["scores"])
                            / TABLE_FILE)
-    problem = list_order_check(scores.column("query_id").to_pylist(), scores.column("rank").to_numpy(),
-                               scores.column("score").to_numpy(), scores.column("positive").to_numpy()).problem()
+    problem = teacher_scores_check(scores).problem()
     assert problem is not None and "better than chance" in problem
     code, out, err = cli("run", setup["rocketqa"], "--store", setup["store"], "--from", "denoise[ce]", "--to",
                          "denoise[ce]")

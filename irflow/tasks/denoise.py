@@ -167,10 +167,11 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, ranking: 
         if q in pos_by_q:
             ranks[q][d] = rk
     raw = cand.column("score").to_numpy().astype(np.float64)
+    list_ranks = cand.column("rank").to_numpy()
     labels = np.array([d in judged.get(q, ()) for q, d, _ in triples], dtype=np.float64)
     fitted = None
     if p.calibration.method == "platt":
-        fitted = fit_platt_on_lists(raw, labels, np.array([r for _, _, r in triples]))
+        fitted = fit_platt_on_lists(raw, labels, list_ranks)
     prob, (a, b) = probabilities(raw, p.calibration.method, fitted=fitted)
     out = denoise_tables(p, triples, prob, raw, pos_by_q, judged, ranks)
     audit = out["audit"]
@@ -181,7 +182,7 @@ def denoise(p: DenoiseParams, rt: StageRuntime, *, scores: DatasetRef, ranking: 
              out["negatives"].num_rows)
     # A teacher that cannot order the lists it judges "denoises" at random: say so (the run goes on; the
     # report shows the same check, irflow.inside).
-    check = list_order_check([q for q, _, _ in triples], np.array([r for _, _, r in triples]), raw, labels)
+    check = list_order_check(cand.column("query_id").to_pylist(), list_ranks, raw, labels)
     if (problem := check.problem()) is not None:
         log.warning("denoise: %s. Denoise with a teacher that orders the lists (denoise.teachers: [fusion] needs "
                     "no training), or give the cross-encoder the budget to learn (bench/README.md, RocketQA)", problem)
