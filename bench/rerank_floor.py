@@ -72,6 +72,8 @@ def main() -> None:
     v = next((x for x in variants if x["name"] == args.variant), None) if args.variant else variants[0]
     if v is None:
         ap.error(f"no variant {args.variant!r} in {args.file}: {[x['name'] for x in variants]}")
+    if not (store / "catalog.duckdb").exists():
+        ap.error(f"{store}: no irflow store there (no catalog.duckdb)")
     catalog = Catalog(store / "catalog.duckdb")
     out = {s["name"]: s["outputs"] for s in R.stage_runs(catalog, v["run_id"])}
     if not out:

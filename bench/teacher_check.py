@@ -42,6 +42,8 @@ def main() -> None:
 
     rows, out = [], {"machine": harness.machine(), "stores": []}
     for store in args.store:
+        if not (Path(store) / "catalog.duckdb").exists():
+            ap.error(f"{store}: no irflow store there (no catalog.duckdb)")
         catalog = Catalog(Path(store) / "catalog.duckdb")
         candidates = [args.run] if args.run else [r["run_id"] for r in R.recent_runs(catalog, 100)]
         run_id, stages = None, []
