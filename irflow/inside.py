@@ -116,12 +116,12 @@ def denoise_section(label: str, scores: pa.Table, audit: pa.Table, params: dict)
                f"negatives (teacher probability >= {threshold:g}, {method} calibration), {total['kept']} kept "
                f"as negatives, {total['known_positives']} judged positives")
     check = teacher_scores_check(scores)
-    if check.queries:
+    if (problem := check.problem()) is not None:  # the sentence the stage logged, numbers included
+        caption += f". Warning: {problem}"
+    elif check.queries:
         caption += (f". The teacher's order of the labelled lists: mean AUC {check.teacher_auc:.3f} over "
-                    f"{check.queries} queries (judged positives above the other candidates; chance 0.5), the "
-                    f"retriever's own order {check.list_auc:.3f}")
-        if (problem := check.problem()) is not None:
-            caption += f". Warning: {problem}"
+                    f"{check.queries} labelled lists (judged positives above the other candidates; chance 0.5), "
+                    f"the retriever's own order {check.list_auc:.3f}")
     rows = [[b["bucket"], b["candidates"], b["known_positives"], b["dropped"], b["kept"],
              f"{float(np.median(b['probs'])):.3f}" if b["probs"].size else "-"] for b in buckets]
     table = _html_table(["ranks", "candidates", "judged positives", "dropped", "kept",

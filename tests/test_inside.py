@@ -187,5 +187,10 @@ def test_rocketqa_sections_count_per_bucket_what_denoising_dropped_and_kept(rock
         teacher, listed = _pairwise_aucs(_stored(store, outputs["scores"]))
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         text = unescape(html)
-        assert (f"mean AUC {mean(teacher):.3f} over {len(teacher)} queries" in text
+        # said once: in the warning's sentence when the check fails, else in the caption's own
+        from irflow.teachers import teacher_scores_check
+
+        warned = teacher_scores_check(_stored(store, outputs["scores"])).problem() is not None
+        assert text.count("mean AUC") == 1 and ("Warning: the teacher" in text) == warned
+        assert (f"mean AUC {mean(teacher):.3f} over {len(teacher)} labelled lists" in text
                 and f"the retriever's own order {mean(listed):.3f}" in text)
