@@ -11,7 +11,9 @@ every candidate, standardised over the candidates), at each ``train.seed``; the 
 store, so mining, the teacher's scores and the baselines are computed once. Prints the GPL student's
 nDCG@10 / R@100 per (teacher, seed) with paired t-tests against zero-shot and BM25 over the test queries,
 and the mean over seeds (with each test query's nDCG@10 averaged over the seeds, paired against zero-shot and
-BM25: ``mean_over_seeds[teacher].each_query_over_seeds``); writes JSON after each run.
+BM25: ``mean_over_seeds[teacher].each_query_over_seeds``); and BM25 fused with the student
+(``hybrid-gpl-student``, where the run has it) against the zero-shot fusion, BM25 and the student alone.
+Writes JSON after each run.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from harness import ROOT
 from seed_mean import seed_mean_against
 from train_dev import paired_with, per_query_ndcg
 
+from irflow.stats import paired
+
 TEACHERS = {"own": "false", "every": "true"}
-KEEP = ("bm25-flat", "dense-all-MiniLM-L6-v2", "hybrid", "gpl-student")
+KEEP = ("bm25-flat", "dense-all-MiniLM-L6-v2", "hybrid", "gpl-student", "hybrid-gpl-student")
 
 
 def positives_judged(store: Path, run_id: str) -> dict:
@@ -99,6 +103,12 @@ def main() -> None:
             per_query = per_query_ndcg(store, r.run_id)
             student["vs_zero_shot"] = paired_with(per_query, "dense-").get("gpl-student")
             student["vs_bm25"] = paired_with(per_query, "bm25-").get("gpl-student")
+            if "hybrid-gpl-student" in metrics:  # BM25 fused with the student (hybrid.students): against the
+                # same fusion of the zero-shot model, and against BM25 and the student alone
+                fused = metrics["hybrid-gpl-student"]
+                for name, ref in (("vs_hybrid", "hybrid"), ("vs_bm25", "bm25-flat"), ("vs_student", "gpl-student")):
+                    t = paired(per_query[ref], per_query["hybrid-gpl-student"])
+                    fused[name] = {"wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
             entry = {"teacher": teacher, "seed": seed, "overrides": sets, "run_id": res["run_id"],
                      "positives": positives_judged(store, r.run_id),
                      "wall_seconds": round(r.wall_seconds, 1), "computed": res.get("computed"), "metrics": metrics,
@@ -110,13 +120,16 @@ def main() -> None:
     rows, by_teacher = [], {}
     for e in sorted(out["runs"], key=lambda e: (e["teacher"], e["seed"])):
         m, s = e["metrics"], e["metrics"]["gpl-student"]
+        fused = m.get("hybrid-gpl-student")
         by_teacher.setdefault(e["teacher"], []).append(s["ndcg@10"])
         rows.append([e["teacher"], e["seed"], m["dense-all-MiniLM-L6-v2"]["ndcg@10"], m["bm25-flat"]["ndcg@10"],
                      m["hybrid"]["ndcg@10"], s["ndcg@10"], s["recall@100"],
                      f"{s['vs_zero_shot']['wins']}/{s['vs_zero_shot']['losses']} p {s['vs_zero_shot']['t_pvalue']}",
-                     f"{s['vs_bm25']['wins']}/{s['vs_bm25']['losses']} p {s['vs_bm25']['t_pvalue']}"])
+                     f"{s['vs_bm25']['wins']}/{s['vs_bm25']['losses']} p {s['vs_bm25']['t_pvalue']}",
+                     f"{fused['ndcg@10']} (vs fusion {fused['vs_hybrid']['wins']}/{fused['vs_hybrid']['losses']} "
+                     f"p {fused['vs_hybrid']['t_pvalue']})" if fused else "-"])
     harness.table(["teacher", "seed", "zero-shot", "BM25", "fusion", "GPL student", "R@100", "vs zero-shot",
-                   "vs BM25"], rows)
+                   "vs BM25", "BM25 + GPL student"], rows)
     out["mean_over_seeds"] = {t: {"seeds": len(v), "ndcg@10": round(statistics.mean(v), 4),
                                   "stdev": round(statistics.stdev(v), 4) if len(v) > 1 else None,
                                   **seed_mean_tests(store, [e["run_id"] for e in out["runs"] if e["teacher"] == t])}

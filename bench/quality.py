@@ -60,6 +60,9 @@ GPL_FILES = {"scifact": [("gpl_teacher_scifact_neg16_5seeds_len256.json", None),
                          ("gpl_teacher_scifact.json", "4 negatives per query, 200 tokens")],
              "nfcorpus": [("gpl_teacher_nfcorpus.json", None),
                           ("gpl_teacher_nfcorpus_before.json", "4 negatives per query")]}
+# bench/gpl_teacher.py files whose runs also hold BM25 fused with the GPL student (hybrid.students, the
+# hybrid-gpl-student system; a row each, beside the fusion of BM25 and the zero-shot model)
+GPL_HYBRID_FILES = {"scifact": ["gpl_hybrid_scifact.json"], "nfcorpus": ["gpl_hybrid_nfcorpus.json"]}
 # What bench/gpl.py's trained rows (gpl.json, gpl_<ds>.json) had that the GPL config no longer has: those rows
 # are history (``[before: ...]``, not counted for the goals); the config's rows are gpl_teacher.py's
 GPL_PY_BEFORE = {"scifact": "teacher fuses each miner's own top 50",
@@ -156,6 +159,22 @@ def rows_for(ds: str) -> list[dict]:
                                         d.get("machine"), gt.name, superseded=before is not None,
                                         p_vs_bm25=(m["gpl-student"].get("vs_bm25") or {}).get("t_pvalue"),
                                         vs_zero_shot=m["gpl-student"].get("vs_zero_shot")))
+    for name in GPL_HYBRID_FILES.get(ds, []):
+        f = RESULTS / name
+        if not f.exists():
+            continue
+        d = json.loads(f.read_text())
+        for r in sorted(d["runs"], key=lambda r: r["seed"]):
+            m = r["metrics"]
+            fused = m.get("hybrid-gpl-student")
+            if not fused:
+                continue
+            rows.append(gpl_student_row(ds, f"hybrid-gpl-student-s{r['seed']}",
+                                        f"BM25 + GPL student (fused as the fusion row fuses BM25 and MiniLM), seed "
+                                        f"{r['seed']}; the student alone {m['gpl-student']['ndcg@10']:.4f}",
+                                        {**m, "gpl-student": fused}, d.get("machine"), f.name,
+                                        vs_zero_shot=None, vs_fusion=fused.get("vs_hybrid"),
+                                        vs_bm25=fused.get("vs_bm25")))
     # RocketQA and ANCE (bench/rocketqa.py): its files newest first, CURRENT's then the first ones. A system's
     # first row is the config as it is; an older file adds only the rows that differ, labelled with what the
     # newer file changed (a file holding one recipe supersedes only that recipe's rows).
@@ -394,6 +413,14 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     gap = fusion - best["ndcg@10"]
     out.append(f"best dense student within 0.02 of the fusion teacher: {'met' if gap <= 0.02 else 'MISSED'} "
                f"({best['label'] if best['label'].startswith(best['recipe']) else best['recipe'] + ' ' + best['label']} {best['ndcg@10']:.4f} vs {fusion:.4f}: {abs(gap):.4f} {'below' if gap >= 0 else 'above'})")
+    hybrids = [r for r in rows if r["system"].startswith("hybrid-gpl-student-") and r.get("vs_fusion")]
+    if hybrids:  # not a goal: what adapting the dense model gives a deployed BM25 + dense hybrid
+        out.append("BM25 fused with the GPL student (`hybrid.students`), paired t-tests against the same fusion of the "
+                   "zero-shot model and against BM25: " + "; ".join(
+                       f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} (vs fusion {r['vs_fusion']['wins']} / "
+                       f"{r['vs_fusion']['losses']} queries, {p_text(r['vs_fusion']['t_pvalue'])}; vs BM25 "
+                       f"{r['vs_bm25']['wins']} / {r['vs_bm25']['losses']}, {p_text(r['vs_bm25']['t_pvalue'])})"
+                       for r in hybrids))
     return out
 
 

@@ -39,7 +39,8 @@ def test_gpl_cold_run_shows_every_system(setup, gpl_sample_run):
                   "train_student[qgen]", "doc2query_expand", "dense_search[gpl-student]", "evaluate[gpl-student]"):
         assert stage in names
     assert {m["system"] for m in result.metrics} == {
-        "bm25-flat", "dense-bi", "hybrid", "bm25-doc2query-flat", "qgen-student", "gpl-student"}
+        "bm25-flat", "dense-bi", "hybrid", "bm25-doc2query-flat", "qgen-student", "gpl-student",
+        "hybrid-qgen-student", "hybrid-gpl-student"}
     # Running it again recomputes nothing.
     assert computed(run(setup["config"], setup["store"])) == set()
 
@@ -48,7 +49,39 @@ def test_change_train_recomputes_training_and_evaluation_only(setup, gpl_sample_
     changed = computed(run(setup["config"], setup["store"], "train.lr=3.0e-5"))
     assert changed == {"train_student[gpl]", "train_student[qgen]",
                        "encode_corpus[gpl-student]", "dense_search[gpl-student]", "evaluate[gpl-student]",
-                       "encode_corpus[qgen-student]", "dense_search[qgen-student]", "evaluate[qgen-student]"}
+                       "encode_corpus[qgen-student]", "dense_search[qgen-student]", "evaluate[qgen-student]",
+                       # BM25 fused with each student: the students changed, BM25 and the zero-shot hybrid did not
+                       "fuse[hybrid-gpl-student]", "evaluate[hybrid-gpl-student]",
+                       "fuse[hybrid-qgen-student]", "evaluate[hybrid-qgen-student]"}
+
+
+def test_bm25_fused_with_each_student_is_the_hybrid_fusion_of_their_stored_runs(setup, gpl_sample_run):
+    """hybrid-gpl-student is BM25's test run and the GPL student's, fused as `hybrid` fuses BM25 and the
+    zero-shot model (same method and weights); hybrid.students: false leaves those systems out and
+    recomputes nothing."""
+    from irflow.fusion import fuse_runs
+
+    out = {s.name: s.outputs for s in gpl_sample_run.stages}
+    table = lambda stage: _table(setup["store"], out[stage]["run"])  # noqa: E731
+    hybrid = api.load_config(setup["config"]).hybrid
+    for student in ("gpl-student", "qgen-student"):
+        p = hybrid.params("bm25-flat", student, system=f"hybrid-{student}")
+        assert p.weights == {"bm25-flat": hybrid.sparse_weight, student: 1 - hybrid.sparse_weight}
+        want = fuse_runs([table("bm25_search[flat]"), table(f"dense_search[{student}]")], method=p.method,
+                         weights=p.weights, rrf_k=p.rrf_k, input_depth=p.input_depth, depth=p.depth,
+                         system=p.system)
+        got = table(f"fuse[hybrid-{student}]")
+        assert got.num_rows == want.num_rows > 0
+        assert got.column("doc_id").to_pylist() == want.column("doc_id").to_pylist()
+        assert got.column("query_id").to_pylist() == want.column("query_id").to_pylist()
+    # the fusion differs from the zero-shot hybrid's: it read the student's run, not the base model's
+    assert table("fuse[hybrid-gpl-student]").column("doc_id") != table("fuse[hybrid]").column("doc_id")
+    metrics = {m["system"]: m for m in gpl_sample_run.metrics}
+    assert 0 < metrics["hybrid-gpl-student"]["ndcg@10"] <= 1
+
+    without = run(setup["config"], setup["store"], "hybrid.students=false")
+    assert computed(without) == set()
+    assert not {m["system"] for m in without.metrics} & {"hybrid-gpl-student", "hybrid-qgen-student"}
 
 
 def test_change_teacher_reuses_generation_and_mining(setup, gpl_sample_run):

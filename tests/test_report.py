@@ -216,9 +216,9 @@ def test_gpl_report_against_the_store(gpl, tmp_path):
     shown = metrics_table_matches_store(page, store, run_id)
     systems = {s.system for s in result.data.systems}
     assert systems == set(shown) == {"bm25-flat", "dense-bi", "hybrid", "bm25-doc2query-flat", "qgen-student",
-                                     "gpl-student"}
+                                     "gpl-student", "hybrid-qgen-student", "hybrid-gpl-student"}
     # one distribution plot per system, one of the trainers' losses, one of the teacher's margins: inlined
-    assert len([a for t, a in page.tags if t == "img" and a["src"].startswith("data:image/png;base64,")]) == 6 + 2
+    assert len([a for t, a in page.tags if t == "img" and a["src"].startswith("data:image/png;base64,")]) == 8 + 2
     assert ">Training losses</h2>" in text and "GPL teacher: pseudo-label margins" in text
     # the run's DAG: every stage the catalog recorded for the run, drawn in the page's SVG
     from irflow.catalog import Catalog

@@ -13,7 +13,7 @@
        │                 │
        │         train_student (Margin-MSE) ──> student     (and a QGen baseline: MNRL on (q, pos))
        │                 │
-    test queries ──> BM25 | zero-shot | hybrid | doc2query | QGen | GPL ──> evaluate ──> report
+    test queries ──> BM25 | zero-shot | hybrid | doc2query | QGen | GPL | BM25 + each student ──> evaluate ──> report
 
 With ``rounds: R > 1`` mining, labelling and training repeat on the same queries: in round r the dense
 miner on train.model is round r-1's student (so a fusion teacher fuses BM25 with that student), and the
@@ -140,10 +140,13 @@ class TrainConfig(TrainStudentParams):
 class HybridConfig(FuseSettings):
     enabled: bool = Field(True, description="evaluate the hybrid of BM25 and the zero-shot dense model")
     sparse_weight: float = Field(0.3, ge=0, le=1, description="weight of BM25; the dense system gets 1 - w")
+    students: bool = Field(True, description="also evaluate BM25 fused with each trained student, at the same "
+                           "weights (system hybrid-<student>, e.g. hybrid-gpl-student): what adapting the dense "
+                           "model gives a deployed hybrid, against `hybrid` (needs enabled)")
 
-    def params(self, sparse: str, dense: str) -> FuseParams:
+    def params(self, sparse: str, dense: str, system: str = "hybrid") -> FuseParams:
         weights = {sparse: self.sparse_weight, dense: 1 - self.sparse_weight}
-        return self.to(FuseParams, weights=weights, system="hybrid")
+        return self.to(FuseParams, weights=weights, system=system)
 
 
 class Doc2QueryConfig(Doc2QueryParams):
@@ -404,6 +407,11 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     if c.hybrid.enabled:
         runs["hybrid"] = fuse(run, c.hybrid.params(sparse, zero_shot), tag="hybrid",
                               rankings=[runs[sparse], runs[zero_shot]])
+        # The same fusion over each adapted student: a user who deploys BM25 + dense wants to know what
+        # adaptation adds to that system, not only to the dense model alone.
+        for name in students if c.hybrid.students else ():
+            runs[f"hybrid-{name}"] = fuse(run, c.hybrid.params(sparse, name, system=f"hybrid-{name}"),
+                                          tag=f"hybrid-{name}", rankings=[runs[sparse], runs[name]])
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                     queries=gen["queries"], qrels=gen["qrels"])
