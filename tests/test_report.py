@@ -283,7 +283,7 @@ def test_report_sections_are_an_extension_point(gpl, tmp_path, monkeypatch):
     result = build_report(catalog, gpl["run"].run_id, tmp_path, baselines=["bm25-flat"],
                           sections=[Section("Extra <notes>", "<p id=extra>added by a caller</p>")])
     text = result.path.read_text()
-    assert seen == [(gpl["run"].run_id, 6)]
+    assert seen == [(gpl["run"].run_id, 8)]  # the run's 8 systems (6, and BM25 fused with each of its 2 students)
     assert text.index("From a builder") < text.index("Extra &lt;notes&gt;") < text.index("added by a caller")
     assert result.data.baselines == ["bm25-flat"] and {c.baseline for c in result.data.comparisons} == {"bm25-flat"}
 
