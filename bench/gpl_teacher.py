@@ -12,7 +12,8 @@ store, so mining, the teacher's scores and the baselines are computed once. Prin
 nDCG@10 / R@100 per (teacher, seed) with paired t-tests against zero-shot and BM25 over the test queries,
 and the mean over seeds (with each test query's nDCG@10 averaged over the seeds, paired against zero-shot and
 BM25: ``mean_over_seeds[teacher].each_query_over_seeds``); and BM25 fused with the student
-(``hybrid-gpl-student``, where the run has it) against the zero-shot fusion, BM25 and the student alone.
+(``hybrid-gpl-student``, where the run has it) against the zero-shot fusion, BM25 and the student alone, per seed
+and (``mean_over_seeds[teacher].hybrid_gpl_student``) each query averaged over the seeds against the fusion.
 Writes JSON after each run.
 """
 
@@ -58,7 +59,8 @@ def positives_judged(store: Path, run_id: str) -> dict:
 
 def seed_mean_tests(store: Path, run_ids: list[str]) -> dict:
     """Each test query's nDCG@10 averaged over the seeds' GPL students, against zero-shot and BM25 (the same in
-    every run: nothing trained): ``irflow.stats.paired``'s wins / losses and t-test p. A gap no single seed
+    every run: nothing trained): ``irflow.stats.paired``'s wins / losses and t-test p; the same for BM25 fused
+    with the students against the zero-shot fusion, where every run has it. A gap no single seed
     shows beyond chance may show here; it says nothing about seeds not run. Empty with fewer than 2 runs, or
     when a run is not in ``store``."""
     if len(run_ids) < 2:
@@ -74,7 +76,15 @@ def seed_mean_tests(store: Path, run_ids: list[str]) -> dict:
         _, t = seed_mean_against(ref, [r["gpl-student"] for r in runs])
         tests[name] = {"wins": t.wins, "losses": t.losses, "mean_diff": round(t.mean_diff, 4),
                        "t_pvalue": round(t.t_pvalue, 4)}
-    return {"each_query_over_seeds": tests}
+    out = {"each_query_over_seeds": tests}
+    if all("hybrid-gpl-student" in r for r in runs):  # BM25 fused with each seed's student, against the fusion
+        # with the zero-shot model (one system, nothing trained: the same in every run)
+        mean, t = seed_mean_against(runs[0]["hybrid"], [r["hybrid-gpl-student"] for r in runs])
+        out["hybrid_gpl_student"] = {"seeds": len(runs), "ndcg@10": round(sum(mean.values()) / len(mean), 4),
+                                     "vs_hybrid": {"wins": t.wins, "losses": t.losses,
+                                                   "mean_diff": round(t.mean_diff, 4),
+                                                   "t_pvalue": round(t.t_pvalue, 4)}}
+    return out
 
 
 def main() -> None:

@@ -420,8 +420,24 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
                        f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} (vs fusion {r['vs_fusion']['wins']} / "
                        f"{r['vs_fusion']['losses']} queries, {p_text(r['vs_fusion']['t_pvalue'])}; vs BM25 "
                        f"{r['vs_bm25']['wins']} / {r['vs_bm25']['losses']}, {p_text(r['vs_bm25']['t_pvalue'])})"
-                       for r in hybrids))
+                       for r in hybrids) + gpl_hybrid_seed_mean(ds))
     return out
+
+
+def gpl_hybrid_seed_mean(ds: str) -> str:
+    """bench/gpl_teacher.py's test of each query of BM25 + GPL student averaged over the seeds against the zero-shot
+    fusion, as a clause ("" with fewer than 2 seeds)."""
+    clauses = []
+    for name in GPL_HYBRID_FILES.get(ds, []):
+        f = RESULTS / name
+        m = json.loads(f.read_text()).get("mean_over_seeds", {}).get("every", {}) if f.exists() else {}
+        h = m.get("hybrid_gpl_student")
+        if h:
+            t = h["vs_hybrid"]
+            clauses.append(f"; each query averaged over the {h['seeds']} seeds: {h['ndcg@10']:.4f}, "
+                           f"{t['mean_diff']:+.4f} against the fusion ({t['wins']} / {t['losses']} queries, "
+                           f"{p_text(t['t_pvalue'])})")
+    return "".join(clauses)
 
 
 def paired_in_store(spec: str) -> dict:
