@@ -8,6 +8,8 @@ Checks the partial re-execution contract a user sees in the run result:
 - change the generator -> everything that depends on the generated queries recomputes
 """
 
+from pathlib import Path
+
 import pytest
 
 from irflow import api
@@ -65,8 +67,8 @@ def test_bm25_fused_with_each_student_is_the_hybrid_fusion_of_their_stored_runs(
     table = lambda stage: _table(setup["store"], out[stage]["run"])  # noqa: E731
     hybrid = api.load_config(setup["config"]).hybrid
     for student in ("gpl-student", "qgen-student"):
-        p = hybrid.params("bm25-flat", student, system=f"hybrid-{student}")
-        assert p.weights == {"bm25-flat": hybrid.sparse_weight, student: 1 - hybrid.sparse_weight}
+        p = hybrid.student_params("bm25-flat", student)
+        assert p.system == f"hybrid-{student}" and p.weights == {"bm25-flat": hybrid.sparse_weight, student: 1 - hybrid.sparse_weight}
         want = fuse_runs([table("bm25_search[flat]"), table(f"dense_search[{student}]")], method=p.method,
                          weights=p.weights, rrf_k=p.rrf_k, input_depth=p.input_depth, depth=p.depth,
                          system=p.system)
@@ -78,6 +80,13 @@ def test_bm25_fused_with_each_student_is_the_hybrid_fusion_of_their_stored_runs(
     assert table("fuse[hybrid-gpl-student]").column("doc_id") != table("fuse[hybrid]").column("doc_id")
     metrics = {m["system"]: m for m in gpl_sample_run.metrics}
     assert 0 < metrics["hybrid-gpl-student"]["ndcg@10"] <= 1
+
+    # a weight of its own for the students' fusions recomputes those and nothing else, at that weight
+    weighted = run(setup["config"], setup["store"], "hybrid.student_sparse_weight=0.6")
+    assert computed(weighted) == {"fuse[hybrid-gpl-student]", "evaluate[hybrid-gpl-student]",
+                                  "fuse[hybrid-qgen-student]", "evaluate[hybrid-qgen-student]"}
+    fused = next(s for s in weighted.stages if s.name == "fuse[hybrid-gpl-student]")
+    assert _params(setup["store"], fused.outputs["run"])["weights"] == {"bm25-flat": 0.6, "gpl-student": 0.4}
 
     without = run(setup["config"], setup["store"], "hybrid.students=false")
     assert computed(without) == set()
@@ -166,6 +175,16 @@ def _table(store_dir, dataset_id):
     from irflow.store import TABLE_FILE, Store
 
     return pq.read_table(Store(store_dir).object_dir(dataset_id) / TABLE_FILE)
+
+
+def _params(store_dir, dataset_id) -> dict:
+    """The params of the stage run that wrote a dataset, as the catalog recorded them."""
+    import json
+
+    from irflow.catalog import Catalog
+
+    params = Catalog(Path(store_dir) / "catalog.duckdb").dataset(dataset_id)["params"]
+    return json.loads(params) if isinstance(params, str) else params
 
 
 def _scores(t) -> dict:

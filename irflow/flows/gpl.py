@@ -140,13 +140,24 @@ class TrainConfig(TrainStudentParams):
 class HybridConfig(FuseSettings):
     enabled: bool = Field(True, description="evaluate the hybrid of BM25 and the zero-shot dense model")
     sparse_weight: float = Field(0.3, ge=0, le=1, description="weight of BM25; the dense system gets 1 - w")
-    students: bool = Field(True, description="also evaluate BM25 fused with each trained student, at the same "
-                           "weights (system hybrid-<student>, e.g. hybrid-gpl-student): what adapting the dense "
-                           "model gives a deployed hybrid, against `hybrid` (needs enabled)")
+    students: bool = Field(True, description="also evaluate BM25 fused with each trained student (system "
+                           "hybrid-<student>, e.g. hybrid-gpl-student): what adapting the dense model gives a "
+                           "deployed hybrid, against `hybrid` (needs enabled)")
+    student_sparse_weight: float | None = Field(None, ge=0, le=1, description="weight of BM25 when fused with a "
+                                                "student (hybrid.students); the student gets 1 - w. null: "
+                                                "sparse_weight, the zero-shot hybrid's")
 
-    def params(self, sparse: str, dense: str, system: str = "hybrid") -> FuseParams:
-        weights = {sparse: self.sparse_weight, dense: 1 - self.sparse_weight}
-        return self.to(FuseParams, weights=weights, system=system)
+    def params(self, sparse: str, dense: str) -> FuseParams:
+        """The `hybrid` system: BM25 fused with the zero-shot dense model."""
+        return self._fuse(sparse, dense, self.sparse_weight, "hybrid")
+
+    def student_params(self, sparse: str, student: str) -> FuseParams:
+        """System hybrid-<student>: BM25 fused with a trained student, by the same method and depth."""
+        weight = self.sparse_weight if self.student_sparse_weight is None else self.student_sparse_weight
+        return self._fuse(sparse, student, weight, f"hybrid-{student}")
+
+    def _fuse(self, sparse: str, dense: str, sparse_weight: float, system: str) -> FuseParams:
+        return self.to(FuseParams, weights={sparse: sparse_weight, dense: 1 - sparse_weight}, system=system)
 
 
 class Doc2QueryConfig(Doc2QueryParams):
@@ -410,8 +421,8 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
         # The same fusion over each adapted student: a user who deploys BM25 + dense wants to know what
         # adaptation adds to that system, not only to the dense model alone.
         for name in students if c.hybrid.students else ():
-            runs[f"hybrid-{name}"] = fuse(run, c.hybrid.params(sparse, name, system=f"hybrid-{name}"),
-                                          tag=f"hybrid-{name}", rankings=[runs[sparse], runs[name]])
+            runs[f"hybrid-{name}"] = fuse(run, c.hybrid.student_params(sparse, name), tag=f"hybrid-{name}",
+                                          rankings=[runs[sparse], runs[name]])
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                     queries=gen["queries"], qrels=gen["qrels"])
