@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/gpl_teacher.py [--dataset scifact] [--seeds 42,43]
         [--teachers own,every] [--store /work/runs/gpl-scifact] [--out bench/results/gpl_teacher_<ds>.json]
-        [--set KEY=VALUE ...]
+        [--set KEY=VALUE ...] [--summary-only]
 
 ``configs/gpl_<ds>_offline.yaml`` (queries: the train split's texts, labels unused; BM25 + MiniLM fusion
 teacher) with ``teacher.score_every_candidate`` false (``own``: a candidate one miner did not return gets
@@ -95,12 +95,14 @@ def main() -> None:
     ap.add_argument("--store", help="default: /work/runs/gpl-<dataset> (beside the repo: ../runs/gpl-<ds>)")
     ap.add_argument("--out", help="default: bench/results/gpl_teacher_<dataset>.json")
     ap.add_argument("--set", action="append", default=[], help="extra override for every run")
+    ap.add_argument("--summary-only", action="store_true", help="run nothing: the table and the mean over seeds "
+                                                               "of the runs already in --out (their store: --store)")
     args = ap.parse_args()
     store = Path(args.store or ROOT.parent / "runs" / f"gpl-{args.dataset}")
     out_path = args.out or str(ROOT / "bench" / "results" / f"gpl_teacher_{args.dataset}.json")
     prior = json.loads(Path(out_path).read_text()) if Path(out_path).exists() else {}
     out = {"machine": harness.machine(), "dataset": args.dataset, "runs": prior.get("runs", [])}
-    for teacher in args.teachers.split(","):
+    for teacher in [] if args.summary_only else args.teachers.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             sets = [f"teacher.score_every_candidate={TEACHERS[teacher]}", f"train.seed={seed}",
                     "train.qgen.enabled=false", *args.set]
