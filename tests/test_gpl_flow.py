@@ -183,8 +183,7 @@ def _params(store_dir, dataset_id) -> dict:
 
     from irflow.catalog import Catalog
 
-    params = Catalog(Path(store_dir) / "catalog.duckdb").dataset(dataset_id)["params"]
-    return json.loads(params) if isinstance(params, str) else params
+    return json.loads(Catalog(Path(store_dir) / "catalog.duckdb").dataset(dataset_id)["params"])
 
 
 def _scores(t) -> dict:
