@@ -101,7 +101,9 @@ def main() -> None:
     store = Path(args.store or ROOT.parent / "runs" / f"gpl-{args.dataset}")
     out_path = args.out or str(ROOT / "bench" / "results" / f"gpl_teacher_{args.dataset}.json")
     prior = json.loads(Path(out_path).read_text()) if Path(out_path).exists() else {}
-    out = {"machine": harness.machine(), "dataset": args.dataset, "runs": prior.get("runs", [])}
+    # --summary-only runs nothing here: the runs keep the machine they were measured on
+    machine = prior.get("machine") if args.summary_only and prior else harness.machine()
+    out = {"machine": machine, "dataset": args.dataset, "runs": prior.get("runs", [])}
     for teacher in [] if args.summary_only else args.teachers.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             sets = [f"teacher.score_every_candidate={TEACHERS[teacher]}", f"train.seed={seed}",
