@@ -21,6 +21,8 @@ input's order. The runner then computes it as shards of ``runtime.shard_rows`` i
 - with ``runtime.executor: ray`` the shards are Prefect tasks on the flow's ``RayTaskRunner`` (they
   return a small record, never a table: Ray keeps returned objects in the driver, prefect-ray#93);
   with ``local`` they run here, one after another;
+- a warning a shard logs on a Ray worker is kept in its record, and the driver logs each distinct one
+  again, naming the shards (it reaches the run's log and ``RunResult.warnings``, as with ``local``);
 - each output's parts are assembled, in order and streaming, into one table with fixed row groups
   (``irflow.store.write_parts``): the same rows give the same bytes and the same content id whether
   they came in 1 shard or 100, so everything downstream stays cached. Every output is assembled and
@@ -124,7 +126,7 @@ def run_shard(job: ShardJob) -> dict:
         rt = replace(stage_runtime(job.runtime, stage.work, workdir, onnx_capable=stage.onnx is not None),
                      threads=job.threads, onnx_models=job.onnx_models or {})
         inputs = {**job.inputs, job.role: job.inputs[job.role].slice(job.start, job.stop)}
-        with torch_threads(rt.threads) if stage.work else contextlib.nullcontext():
+        with torch_threads(rt.threads) if stage.work else contextlib.nullcontext(), _warnings_kept() as warned:
             result = stage.fn(job.params, rt, **inputs)
         check_interrupted()
         if not isinstance(result, dict):
@@ -153,7 +155,46 @@ def run_shard(job: ShardJob) -> dict:
         rows = next(iter(rows.values()))
     return {"index": job.index, "rows": [job.start, job.stop], "output_rows": rows, "host": socket.gethostname(),
             "pid": os.getpid(), "device": rt.device, "seconds": round(time.perf_counter() - t0, 3),
-            "status": "computed"}
+            "status": "computed", "warnings": warned}
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() not in self.messages:
+            self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _warnings_kept():
+    """The irflow warnings a shard's computation logs, kept for its record. In a Ray worker they are
+    logged where nobody collects them (the worker's stderr); the driver logs them again
+    (``_relay_warnings``), so that the run's log and ``RunResult.warnings`` have them."""
+    kept = _Kept()
+    logger = logging.getLogger("irflow")
+    logger.addHandler(kept)
+    try:
+        yield kept.messages
+    finally:
+        logger.removeHandler(kept)
+
+
+def _relay_warnings(label: str, records: list[dict]) -> None:
+    """Each distinct warning that shards computed in other processes logged, logged here once, with
+    the shards that logged it."""
+    where: dict[str, list[str]] = {}
+    for r in sorted(records, key=lambda r: r["index"]):
+        if r.get("pid") == os.getpid():
+            continue  # logged here already
+        for message in r.get("warnings") or ():
+            where.setdefault(message, []).append(f"{r['rows'][0]}-{r['rows'][1]}")
+    for message, rows in where.items():
+        shown = ", ".join(rows[:3]) + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")
+        log.warning("%s (%s: shard%s of rows %s, on a Ray worker)", message, label, "s" if len(rows) > 1 else "",
+                    shown)
 
 
 # ---- objects kept per worker process -------------------------------------------------------------
@@ -211,6 +252,7 @@ def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeCon
                  shard_rows, role, len(jobs), len(ranges) - len(jobs), runtime.executor)
     if runtime.executor == "ray" and jobs:
         done = _on_ray(stage, jobs, runtime)
+        _relay_warnings(label, done)
     else:
         done = _here(jobs)
     for r in done:

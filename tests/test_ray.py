@@ -6,6 +6,7 @@ Ray process; a worker killed mid-stage fails the stage, and the next run compute
 shards."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,6 +162,40 @@ def test_gpl_slice_on_ray_equals_the_local_run(data):
     assert ids(sharded) == ids(local)
     for a, b in zip(sharded.metrics, local.metrics):
         assert a["system"] == b["system"] and round(a["ndcg@10"], 4) == round(b["ndcg@10"], 4)
+    assert not wait_gone(data["before"])
+
+
+def test_warnings_of_shards_on_ray_workers_reach_the_run(data, shared_datasets):
+    """A sharded stage's warning is logged in a Ray worker's process; the run still reports it (once per
+    distinct message, naming the shards) in RunResult.warnings, as it does with the local executor."""
+    root = data["root"] / "warns"
+    corpus = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=4, n_train_queries=12,
+                        n_extra_docs=40)
+    ce = make_tiny_cross_encoder(root / "ce", seed=0)
+    # Unlabelled train queries: positive = the teacher's top-1, negatives from teacher ranks 3-30. One
+    # miner's top 2 gives each query 2 candidates, so label_scores skips every query, and says so.
+    cfg = {"flow": "gpl", "dataset": {"name": "warns", "source": str(corpus), "split": "test"},
+           "generate": {"source": "unlabelled", "split": "train"},
+           "mine": {"miners": [{"name": "bm25", "type": "bm25"}], "depth": 2},
+           "teacher": {"type": "cross_encoder", "model": str(ce), "batch_size": 16, "max_length": 64},
+           "label": {"rank_range": [3, 30]},
+           "train": {"model": str(data["bi"]), "steps": 1, "qgen": {"enabled": False}},
+           "hybrid": {"enabled": False}, "doc2query": {"enabled": False}, "runtime": {"threads": 2}}
+    config = root / "gpl.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    skipped = re.compile(r"^label_scores: (\d+) quer\(ies\) with fewer than 3 candidates skipped")
+
+    local = api.run(config, ["runtime.shard_rows=8"], store=root / "local", to=["label_scores"])
+    assert sum(int(skipped.match(w)[1]) for w in local.warnings if skipped.match(w)) == 12
+
+    on_ray = api.run(config, [*RAY, "runtime.shard_rows=8"], store=root / "ray", to=["label_scores"])
+    scores = on_ray.stage("label_scores")
+    assert len(scores.shards) == 2 and os.getpid() not in {s["pid"] for s in scores.shards}
+    relayed = [w for w in on_ray.warnings if skipped.match(w)]
+    assert relayed, on_ray.warnings
+    assert sum(int(skipped.match(w)[1]) for w in relayed) == 12  # shards of 8 and 4 queries
+    assert all(re.search(r"\(label_scores: shards? of rows [\d, -]+(and \d+ more)?, on a Ray worker\)$", w)
+               for w in relayed), relayed
     assert not wait_gone(data["before"])
 
 
