@@ -68,6 +68,9 @@ CREATE TABLE IF NOT EXISTS shard_runs(
 -- stage that failed ({name, inputs, seconds}); NULL: none. Neither has a stage_runs row.
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS skipped JSON;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS failed_stage JSON;
+-- Added with recorded warnings: what the computation that made a dataset warned about (a JSON list of
+-- messages; NULL: nothing, or made before this column). A run that reuses the dataset says them again.
+ALTER TABLE datasets ADD COLUMN IF NOT EXISTS warnings JSON;
 """
 
 # DuckDB allows one writing process per file; inside a process we serialise access ourselves so
@@ -224,22 +227,24 @@ class Catalog:
         outputs: dict[str, tuple[object, int | None, int]],
         parents: dict[str, list[str]],
         runtime: dict | None = None,
+        warnings: list[str] | None = None,
     ) -> None:
-        """outputs: name -> (DatasetRef, num_rows, num_bytes); parents: role -> parent ids."""
+        """outputs: name -> (DatasetRef, num_rows, num_bytes); parents: role -> parent ids; warnings: what
+        the computation warned about."""
         ts = now()
         with self.connect() as con:
             con.execute("BEGIN")
             for output, (ref, num_rows, num_bytes) in outputs.items():
                 con.execute(
                     "INSERT INTO datasets (dataset_id, name, kind, contract, path, num_rows, num_bytes, stage, "
-                    "cache_key, code_version, params, run_id, created_at, runtime, digest) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "cache_key, code_version, params, run_id, created_at, runtime, digest, warnings) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT DO UPDATE SET digest = coalesce(datasets.digest, excluded.digest)",
                     [ref.id, ref.name, ref.kind, ref.contract, self._rel(ref.path), num_rows, num_bytes, stage,
                      cache_key,
                      code_version, json.dumps(params, sort_keys=True, default=str), run_id, ts,
                      json.dumps(runtime, sort_keys=True, default=str) if runtime else None,
-                     getattr(ref, "digest", None)],
+                     getattr(ref, "digest", None), json.dumps(warnings) if warnings else None],
                 )
                 for role, ids in parents.items():
                     for pid in ids:
@@ -251,6 +256,19 @@ class Catalog:
                     "INSERT OR REPLACE INTO cache VALUES (?, ?, ?, ?, ?)", [cache_key, output, ref.id, stage, ts]
                 )
             con.execute("COMMIT")
+
+    def warnings_of(self, dataset_ids: list[str]) -> list[tuple[str, str]]:
+        """(message, run id) of what the computations that made these datasets warned about, each once."""
+        if not dataset_ids:
+            return []
+        with self.connect() as con:
+            rows = con.execute(
+                f"SELECT warnings, run_id FROM datasets WHERE warnings IS NOT NULL AND dataset_id IN "
+                f"({', '.join('?' * len(dataset_ids))}) ORDER BY dataset_id", dataset_ids).fetchall()
+        out: list[tuple[str, str]] = []
+        for warnings, run_id in rows:
+            out += [(m, run_id) for m in json.loads(warnings) if (m, run_id) not in out]
+        return out
 
     def record_external(self, ref, run_id: str, params: dict) -> None:
         """A dataset source or a config-named model, so lineage ends at something with a name.

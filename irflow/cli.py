@@ -200,6 +200,8 @@ def cmd_lineage(args) -> int:
         rt = _fmt_runtime(node.get("runtime"))
         if rt:
             print(f"{pad}  runtime {rt}")
+        for message in json.loads(node.get("warnings") or "[]"):
+            print(f"{pad}  warned: {message}")
         shards = node.get("shards") or []
         if len(shards) > 1 or any(s["status"] != "computed" for s in shards):
             print(f"{pad}  {len(shards)} shards:")

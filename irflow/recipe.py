@@ -114,7 +114,8 @@ class RunResult:
     prefect_flow_run_id: str | None = None
     skipped: list[str] = field(default_factory=list)  # stage labels left out by --to (not run, not recorded)
     # irflow's warnings during the run (the recipe's advice, a stage's "the teacher is at chance"), each once,
-    # in order; api.run fills it from this process's log records
+    # in order; api.run fills it from this process's log records (Ray workers' are relayed here, and a
+    # cached stage says again what its computation warned about, from the catalog)
     warnings: list[str] = field(default_factory=list)
 
     @property

@@ -112,7 +112,7 @@ def run_shard(job: ShardJob) -> dict:
     """Compute one shard in this process and write its part. Returns the shard's record."""
     from irflow.processes import check_interrupted
     from irflow.runtime import stage_runtime
-    from irflow.stage import torch_threads
+    from irflow.stage import torch_threads, warnings_logged
     from irflow.store import write_parts
 
     stage = getattr(importlib.import_module(job.module), job.attr)
@@ -126,7 +126,7 @@ def run_shard(job: ShardJob) -> dict:
         rt = replace(stage_runtime(job.runtime, stage.work, workdir, onnx_capable=stage.onnx is not None),
                      threads=job.threads, onnx_models=job.onnx_models or {})
         inputs = {**job.inputs, job.role: job.inputs[job.role].slice(job.start, job.stop)}
-        with torch_threads(rt.threads) if stage.work else contextlib.nullcontext(), _warnings_kept() as warned:
+        with torch_threads(rt.threads) if stage.work else contextlib.nullcontext(), warnings_logged() as warned:
             result = stage.fn(job.params, rt, **inputs)
         check_interrupted()
         if not isinstance(result, dict):
@@ -158,33 +158,10 @@ def run_shard(job: ShardJob) -> dict:
             "status": "computed", "warnings": warned}
 
 
-class _Kept(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage() not in self.messages:
-            self.messages.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def _warnings_kept():
-    """The irflow warnings a shard's computation logs, kept for its record. In a Ray worker they are
-    logged where nobody collects them (the worker's stderr); the driver logs them again
-    (``_relay_warnings``), so that the run's log and ``RunResult.warnings`` have them."""
-    kept = _Kept()
-    logger = logging.getLogger("irflow")
-    logger.addHandler(kept)
-    try:
-        yield kept.messages
-    finally:
-        logger.removeHandler(kept)
-
-
 def _relay_warnings(label: str, records: list[dict]) -> None:
-    """Each distinct warning that shards computed in other processes logged, logged here once, with
-    the shards that logged it."""
+    """A Ray worker's warnings are logged where nobody collects them (its stderr): each distinct one
+    that shards computed in other processes logged is logged here once, naming those shards (the run's
+    log, ``RunResult.warnings``, and the datasets' recorded warnings then have it)."""
     where: dict[str, list[str]] = {}
     for r in sorted(records, key=lambda r: r["index"]):
         if r.get("pid") == os.getpid():

@@ -163,6 +163,30 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+class _ThreadWarnings(logging.Handler):
+    def __init__(self, thread: int):
+        super().__init__(logging.WARNING)
+        self.thread = thread
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # stages may run at once in threads of one process (irflow.branches): each keeps its own
+        if record.thread == self.thread and record.getMessage() not in self.messages:
+            self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def warnings_logged():
+    """The distinct irflow warnings this thread logs inside the block (a list, filled as they come):
+    what a computation warned about, recorded with its datasets (and a Ray shard's, with its record)."""
+    handler = _ThreadWarnings(threading.get_ident())
+    log.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        log.removeHandler(handler)
+
+
 # Stages that compute with torch in this process (``work`` set, not sharded) take turns, also when
 # stages run at once (irflow.branches): torch.set_num_threads and a GPU's memory are the process's.
 _DRIVER_TORCH = threading.RLock()
@@ -352,6 +376,10 @@ class Stage:
                 refs = {o.name: hit[o.name] for o in self.outputs}
                 status = "cached"
                 log.info("%s: cached (%s)", stage_label, ", ".join(r.id for r in refs.values()))
+                # What its computation warned about still holds for these datasets: said again, so that
+                # a run that reuses them warns as the run that made them did.
+                for message, made_by in catalog.warnings_of([r.id for r in refs.values()]):
+                    log.warning("%s (%s: cached, as computed by run %s)", message, stage_label, made_by)
             else:
                 try:
                     self._check_inputs(store, stage_label, inputs)
@@ -446,7 +474,8 @@ class Stage:
                      f"{rt.device}, {rt.precision}, {rt.threads} threads{_backend(rt)}" if self.work
                      else f"{rt.threads} threads")
             try:
-                with torch_threads(rt.threads) if self.work else contextlib.nullcontext():
+                with torch_threads(rt.threads) if self.work else contextlib.nullcontext(), \
+                        warnings_logged() as warned:
                     result = self.fn(params, rt, **inputs)
             except StageFailed:
                 raise
@@ -487,7 +516,7 @@ class Stage:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         provenance = rt.provenance()
-        self._record(run, catalog, stage_label, key, params, inputs, published, provenance)
+        self._record(run, catalog, stage_label, key, params, inputs, published, provenance, warned)
         if resume_dir is not None:
             remove_tree(resume_dir)
         return {name: p[0] for name, p in published.items()}, provenance
@@ -503,12 +532,13 @@ class Stage:
         return published
 
     def _record(self, run: Run, catalog: Catalog, stage_label: str, key: str, params, inputs: dict,
-                published: dict, provenance: dict) -> None:
-        """The outputs' lineage in the catalog: this stage, its key, params, run and input ids."""
+                published: dict, provenance: dict, warned: list[str]) -> None:
+        """The outputs' lineage in the catalog: this stage, its key, params, run and input ids, and what
+        the computation warned about."""
         parents = {role: [r.id for r in _as_list(v)] for role, v in inputs.items()}
         catalog.record_outputs(stage=stage_label, cache_key=key, code_version=self.version,
                                params=params.key_dump(), run_id=run.run_id, outputs=published, parents=parents,
-                               runtime=provenance)
+                               runtime=provenance, warnings=warned)
 
     def _compute_shards(self, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label,
                         onnx_models: dict[str, str]):
@@ -523,7 +553,8 @@ class Stage:
         log.info("%s: computing (%s)", stage_label,
                  f"{rt.device}, {rt.precision}{_backend(rt)}" if self.work else "cpu")
         try:
-            records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir, onnx_models)
+            with warnings_logged() as warned:  # the shards' own, also those relayed from Ray workers
+                records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir, onnx_models)
         except shards.ShardFailed as e:
             check_interrupted()
             # A user error (a model that cannot be loaded, data that cannot support the params) is the
@@ -547,7 +578,7 @@ class Stage:
             raise
         provenance = {**rt.provenance(), "executor": run.runtime.executor, "shard_rows": run.runtime.shard_rows,
                       "shards": len(records)}
-        self._record(run, catalog, stage_label, key, params, inputs, published, provenance)
+        self._record(run, catalog, stage_label, key, params, inputs, published, provenance, warned)
         catalog.record_shards(run.run_id, stage_label, key, records)
         remove_tree(parts_dir)
         return {name: p[0] for name, p in published.items()}, provenance

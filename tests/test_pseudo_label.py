@@ -3,6 +3,7 @@ scale, the teacher's scoring in shards -- on a real SciFact slice."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -621,3 +622,49 @@ def test_a_scale_change_relabels_without_rescoring(env):
     run = Run(store, "scale-seed")
     _label(run, _fusion_top1(scale=0.5, rank_range=[3, 8]), tag="scale", **inputs)
     assert _statuses(run) == ["computed", "computed"]
+
+
+@pytest.mark.parametrize("shard_rows", [100_000, 5])
+def test_what_a_computation_warned_about_is_recorded_with_its_dataset_and_said_again_when_reused(
+        env, shard_rows, tmp_path, caplog, capsys):
+    """Every query has 2 teacher candidates and negatives come from ranks 3-6, so label_scores skips each
+    one and warns (once, or once per shard of 5 queries). The warnings are recorded with the dataset it
+    published (the catalog, `irflow lineage`), and a later run that finds it cached says them again."""
+    import logging
+
+    from irflow import cli
+
+    # a store of its own: sharded or not, the stage publishes the same dataset (one catalog row)
+    run, tag = Run(str(tmp_path / "store"), "inputs"), "warns"
+    lex = env["lex_run"].table()
+    pub = lambda name, contract, t: run.store.publish_table(name, contract, t)[0]  # noqa: E731
+    inputs = dict(queries=pub("queries", "queries", env["queries"].table()),
+                  corpus=pub("corpus", "corpus", env["corpus"].table()),
+                  teacher_rankings=[pub("run", "run", lex.filter(pc.less_equal(lex.column("rank"), 2)))])
+    params = {"teacher": {"type": "fusion", "method": "zscore", "weights": {"lex": 1.0}},
+              "positive": "teacher_top1", "rank_range": [3, 6], "negatives_per_positive": 2, "seed": 3}
+    skipped = "label_scores: {} quer(ies) with fewer than 3 candidates skipped"
+    expected = ([skipped.format(18)] if shard_rows > 18
+                else [skipped.format(5), skipped.format(3)])  # shards of 5, 5, 5 and 3 queries
+
+    first = Run(run.store_root, f"made-{tag}", runtime=RuntimeConfig(shard_rows=shard_rows))
+    with caplog.at_level(logging.WARNING, logger="irflow"):
+        scores = label_scores.run(first, _scores_params(params), tag=tag, **inputs)
+    assert scores.num_rows() == 0 and _statuses(first) == ["computed"]
+    # logged as they came: once per shard (the catalog keeps each distinct message once)
+    assert [r.getMessage() for r in caplog.records] == (expected if shard_rows > 18
+                                                        else 3 * [skipped.format(5)] + [skipped.format(3)])
+    row = run.catalog.dataset(scores.id)
+    assert json.loads(row["warnings"]) == expected
+
+    assert cli.main(["lineage", scores.id[:12], "--store", str(run.store_root)]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"warned: {m}" in printed for m in expected), printed
+
+    caplog.clear()
+    again = Run(run.store_root, f"reused-{tag}")
+    with caplog.at_level(logging.WARNING, logger="irflow"):
+        assert label_scores.run(again, _scores_params(params), tag=tag, **inputs).id == scores.id
+    assert _statuses(again) == ["cached"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{m} (label_scores[{tag}]: cached, as computed by run made-{tag})" for m in expected]

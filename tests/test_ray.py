@@ -196,6 +196,9 @@ def test_warnings_of_shards_on_ray_workers_reach_the_run(data, shared_datasets):
     assert sum(int(skipped.match(w)[1]) for w in relayed) == 12  # shards of 8 and 4 queries
     assert all(re.search(r"\(label_scores: shards? of rows [\d, -]+(and \d+ more)?, on a Ray worker\)$", w)
                for w in relayed), relayed
+    # recorded with the dataset, as the local run's are
+    catalog = Catalog(root / "ray" / "catalog.duckdb")
+    assert catalog.warnings_of([scores.outputs["out"]]) == [(w, on_ray.run_id) for w in relayed]
     assert not wait_gone(data["before"])
 
 
