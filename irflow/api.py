@@ -29,6 +29,7 @@ from irflow import orchestration, runtime
 from irflow.errors import ConfigError, UserError
 from irflow.params import model_fields
 from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan, upstream
+from irflow.stage import warnings_logged
 from irflow.store import DEFAULT_STORE
 
 __all__ = ["run", "status", "report", "compare", "load_config", "store_root", "RunResult", "StageResult",
@@ -113,30 +114,6 @@ def _no_store_left_on_error(root: str):
         raise
 
 
-class _Warnings(logging.Handler):
-    """irflow's warning records, each message once, in order. This process's only: a stage run on a Ray
-    worker logs there (and two runs started at once in one process would share what they collect)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message not in self.messages:
-            self.messages.append(message)
-
-
-@contextlib.contextmanager
-def _collect_warnings():
-    handler = _Warnings()
-    log.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        log.removeHandler(handler)
-
-
 def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store: str | os.PathLike | None = None,
         force: list[str] | tuple[str, ...] | set[str] = (), *, run_id: str | None = None,
         to: list[str] | tuple[str, ...] | set[str] = ()) -> RunResult:
@@ -147,7 +124,9 @@ def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store
     to: stage names or labels to stop after: only they and the stages they need run (as ``--to``;
     ``RunResult.skipped`` lists the others). ``RunResult.warnings``: what irflow warned about on the way.
     """
-    with _collect_warnings() as warnings:
+    # This process's warnings, those relayed from Ray workers among them (irflow.shards); two runs started
+    # at once in one process would share what they collect.
+    with warnings_logged(every_thread=True) as warnings:
         result = _run(config, overrides, store, force, run_id=run_id, to=to)
     result.warnings = list(warnings)
     return result

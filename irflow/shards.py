@@ -159,14 +159,12 @@ def run_shard(job: ShardJob) -> dict:
 
 
 def _relay_warnings(label: str, records: list[dict]) -> None:
-    """A Ray worker's warnings are logged where nobody collects them (its stderr): each distinct one
-    that shards computed in other processes logged is logged here once, naming those shards (the run's
-    log, ``RunResult.warnings``, and the datasets' recorded warnings then have it)."""
+    """A Ray worker's warnings are logged where nobody collects them (its stderr): each distinct one that
+    the shards computed on Ray workers logged is logged here once, naming those shards (the run's log,
+    ``RunResult.warnings``, and the datasets' recorded warnings then have it)."""
     where: dict[str, list[str]] = {}
     for r in sorted(records, key=lambda r: r["index"]):
-        if r.get("pid") == os.getpid():
-            continue  # logged here already
-        for message in r.get("warnings") or ():
+        for message in r["warnings"]:
             where.setdefault(message, []).append(f"{r['rows'][0]}-{r['rows'][1]}")
     for message, rows in where.items():
         shown = ", ".join(rows[:3]) + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")

@@ -163,23 +163,28 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-class _ThreadWarnings(logging.Handler):
-    def __init__(self, thread: int):
+class _Warnings(logging.Handler):
+    """irflow's warning records, each message once, in order (of one thread only, when ``thread`` is set)."""
+
+    def __init__(self, thread: int | None):
         super().__init__(logging.WARNING)
         self.thread = thread
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        # stages may run at once in threads of one process (irflow.branches): each keeps its own
-        if record.thread == self.thread and record.getMessage() not in self.messages:
+        if self.thread is not None and record.thread != self.thread:
+            return
+        if record.getMessage() not in self.messages:
             self.messages.append(record.getMessage())
 
 
 @contextlib.contextmanager
-def warnings_logged():
-    """The distinct irflow warnings this thread logs inside the block (a list, filled as they come):
-    what a computation warned about, recorded with its datasets (and a Ray shard's, with its record)."""
-    handler = _ThreadWarnings(threading.get_ident())
+def warnings_logged(every_thread: bool = False):
+    """The distinct irflow warnings logged inside the block (a list, filled as they come). By this thread
+    only, by default: what a computation warned about, recorded with its datasets (and a Ray shard's, with
+    its record), while other stages run at once in other threads (irflow.branches). ``every_thread``: the
+    whole process's (a run's, ``api.run``)."""
+    handler = _Warnings(None if every_thread else threading.get_ident())
     log.addHandler(handler)
     try:
         yield handler.messages
