@@ -45,12 +45,49 @@ MOVED = {
 }
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping."""
+
+    def __init__(self, key, line: int, first_line: int):
+        super().__init__(f"line {line}: key {key!r} is given twice (first on line {first_line}); YAML keeps only "
+                         "one of them, so irflow refuses it rather than drop a setting")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping. YAML forbids it, but PyYAML
+    keeps the last value silently: a section written twice (``train:`` near the top and again
+    below), or a typo that turns ``rounds: 7`` into a second ``round:``, would drop settings
+    without a word. Merge keys (``<<: *defaults``) still override as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in first:
+                        raise DuplicateKeyError(key, key_node.start_mark.line + 1, first[key])
+                    first[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str):
+    """A YAML value (a config file, a ``--set`` value), with no key twice in a mapping."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
 def load_raw(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such config file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parse_yaml(path.read_text()) or {}
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -68,7 +105,9 @@ def apply_override(raw: dict, item: str) -> None:
     if not all(parts):
         raise ConfigError(f"--set {item!r}: '{key}' is not a dotted key (e.g. train.lr)")
     try:
-        value = yaml.safe_load(text)
+        value = parse_yaml(text)
+    except DuplicateKeyError as e:  # {lr: 1, lr: 2}: not a string to keep as it is
+        raise ConfigError(f"--set {item!r}: {str(e).split(': ', 1)[1]}") from None
     except yaml.YAMLError:
         value = text
     node: Any = raw

@@ -107,6 +107,37 @@ def test_every_problem_is_reported_at_once():
     assert "train.lrr" in msg and "bm25.k1" in msg and "traim" in msg
 
 
+def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
+    """YAML keeps only one of two equal keys (PyYAML, the last, silently). A typo that turns `rounds: 2`
+    into a second `round:` section, or a section written twice, would drop settings: refused, with both
+    lines, by the file, by `irflow run` (exit 2, nothing created) and in a --set value."""
+    text = Path(ANCE).read_text()
+    assert text.count("\nrounds: 2\n") == 1 and text.count("\nround:\n") == 1
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(text.replace("\nrounds: 2\n", "\nround: 2\n"))
+    lines = typo.read_text().splitlines()
+    first, second = lines.index("round: 2") + 1, lines.index("round:") + 1
+    with pytest.raises(ConfigError) as err:
+        api.load_config(typo)
+    assert f"line {second}: key 'round' is given twice (first on line {first})" in str(err.value)
+
+    store = tmp_path / "never-created"
+    code, _, err = run_cli("run", typo, "--store", store)
+    assert code == 2 and "key 'round' is given twice" in err and "Traceback" not in err
+    assert not store.exists()
+
+    # nested: a key twice inside one section
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(text.replace("  epochs: 1\n", "  epochs: 1\n  epochs: 3\n", 1))
+    with pytest.raises(ConfigError, match="key 'epochs' is given twice"):
+        api.load_config(twice)
+    with pytest.raises(ConfigError, match=r"--set 'round=\{epochs: 1, epochs: 3\}': key 'epochs' is given twice"):
+        api.load_config(ANCE, ["round={epochs: 1, epochs: 3}"])
+    # what YAML allows stays allowed: merge keys override, and the fixed file loads
+    assert api.load_config(ANCE).rounds == 2
+    assert api.load_config(ANCE, ["round={<<: {epochs: 1}, epochs: 3}"]).round.epochs == 3
+
+
 def test_missing_models_fail_before_any_work(tmp_path):
     with pytest.raises(UserError, match=r"train.model: model directory '/no/such/model' does not exist"):
         api.status(DEMO, ["train.model=/no/such/model"], store=tmp_path / "store")
