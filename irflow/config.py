@@ -80,6 +80,16 @@ def parse_yaml(text: str):
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: where, and what (PyYAML's own text spans several lines, with the
+    stream's name as "<unicode string>")."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(e).split())
+    hint = " (YAML indents with spaces, not tabs)" if "\\t" in problem else ""
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}{hint}"
+
+
 def load_raw(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
@@ -89,7 +99,7 @@ def load_raw(path: str | Path) -> dict:
     except DuplicateKeyError as e:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        raise ConfigError(f"{path}: invalid YAML: {yaml_problem(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a config is a mapping of sections with a 'flow' key (e.g. flow: baselines)")
     return raw

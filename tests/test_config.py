@@ -138,6 +138,18 @@ def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
     assert api.load_config(ANCE, ["round={<<: {epochs: 1}, epochs: 3}"]).round.epochs == 3
 
 
+def test_invalid_yaml_says_where_in_one_line(tmp_path):
+    tab = tmp_path / "tab.yaml"
+    tab.write_text(Path(DEMO).read_text().replace("\n  split: test", "\n\tsplit: test", 1))
+    assert "\t" in tab.read_text()
+    line = next(i for i, t in enumerate(tab.read_text().splitlines(), 1) if t.startswith("\t"))
+    with pytest.raises(ConfigError) as err:
+        api.load_config(tab)
+    msg = str(err.value)
+    assert f"invalid YAML: line {line}, column 1:" in msg and "not tabs" in msg
+    assert "\n" not in msg and "<unicode string>" not in msg
+
+
 def test_missing_models_fail_before_any_work(tmp_path):
     with pytest.raises(UserError, match=r"train.model: model directory '/no/such/model' does not exist"):
         api.status(DEMO, ["train.model=/no/such/model"], store=tmp_path / "store")
