@@ -252,6 +252,45 @@ def test_ance_control_trains_the_rounds_on_the_warmup_negatives_without_a_refres
 
 
 # ---- data stages on real tables ---------------------------------------------------------------------
+def test_hybrid_fuses_bm25_with_the_zero_shot_model_and_each_dual_encoder_reusing_what_is_stored(setup,
+                                                                                               rocketqa_sample_run):
+    """hybrid.enabled (off by default in RocketQA and ANCE) adds a fuse and an evaluate per system and trains
+    nothing: `hybrid` (BM25 + the zero-shot model) and hybrid-<model> for each dual encoder, each BM25's test
+    run fused with the model's as `hybrid` fuses them. ANCE's `hybrid` reads the same BM25 and zero-shot runs
+    here: the very dataset RocketQA's run stored, reused."""
+    import pyarrow.parquet as pq
+
+    from irflow.fusion import fuse_runs
+    from irflow.store import TABLE_FILE, Store
+
+    duals = ("md0", "md0-bm25neg", "md1-ce", "md1-fusion", "md0-hardneg", "md1-listwise", "md2")
+    result = run(setup, "rocketqa", "hybrid.enabled=true")
+    systems = ("hybrid", *(f"hybrid-{d}" for d in duals))
+    assert result.computed == {f"{stage}[{s}]" for s in systems for stage in ("fuse", "evaluate")}
+    metrics = {m["system"]: m["ndcg@10"] for m in result.metrics}
+    assert set(systems) <= metrics.keys() and all(0 <= metrics[s] <= 1 for s in systems)
+
+    store = Store(setup["store"])
+    table = lambda stage: pq.read_table(store.object_dir(result.stage(stage).outputs["run"]) / TABLE_FILE)  # noqa: E731
+    hybrid = api.load_config(setup["rocketqa"], ["hybrid.enabled=true"]).hybrid
+    for fused, dense in (("hybrid", "dense_search[zero-shot]"), ("hybrid-md2", "dense_search[md2]")):
+        p = hybrid.params("bm25-flat", "dense-bi") if fused == "hybrid" else hybrid.student_params("bm25-flat", "md2")
+        assert p.weights == {"bm25-flat": 0.3, "dense-bi" if fused == "hybrid" else "md2": 0.7}
+        want = fuse_runs([table("bm25_search[flat]"), table(dense)], method=p.method, weights=p.weights,
+                         rrf_k=p.rrf_k, input_depth=p.input_depth, depth=p.depth, system=fused)
+        got = table(f"fuse[{fused}]")
+        assert got.num_rows == want.num_rows > 0
+        assert got.column("doc_id").to_pylist() == want.column("doc_id").to_pylist()
+    assert table("fuse[hybrid-md2]").column("doc_id") != table("fuse[hybrid]").column("doc_id")
+
+    plain = run(setup, "ance")  # cached after the ANCE tests above (computed when this test runs alone)
+    assert not {m["system"] for m in plain.metrics} & {"hybrid", "hybrid-ance-warmup"}  # off by default
+    ance = run(setup, "ance", "hybrid.enabled=true")
+    assert ance.computed == {f"{stage}[hybrid-ance-{m}]" for m in ("warmup", "round1", "round2")
+                             for stage in ("fuse", "evaluate")}
+    assert ance.stage("fuse[hybrid]").outputs["run"] == result.stage("fuse[hybrid]").outputs["run"]
+
+
 def test_denoise_walks_ranks_with_quota_threshold_and_fill():
     p = DenoiseParams(negative_threshold=0.1,
                       negatives_per_positive=2, fill_ranks=(7, 20), buckets=(3, 6))

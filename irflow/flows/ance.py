@@ -5,7 +5,7 @@
         model_{r-1} encodes the corpus, retrieves the train queries' top 200 (ANN)
         mine_negatives: a sample of its top 200, positives excluded
         train_dual_encoder from model_{r-1} on labelled pairs + those negatives ──> model_r
-    test queries ──> BM25 | zero-shot | warm-up | round 1..R ──> evaluate ──> report
+    test queries ──> BM25 | zero-shot | warm-up | round 1..R (| BM25 + each: hybrid.enabled) ──> evaluate ──> report
 
 ANCE refreshes its index asynchronously (an inference job re-encodes the corpus every 10k training
 steps while the trainer goes on); here the rounds are synchronous, as Tevatron reproduces it. Each
@@ -23,8 +23,8 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_train_run, check_skip_top, evaluate_runs,
-                                 ingest, labelled_queries, retrieve, test_runs, top_negative_mining,
-                                 train_split_follows)
+                                 hybrid_runs, ingest, labelled_queries, retrieve, system_name, test_runs,
+                                 top_negative_mining, train_split_follows)
 from irflow.follows import Follow
 from irflow.recipe import flow_getattr, recipe
 from irflow.stage import Run
@@ -130,7 +130,9 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
                                    negatives=[negatives])["model"]
         systems[f"ance-round{r}"] = model
 
-    return evaluate_runs(run, c.evaluate, data, test_runs(run, c, data, base, systems))
+    runs = test_runs(run, c, data, base, systems)  # BM25 first, then zero-shot
+    runs.update(hybrid_runs(run, c.hybrid, runs, next(iter(runs)), system_name(c.base_model), systems))
+    return evaluate_runs(run, c.evaluate, data, runs)
 
 
 __getattr__ = flow_getattr(ance)  # `ance_flow`: the Prefect flow (prefect.yaml's entrypoint)

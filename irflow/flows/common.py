@@ -9,6 +9,7 @@ building block wires stages together, and each stage is cached on its own inputs
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
 from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
 from irflow.tasks.evaluate import EvaluateParams, EvaluationParams, evaluate
+from irflow.tasks.fuse import FuseParams, FuseSettings, fuse
 from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
 from irflow.tasks.mine_negatives import MineParams
 
@@ -91,6 +93,35 @@ class ZeroShotDense(DenseRetrieval):
     system: str | None = Field(None, description="system name (null: dense-<model directory name>)")
 
 
+class HybridConfig(FuseSettings):
+    enabled: bool = Field(True, description="evaluate the hybrid of BM25 and the zero-shot dense model")
+    sparse_weight: float = Field(0.3, ge=0, le=1, description="weight of BM25; the dense system gets 1 - w")
+    students: bool = Field(True, description="also evaluate BM25 fused with each trained model (system "
+                           "hybrid-<model>, e.g. hybrid-gpl-student, hybrid-md2, hybrid-ance-round2): what "
+                           "adapting the dense model gives a deployed hybrid, against `hybrid` (needs enabled)")
+    student_sparse_weight: float | None = Field(None, ge=0, le=1, description="weight of BM25 when fused with a "
+                                                "trained model (hybrid.students); the model gets 1 - w. null: "
+                                                "sparse_weight, the zero-shot hybrid's")
+
+    def params(self, sparse: str, dense: str) -> FuseParams:
+        """The `hybrid` system: BM25 fused with the zero-shot dense model."""
+        return self._fuse(sparse, dense, self.sparse_weight, "hybrid")
+
+    def student_params(self, sparse: str, student: str) -> FuseParams:
+        """System hybrid-<student>: BM25 fused with a trained model, by the same method and depth."""
+        weight = self.sparse_weight if self.student_sparse_weight is None else self.student_sparse_weight
+        return self._fuse(sparse, student, weight, f"hybrid-{student}")
+
+    def _fuse(self, sparse: str, dense: str, sparse_weight: float, system: str) -> FuseParams:
+        return self.to(FuseParams, weights={sparse: sparse_weight, dense: 1 - sparse_weight}, system=system)
+
+
+class SupervisedHybridConfig(HybridConfig):
+    enabled: bool = Field(False, description="evaluate the hybrid of BM25 and the zero-shot dense model and, "
+                                             "with students, BM25 fused with each trained dual encoder (off by "
+                                             "default: the papers evaluate dense models alone)")
+
+
 # ---- building blocks ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Dataset:
@@ -145,6 +176,20 @@ def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, 
     p = c.to(EvaluateParams, dataset=data.name, split=data.split)
     return [evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
             for system, ref in runs.items()]
+
+
+def hybrid_runs(run: Run, c: HybridConfig, runs: dict[str, DatasetRef], sparse: str, zero_shot: str,
+                students: Iterable[str]) -> dict[str, DatasetRef]:
+    """System name -> fused test run: ``hybrid`` (BM25 + the zero-shot model) and, with ``students``,
+    BM25 + each trained model (``hybrid-<model>``); none unless ``enabled``. A user who deploys BM25 +
+    dense wants to know what adaptation adds to that system, not only to the dense model alone."""
+    if not c.enabled:
+        return {}
+    fused = {"hybrid": fuse(run, c.params(sparse, zero_shot), tag="hybrid", rankings=[runs[sparse], runs[zero_shot]])}
+    for name in students if c.students else ():
+        fused[f"hybrid-{name}"] = fuse(run, c.student_params(sparse, name), tag=f"hybrid-{name}",
+                                       rankings=[runs[sparse], runs[name]])
+    return fused
 
 
 # ---- supervised recipes: their training queries' lists ------------------------------------------
@@ -213,6 +258,8 @@ class SupervisedConfig(RecipeConfig):
     bm25: BM25Config = Field(BM25Config(), description="BM25 systems (and BM25 negatives / a fusion teacher)")
     dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search (similarity follows "
                                                           "the dual encoder's)")
+    hybrid: SupervisedHybridConfig = Field(SupervisedHybridConfig(), description="BM25 + dense fusions (off by "
+                                                                                 "default)")
     evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
 
     @model_validator(mode="after")

@@ -38,8 +38,8 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, PositiveInt, model_validator
 
-from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig, bm25_runs, dense_run,
-                                 evaluate_runs, ingest, system_name, test_runs)
+from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig, HybridConfig, bm25_runs, dense_run,
+                                 evaluate_runs, hybrid_runs, ingest, system_name, test_runs)
 from irflow.follows import Follow
 from irflow.params import CrossEncoderName, ModelName, NoParams, Params
 from irflow.recipe import RecipeConfig, flow_getattr, recipe
@@ -50,7 +50,6 @@ from irflow.tasks.bm25 import (BM25IndexParams, BM25ScoreParams, BM25SearchParam
 from irflow.tasks.dense import DenseRetrieval, DenseScoreParams, EncodeParams, dense_score, encode_corpus
 from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand
 from irflow.tasks.evaluate import EvaluationParams
-from irflow.tasks.fuse import FuseParams, FuseSettings, fuse
 from irflow.tasks.generate_queries import CropSource, ICTSource, T5Source, UnlabelledSource, generate_queries
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelScoresParams,
@@ -135,29 +134,6 @@ class TrainConfig(TrainStudentParams):
     def qgen_params(self) -> TrainStudentParams:
         given = {k: v for k, v in self.qgen.model_dump().items() if k != "enabled" and v is not None}
         return self.to(TrainStudentParams, loss="mnrl", **given)
-
-
-class HybridConfig(FuseSettings):
-    enabled: bool = Field(True, description="evaluate the hybrid of BM25 and the zero-shot dense model")
-    sparse_weight: float = Field(0.3, ge=0, le=1, description="weight of BM25; the dense system gets 1 - w")
-    students: bool = Field(True, description="also evaluate BM25 fused with each trained student (system "
-                           "hybrid-<student>, e.g. hybrid-gpl-student): what adapting the dense model gives a "
-                           "deployed hybrid, against `hybrid` (needs enabled)")
-    student_sparse_weight: float | None = Field(None, ge=0, le=1, description="weight of BM25 when fused with a "
-                                                "student (hybrid.students); the student gets 1 - w. null: "
-                                                "sparse_weight, the zero-shot hybrid's")
-
-    def params(self, sparse: str, dense: str) -> FuseParams:
-        """The `hybrid` system: BM25 fused with the zero-shot dense model."""
-        return self._fuse(sparse, dense, self.sparse_weight, "hybrid")
-
-    def student_params(self, sparse: str, student: str) -> FuseParams:
-        """System hybrid-<student>: BM25 fused with a trained student, by the same method and depth."""
-        weight = self.sparse_weight if self.student_sparse_weight is None else self.student_sparse_weight
-        return self._fuse(sparse, student, weight, f"hybrid-{student}")
-
-    def _fuse(self, sparse: str, dense: str, sparse_weight: float, system: str) -> FuseParams:
-        return self.to(FuseParams, weights={sparse: sparse_weight, dense: 1 - sparse_weight}, system=system)
 
 
 class Doc2QueryConfig(Doc2QueryParams):
@@ -415,14 +391,7 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
     runs = test_runs(run, c, data, base, students, base_model=c.train.model)
     sparse, zero_shot = next(iter(runs)), system_name(c.train.model)
-    if c.hybrid.enabled:
-        runs["hybrid"] = fuse(run, c.hybrid.params(sparse, zero_shot), tag="hybrid",
-                              rankings=[runs[sparse], runs[zero_shot]])
-        # The same fusion over each adapted student: a user who deploys BM25 + dense wants to know what
-        # adaptation adds to that system, not only to the dense model alone.
-        for name in students if c.hybrid.students else ():
-            runs[f"hybrid-{name}"] = fuse(run, c.hybrid.student_params(sparse, name), tag=f"hybrid-{name}",
-                                          rankings=[runs[sparse], runs[name]])
+    runs.update(hybrid_runs(run, c.hybrid, runs, sparse, zero_shot, students))
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                     queries=gen["queries"], qrels=gen["qrels"])

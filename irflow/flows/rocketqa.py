@@ -15,7 +15,8 @@
        │   unlabelled queries ──M_D1 top 50──> score_candidates[augment] (M_C reads them) ──> augment
        │                                   │   (no model: top-1 positive if p > 0.9, negatives p < 0.1)
        └──train_dual_encoder (M_D1's data + augmented data) ──> M_D2
-    test queries ──> BM25 | zero-shot | M_D0 | ablations | M_D1 | M_D2 | M_C re-ranking ──> evaluate ──> report
+    test queries ──> BM25 | zero-shot | M_D0 | ablations | M_D1 | M_D2 | M_C re-ranking
+                     (| BM25 + each dual encoder: hybrid.enabled) ──> evaluate ──> report
 
 Each arrow is a stage cached on its inputs: change the denoise threshold and only denoising (not the
 teacher's scoring) and what follows recompute (so for augmentation's thresholds); change M_C's learning rate and M_C, its re-ranking, denoising and the students
@@ -39,8 +40,8 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig, bm25_train_run, check_skip_top,
-                                 evaluate_runs, ingest, labelled_queries, retrieve, test_runs, top_negative_mining,
-                                 train_split_follows)
+                                 evaluate_runs, hybrid_runs, ingest, labelled_queries, retrieve, system_name, test_runs,
+                                 top_negative_mining, train_split_follows)
 from irflow.follows import MISSING, Follow
 from irflow.fusion import FusionSettings
 from irflow.params import ModelName, Params
@@ -403,7 +404,8 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
                                  [denoised[first.tag]["negatives"], aug["negatives"]])
 
     # 7. Evaluation on the test split: BM25, zero-shot, every dual encoder, M_C re-ranking M_D0's top 100.
-    runs = test_runs(run, c, data, base, systems)
+    runs = test_runs(run, c, data, base, systems)  # BM25 first, then zero-shot
+    runs.update(hybrid_runs(run, c.hybrid, runs, next(iter(runs)), system_name(c.base_model), systems))
     runs["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), tag="mc",
                                ranking=runs["md0"], queries=data.test_queries, corpus=data.corpus, model=cross_encoder)
     if (w := c.cross_encoder.rerank_md0_weight) is not None:
