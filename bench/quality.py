@@ -11,7 +11,8 @@ split, the gain over the zero-shot row *of the same run* (RocketQA and ANCE enco
 passages, GPL 256: their zero-shot rows differ), the machine, the training budget and the file -- and
 then the issue's goals: every trained student above its zero-shot, GPL's student above BM25 on SciFact,
 the best dense student within 0.02 of the fusion teacher. ``--store DIR`` (repeatable) adds the latest run of
-a store -- a demo's -- with each system's paired t-test against zero-shot (is a gap real?).
+a store -- a demo's -- with each system's paired t-test against zero-shot (is a gap real?), and each
+BM25 + trained model fusion's (``hybrid-<model>``) against BM25 + zero-shot (``hybrid``).
 """
 
 from __future__ import annotations
@@ -440,13 +441,18 @@ def gpl_hybrid_seed_mean(ds: str) -> str:
     return "".join(clauses)
 
 
+def vs_hybrid(system: dict) -> str:
+    t = system.get("vs_hybrid")
+    return f"{t['wins']} / {t['losses']}, {p_text(t['t_pvalue'])}" if t else "-"
+
+
 def paired_in_store(spec: str) -> dict:
     """``DIR`` or ``DIR:RUN_ID``: that run (default: the store's latest completed one), each system's nDCG@10
     and its paired t-test against zero-shot (wins / losses over the evaluated queries), from the run's
     evaluate outputs."""
     import duckdb
 
-    from train_dev import paired_against_zero_shot
+    from train_dev import paired_against_zero_shot, paired_with, per_query_ndcg
 
     folder, _, wanted = spec.partition(":")
     store = Path(folder)
@@ -457,8 +463,12 @@ def paired_in_store(spec: str) -> dict:
         ndcg = dict(con.execute("SELECT system, value FROM metrics WHERE run_id = ? AND metric = 'ndcg@10'",
                                 [run_id]).fetchall())
     tests = paired_against_zero_shot(store, run_id)
-    return {"store": str(store), "run_id": run_id, "config": config,
-            "systems": {k: {"ndcg@10": round(v, 4), **tests.get(k, {})} for k, v in ndcg.items()}}
+    systems = {k: {"ndcg@10": round(v, 4), **tests.get(k, {})} for k, v in ndcg.items()}
+    if "hybrid" in ndcg:  # BM25 + each trained model (hybrid.students) against BM25 + the zero-shot model
+        for k, t in paired_with(per_query_ndcg(store, run_id), "hybrid").items():
+            if k.startswith("hybrid-"):
+                systems[k]["vs_hybrid"] = t
+    return {"store": str(store), "run_id": run_id, "config": config, "systems": systems}
 
 
 def main() -> None:
@@ -486,9 +496,9 @@ def main() -> None:
         r = paired_in_store(store)
         stores.append(r)
         print(f"\n{r['run_id']} ({r['config']}): nDCG@10, and against zero-shot: wins / losses, paired t-test p")
-        harness.table(["system", "nDCG@10", "wins / losses", "p"],
+        harness.table(["system", "nDCG@10", "wins / losses", "p", "vs hybrid: wins / losses, p"],
                       [[k, v["ndcg@10"], f"{v['wins']} / {v['losses']}" if "wins" in v else "-",
-                        v.get("t_pvalue", "-")] for k, v in r["systems"].items()])
+                        v.get("t_pvalue", "-"), vs_hybrid(v)] for k, v in r["systems"].items()])
     again = {r["run_id"] for r in stores}
     stores = [r for r in prior if r["run_id"] not in again] + stores
     harness.write_json(Path(args.out), {"datasets": out, "stores": stores,
