@@ -452,7 +452,7 @@ def paired_in_store(spec: str) -> dict:
     evaluate outputs."""
     import duckdb
 
-    from train_dev import paired_against_zero_shot, paired_with, per_query_ndcg
+    from train_dev import paired_with, per_query_ndcg
 
     folder, _, wanted = spec.partition(":")
     store = Path(folder)
@@ -462,12 +462,13 @@ def paired_in_store(spec: str) -> dict:
                                      [(wanted or "") + "%"]).fetchone()
         ndcg = dict(con.execute("SELECT system, value FROM metrics WHERE run_id = ? AND metric = 'ndcg@10'",
                                 [run_id]).fetchall())
-    tests = paired_against_zero_shot(store, run_id)
+    per_query = per_query_ndcg(store, run_id)  # read once: both tests below pair its rows
+    tests = paired_with(per_query, "dense-")  # against zero-shot, as train_dev.paired_against_zero_shot
     systems = {k: {"ndcg@10": round(v, 4), **tests.get(k, {})} for k, v in ndcg.items()}
-    if "hybrid" in ndcg:  # BM25 + each trained model (hybrid.students) against BM25 + the zero-shot model
-        for k, t in paired_with(per_query_ndcg(store, run_id), "hybrid").items():
-            if k.startswith("hybrid-"):
-                systems[k]["vs_hybrid"] = t
+    if "hybrid" in per_query:  # BM25 + each trained model (hybrid.students) against exactly BM25 + zero-shot
+        fused = {"hybrid": per_query["hybrid"], **{k: v for k, v in per_query.items() if k.startswith("hybrid-")}}
+        for k, t in paired_with(fused, "hybrid").items():
+            systems[k]["vs_hybrid"] = t
     return {"store": str(store), "run_id": run_id, "config": config, "systems": systems}
 
 

@@ -49,8 +49,10 @@ class DuplicateKeyError(yaml.YAMLError):
     """A key given twice in one YAML mapping."""
 
     def __init__(self, key, line: int, first_line: int):
-        super().__init__(f"line {line}: key {key!r} is given twice (first on line {first_line}); YAML keeps only "
-                         "one of them, so irflow refuses it rather than drop a setting")
+        self.line = line
+        self.problem = (f"key {key!r} is given twice (first on line {first_line}); YAML keeps only one of them, "
+                        "so irflow refuses it rather than drop a setting")
+        super().__init__(f"line {line}: {self.problem}")
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -117,7 +119,7 @@ def apply_override(raw: dict, item: str) -> None:
     try:
         value = parse_yaml(text)
     except DuplicateKeyError as e:  # {lr: 1, lr: 2}: not a string to keep as it is
-        raise ConfigError(f"--set {item!r}: {str(e).split(': ', 1)[1]}") from None
+        raise ConfigError(f"--set {item!r}: {e.problem}") from None
     except yaml.YAMLError:
         value = text
     node: Any = raw
