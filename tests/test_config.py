@@ -318,6 +318,21 @@ def test_user_error_in_a_stage_is_one_line_exit_2(tmp_path, prefect_harness):
     assert "Traceback" in p.stderr
 
 
+@pytest.mark.parametrize("config, extra", [(DEMO, []), (ANCE, ["hybrid.enabled=true"]),
+                                           (ROCKETQA, ["hybrid.enabled=true"])])
+@pytest.mark.parametrize("variants", [("multifield", "flat"), ("flat", "multifield")])
+def test_each_recipes_hybrid_fuses_the_first_bm25_variant(tmp_path, config, extra, variants):
+    """With two BM25 variants, `hybrid` and every `hybrid-<model>` fuse the one listed first (its system
+    name is `c.bm25.first_system`, not whichever run a dict happens to hold first)."""
+    plan = {s.name: s for s in api.status(config, [f"bm25.variants=[{','.join(variants)}]", *extra],
+                                          store=tmp_path / "store")}
+    first, second = (plan[f"bm25_search[{v}]"].outputs["run"] for v in variants)
+    fused = {n: s.inputs["rankings"] for n, s in plan.items() if n.startswith("fuse[hybrid")}
+    assert "fuse[hybrid]" in fused and len(fused) > 1  # the zero-shot hybrid and at least one student's
+    for name, rankings in fused.items():
+        assert first in rankings and second not in rankings, name
+
+
 def test_result_to_dict_is_json(tmp_path):
     # RunResult is what the CLI's --json prints and bench/ reads; check it on a config error-free status
     plan = api.status(BASELINES, store=tmp_path / "store")

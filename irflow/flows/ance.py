@@ -130,8 +130,8 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
                                    negatives=[negatives])["model"]
         systems[f"ance-round{r}"] = model
 
-    runs = test_runs(run, c, data, base, systems)  # BM25 first, then zero-shot
-    runs.update(hybrid_runs(run, c.hybrid, runs, next(iter(runs)), system_name(c.base_model), systems))
+    runs = test_runs(run, c, data, base, systems)
+    runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.base_model), systems))
     return evaluate_runs(run, c.evaluate, data, runs)
 
 

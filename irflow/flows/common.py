@@ -81,6 +81,16 @@ class BM25Config(BM25Retrieval):
             raise ValueError(f"each variant once, got {list(v)}")
         return v
 
+    @property
+    def first_system(self) -> str:
+        """The first variant's system name: the BM25 run a hybrid fuses (``bm25_runs`` names it so)."""
+        return bm25_system(self.variants[0])
+
+
+def bm25_system(variant: str, prefix: str = "bm25") -> str:
+    """A BM25 system's name: ``bm25-flat``, ``bm25-multifield``, ``bm25-doc2query-flat``."""
+    return f"{prefix}-{variant}"
+
 
 class DenseConfig(DenseRetrieval):
     """How dense systems encode and search (the model comes from the recipe)."""
@@ -151,7 +161,7 @@ def bm25_runs(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, 
     for variant in c.variants:
         tag = variant + tag_suffix
         index = bm25_index(run, BM25IndexParams(variant=variant), tag=tag, corpus=corpus)
-        system = f"{prefix}-{variant}"
+        system = bm25_system(variant, prefix)
         runs[system] = bm25_search(run, c.to(BM25SearchParams, variant=variant, system=system), tag=tag,
                                    bm25_index=index, queries=queries)
     return runs

@@ -390,8 +390,7 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
     runs = test_runs(run, c, data, base, students, base_model=c.train.model)
-    sparse, zero_shot = next(iter(runs)), system_name(c.train.model)
-    runs.update(hybrid_runs(run, c.hybrid, runs, sparse, zero_shot, students))
+    runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.train.model), students))
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                     queries=gen["queries"], qrels=gen["qrels"])

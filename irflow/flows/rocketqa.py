@@ -404,8 +404,8 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
                                  [denoised[first.tag]["negatives"], aug["negatives"]])
 
     # 7. Evaluation on the test split: BM25, zero-shot, every dual encoder, M_C re-ranking M_D0's top 100.
-    runs = test_runs(run, c, data, base, systems)  # BM25 first, then zero-shot
-    runs.update(hybrid_runs(run, c.hybrid, runs, next(iter(runs)), system_name(c.base_model), systems))
+    runs = test_runs(run, c, data, base, systems)
+    runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.base_model), systems))
     runs["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), tag="mc",
                                ranking=runs["md0"], queries=data.test_queries, corpus=data.corpus, model=cross_encoder)
     if (w := c.cross_encoder.rerank_md0_weight) is not None:
