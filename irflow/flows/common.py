@@ -104,7 +104,8 @@ class ZeroShotDense(DenseRetrieval):
 
 
 class HybridConfig(FuseSettings):
-    enabled: bool = Field(True, description="evaluate the hybrid of BM25 and the zero-shot dense model")
+    enabled: bool = Field(True, description="evaluate the hybrid of BM25 (the first of bm25.variants) and the "
+                                            "zero-shot dense model")
     sparse_weight: float = Field(0.3, ge=0, le=1, description="weight of BM25; the dense system gets 1 - w")
     students: bool = Field(True, description="also evaluate BM25 fused with each trained model (system "
                            "hybrid-<model>, e.g. hybrid-gpl-student, hybrid-md2, hybrid-ance-round2): what "
@@ -127,9 +128,10 @@ class HybridConfig(FuseSettings):
 
 
 class SupervisedHybridConfig(HybridConfig):
-    enabled: bool = Field(False, description="evaluate the hybrid of BM25 and the zero-shot dense model and, "
-                                             "with students, BM25 fused with each trained dual encoder (off by "
-                                             "default: the papers evaluate dense models alone)")
+    enabled: bool = Field(False, description="evaluate the hybrid of BM25 (the first of bm25.variants) and the "
+                                             "zero-shot dense model and, with students, BM25 fused with each "
+                                             "trained dual encoder (off by default: the papers evaluate dense "
+                                             "models alone)")
 
 
 # ---- building blocks ----------------------------------------------------------------------------
