@@ -95,10 +95,12 @@ def paired(a: Mapping[str, float], b: Mapping[str, float], tie: float = 1e-9) ->
       freedom. Assumes the d_i are independent and roughly normal (their mean is, by the central
       limit theorem, with enough queries; per-query nDCG is bounded and often lumpy, so with few
       queries read it with care).
-    - Wilcoxon signed-rank (``scipy.stats.wilcoxon``, its defaults: zero differences dropped, exact
-      distribution for small n without tied ranks, else the normal approximation): ranks |d_i| and
-      sums the ranks of the positive ones. Assumes the d_i are independent and symmetric about their
-      median; it tests whether that median is 0, and does not care how large the differences are.
+    - Wilcoxon signed-rank (``scipy.stats.wilcoxon``, its defaults: zero differences dropped; for n
+      <= 50 without zeros or tied ranks the exact distribution; for n <= 13 with them, every one of
+      the 2^m sign patterns of the m non-zero differences (``signed_rank_sign_flip_p``, scipy's
+      permutation test computed at once); else the normal approximation): ranks |d_i| and sums the
+      ranks of the positive ones. Assumes the d_i are independent and symmetric about their median;
+      it tests whether that median is 0, and does not care how large the differences are.
 
     When every difference is a tie, both p-values are 1.0 (nothing tells the systems apart; scipy
     would say NaN). With fewer than 2 queries in common the t-test is undefined and says NaN.
@@ -118,6 +120,41 @@ def paired(a: Mapping[str, float], b: Mapping[str, float], tie: float = 1e-9) ->
 
         # ttest_rel(d, 0) is ttest_rel(b, a) with the ties set to 0 (it tests the differences' mean)
         t_p = float(stats.ttest_rel(d, np.zeros(n)).pvalue) if n >= 2 else math.nan
-        w_p = float(stats.wilcoxon(d).pvalue)
+        nonzero = d[d != 0]
+        if n <= 13 and (nonzero.size < n or np.unique(np.abs(nonzero)).size < nonzero.size):
+            w_p = signed_rank_sign_flip_p(nonzero)  # what scipy would do, ~1,000x faster
+        else:
+            w_p = float(stats.wilcoxon(d).pvalue)
     return Paired(n=n, wins=wins, ties=n - wins - losses, losses=losses, mean_a=mean(va), mean_b=mean(vb),
                   mean_diff=mean(d), t_pvalue=t_p, wilcoxon_pvalue=w_p)
+
+
+def signed_rank_sign_flip_p(d: np.ndarray) -> float:
+    """Two-sided p-value of Wilcoxon's signed-rank statistic against all 2^m sign flips of ``d``.
+
+    d holds m non-zero differences (m <= 20). With r_i the rank of |d_i| among them (ties share their
+    average rank), T = sum of r_i over d_i > 0. Under H0 (the d_i symmetric about 0) each sign is +
+    or - with probability 1/2 independently, so T's null distribution is that of sum_i s_i r_i over
+    all s in {0, 1}^m, each pattern equally likely. p = min(1, 2 min(P(T0 <= T), P(T0 >= T))), the
+    comparisons with a relative tolerance of 1e-14 for float ranks.
+
+    This is the test ``scipy.stats.wilcoxon`` runs for n <= 13 with zeros or ties (its
+    ``PermutationMethod``, exhaustive there since 2^13 is below its 9,999 resamples), with the same
+    p-value; scipy evaluates the statistic once per pattern in Python (~2 s at n = 13), this takes a
+    matrix product.
+    """
+    from scipy.stats import rankdata
+
+    d = np.asarray(d, dtype=np.float64)
+    m = d.size
+    if m == 0:
+        return 1.0
+    if m > 20:
+        raise ValueError(f"signed_rank_sign_flip_p: {m} differences (2^{m} sign patterns); use the normal approximation")
+    ranks = rankdata(np.abs(d))
+    observed = float(ranks[d > 0].sum())
+    patterns = (np.arange(1 << m)[:, None] >> np.arange(m)) & 1
+    null = patterns @ ranks
+    eps = 1e-14 * max(abs(observed), 1.0)
+    p_less, p_greater = np.mean(null <= observed + eps), np.mean(null >= observed - eps)
+    return float(min(1.0, 2 * min(p_less, p_greater)))

@@ -92,6 +92,24 @@ def test_paired_all_ties_gives_p_one_not_nan():
     assert paired(a, {q: v + 1e-12 for q, v in a.items()}, tie=0).wins == 3
 
 
+def test_paired_on_a_few_queries_with_ties_gives_scipys_permutation_p():
+    # n <= 13 with zero or tied differences: scipy runs a permutation test over every sign pattern
+    # (its statistic once per pattern); paired computes the same p-value at once.
+    rng = np.random.default_rng(5)
+    checked = 0
+    for n in [*range(2, 10), 13]:
+        for _ in range(4 if n < 13 else 1):
+            a = {f"q{i}": float(v) for i, v in enumerate(rng.random(n).round(1))}
+            b = {q: float(v) for q, v in zip(a, rng.random(n).round(1))}  # one decimal: ties and zeros
+            d = np.array([b[q] - a[q] for q in sorted(a)])
+            d[np.abs(d) <= 1e-9] = 0.0  # as paired sees them
+            if not d.any():
+                continue
+            assert paired(a, b).wilcoxon_pvalue == pytest.approx(float(sp.wilcoxon(d).pvalue), abs=1e-12), (n, d)
+            checked += 1
+    assert checked >= 30
+
+
 # ---- reading the store independently of irflow.report ---------------------------------------------
 def catalog_rows(store: Path, sql: str, params=()) -> list[tuple]:
     con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
-import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
 
@@ -37,13 +36,15 @@ _LOCAL = threading.local()
 
 @contextmanager
 def _one_connection():
-    """One in-memory DuckDB for every check of one validation, closed at its end. Opening one costs
-    ~15-30 ms on 2 cores; a connection per query cost a GPL sample run 7 s (~220 queries). Not one per
-    thread kept open for good: with those, the BM25 indexer's forked child (``subprocess.run`` with a
-    ``preexec_fn``, in a run with executor ray) died with SIGSEGV before it ran Java, in 3 of
-    tests/test_ray.py's runs; closed after each validation, it does not. (Children no longer run a
-    ``preexec_fn``: ``irflow.processes.dying_with_parent``.)"""
-    con = _LOCAL.con = duckdb.connect()
+    """One DuckDB connection (a cursor of the process's in-memory instance, ``irflow.memdb``) for every
+    check of one validation, closed at its end. A new instance per query cost a GPL sample run 7 s
+    (~220 queries), and one per validation ~13 ms each still. Not one per thread kept open for good:
+    with those, the BM25 indexer's forked child (``subprocess.run`` with a ``preexec_fn``, in a run
+    with executor ray) died with SIGSEGV before it ran Java, in 3 of tests/test_ray.py's runs. (Children
+    no longer run a ``preexec_fn``: ``irflow.processes.dying_with_parent``.)"""
+    from irflow import memdb
+
+    con = _LOCAL.con = memdb.cursor()
     try:
         yield
     finally:
