@@ -124,34 +124,38 @@ _ALIASES = iter(range(1, 1 << 62))
 
 @contextmanager
 def _attached(path: str, read_only: bool):
-    """A cursor whose default database is the catalog at ``path``, attached for this block (call it
-    under ``_LOCK``). Nested accesses to one catalog share its attachment; the outermost detaches it."""
+    """A connection whose default database is the catalog at ``path``, attached for this block (call
+    it under ``_LOCK``). Nested accesses to one catalog share its attachment; the outermost detaches it.
+    A cursor of its own (never the instance's first connection, which other threads' cursors are made
+    from): what is ATTACHed belongs to the instance, whichever connection attached it."""
     from irflow import memdb
 
-    base = memdb.instance()
     if _ATTACHED_IN[0] != os.getpid():  # a forked child: its instance is new, nothing is attached to it
         _ATTACHED.clear()
         _ATTACHED_IN[0] = os.getpid()
-    entry = _ATTACHED.get(path)
-    if entry is None:
-        alias = f"catalog_{next(_ALIASES)}"
-        quoted = path.replace("'", "''")
-        when_unlocked(lambda: base.execute(f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else "")),
-                      path)
-        entry = _ATTACHED[path] = [alias, read_only, 0]
-    elif entry[1] and not read_only:
-        raise RuntimeError(f"the catalog {path} is open read-only here; a write cannot nest inside that access")
-    entry[2] += 1
     cur = memdb.cursor()
     try:
-        cur.execute(f"USE {entry[0]}")
-        yield cur
+        entry = _ATTACHED.get(path)
+        if entry is None:
+            alias = f"catalog_{next(_ALIASES)}"
+            quoted = path.replace("'", "''")
+            when_unlocked(lambda: cur.execute(f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else "")),
+                          path)
+            entry = _ATTACHED[path] = [alias, read_only, 0]
+        elif entry[1] and not read_only:
+            raise RuntimeError(f"the catalog {path} is open read-only here; a write cannot nest inside that access")
+        entry[2] += 1
+        try:
+            cur.execute(f"USE {entry[0]}")
+            yield cur
+        finally:
+            entry[2] -= 1
+            if entry[2] == 0:
+                del _ATTACHED[path]
+                cur.execute("USE memory")  # a connection cannot detach its default database
+                cur.execute(f"DETACH {entry[0]}")
     finally:
         cur.close()
-        entry[2] -= 1
-        if entry[2] == 0:
-            del _ATTACHED[path]
-            base.execute(f"DETACH {entry[0]}")
 
 
 class Catalog:

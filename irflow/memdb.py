@@ -22,13 +22,13 @@ _INSTANCE: duckdb.DuckDBPyConnection | None = None
 _PID: int | None = None
 
 
-def instance() -> duckdb.DuckDBPyConnection:
-    """This process's in-memory DuckDB (created on first use)."""
+def _instance() -> duckdb.DuckDBPyConnection:
+    """This process's in-memory DuckDB (created on first use); call under ``_LOCK``. Only cursors are
+    made from it: a DuckDB connection is for one thread at a time, its cursors are one each."""
     global _INSTANCE, _PID
-    with _LOCK:
-        if _INSTANCE is None or _PID != os.getpid():
-            _INSTANCE, _PID = duckdb.connect(":memory:"), os.getpid()
-        return _INSTANCE
+    if _INSTANCE is None or _PID != os.getpid():
+        _INSTANCE, _PID = duckdb.connect(":memory:"), os.getpid()
+    return _INSTANCE
 
 
 @atexit.register
@@ -46,6 +46,5 @@ def cursor() -> duckdb.DuckDBPyConnection:
     """A new connection to this process's instance, for one thread; close it after use. What one
     cursor registers or sets (``register``, ``USE``) the others do not see; what is ATTACHed to the
     instance they all do."""
-    base = instance()
     with _LOCK:
-        return base.cursor()
+        return _instance().cursor()

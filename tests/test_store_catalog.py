@@ -443,6 +443,45 @@ def test_catalog_waits_for_another_process(tmp_path, monkeypatch):
         assert con.execute("SELECT count(*) FROM runs").fetchone()[0] == 2
 
 
+def test_the_catalog_is_held_only_during_an_access_while_threads_share_the_process_duckdb(tmp_path, docs):
+    """Each access ATTACHes the file to the process's in-memory DuckDB (irflow.memdb) and DETACHes it
+    after: right after an access another process writes to it; nested accesses share one attachment;
+    accesses from several threads, beside contract checks in others (cursors of the same DuckDB), all
+    land."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from irflow import data_contracts
+
+    path = tmp_path / "catalog.duckdb"
+    cat = Catalog(path)
+    with cat.connect() as outer:
+        outer.execute("INSERT INTO runs (run_id) VALUES ('outer')")
+        with cat.connect() as inner:  # the same attachment: sees the outer write
+            assert inner.execute("SELECT run_id FROM runs").fetchall() == [("outer",)]
+        outer.execute("INSERT INTO runs (run_id) VALUES ('after-inner')")  # still attached
+    code = "import duckdb, sys; c = duckdb.connect(sys.argv[1]); c.execute(\"INSERT INTO runs (run_id) VALUES ('other')\"); c.close()"
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=60)  # not locked by us now
+
+    corpus = data_contracts.get("corpus")
+    table = corpus.conform(docs)
+
+    def write(i):
+        cat.start_run(f"t{i}", "test", None, {})
+
+    def check(_):
+        corpus.check(table)
+        with pytest.raises(ContractError, match="doc_id"):
+            corpus.check(pa.concat_tables([table, table.slice(0, 1)]))  # a duplicate id, in a cursor of its own
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: write(i) if i % 2 else check(i), range(40)))
+    with cat.connect() as con:
+        ids = {r[0] for r in con.execute("SELECT run_id FROM runs").fetchall()}
+    assert ids == {"outer", "after-inner", "other"} | {f"t{i}" for i in range(1, 40, 2)}
+
+
 def test_catalog_locked_too_long_is_a_clear_cli_error(tmp_path, monkeypatch):
     from irflow.testing import run_cli
 
