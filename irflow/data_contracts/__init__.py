@@ -38,10 +38,11 @@ _LOCAL = threading.local()
 def _one_connection():
     """One DuckDB connection (a cursor of the process's in-memory instance, ``irflow.memdb``) for every
     check of one validation, closed at its end. A new instance per query cost a GPL sample run 7 s
-    (~220 queries), and one per validation ~13 ms each still. Not one per thread kept open for good:
-    with those, the BM25 indexer's forked child (``subprocess.run`` with a ``preexec_fn``, in a run
-    with executor ray) died with SIGSEGV before it ran Java, in 3 of tests/test_ray.py's runs. (Children
-    no longer run a ``preexec_fn``: ``irflow.processes.dying_with_parent``.)"""
+    (~220 queries), and one per validation still ~13 ms each. The instance itself lives as long as
+    the process. Long-lived instances once went with a SIGSEGV: the BM25 indexer's forked child
+    (``subprocess.run`` with a ``preexec_fn``, in a run with executor ray) died before it ran Java, in
+    3 of tests/test_ray.py's runs. Children no longer run Python between fork and exec
+    (``irflow.processes.dying_with_parent``), and tests/test_ray.py passes with the instance kept."""
     from irflow import memdb
 
     con = _LOCAL.con = memdb.cursor()
