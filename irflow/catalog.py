@@ -16,6 +16,7 @@ model named in a config (hub id, local directory). Lineage ends there.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -27,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
+
+from irflow import memdb
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs(
@@ -120,7 +123,7 @@ def when_unlocked(open_fn, path: str, timeout: float | None = None):
 # spends 1.9 s in its flow, 3.3 s before.
 _ATTACHED: dict[str, list] = {}  # catalog path -> [alias, read_only, open accesses]
 _ATTACHED_IN: list = [None]  # the process they are attached in
-_ALIASES = iter(range(1, 1 << 62))
+_ALIASES = itertools.count(1)
 
 
 @contextmanager

@@ -18,6 +18,8 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from irflow import memdb
+
 
 class ContractError(ValueError):
     """A table broke its contract. The message names the contract and what is wrong, with counts."""
@@ -43,8 +45,6 @@ def _one_connection():
     (``subprocess.run`` with a ``preexec_fn``, in a run with executor ray) died before it ran Java, in
     3 of tests/test_ray.py's runs. Children no longer run Python between fork and exec
     (``irflow.processes.dying_with_parent``), and tests/test_ray.py passes with the instance kept."""
-    from irflow import memdb
-
     con = _LOCAL.con = memdb.cursor()
     try:
         yield
