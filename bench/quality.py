@@ -189,7 +189,12 @@ def rows_for(ds: str) -> list[dict]:
             system = r["system"]
             if system == "bm25-flat" or (system in newest and (system == ZERO or newest[system] == r["ndcg@10"])):
                 continue  # one BM25 / zero-shot row per table (ANCE's zero-shot is RocketQA's: same encoding)
-            recipe = "ance" if system.startswith("ance-") else "rocketqa"
+            if system == "hybrid":  # BM25 + zero-shot at this recipe's length; the "hybrid" row (teacher) is GPL's
+                system = "hybrid-zero-shot"
+                r = {**r, "system": system}
+                if system in newest:
+                    continue
+            recipe = "ance" if system.removeprefix("hybrid-").startswith("ance-") else "rocketqa"
             _, config_was, budget_was = config_from(ds, recipe)
             before = ", ".join(w for w in (config_was, was if system in newest else None) if w) or None
             rows.append(recipe_row(ds, recipe, r, zero, d, current.name, before, budget_was))
@@ -287,12 +292,14 @@ def recipe_row(ds: str, recipe: str, r: dict, zero: float, d: dict, file: str, b
     that the config no longer has (None: the config as it is); ``budget_was``: its budget, where the config's
     is another."""
     superseded = before is not None
-    label = r["label"] + (" (200 tokens)" if ds == "scifact" else " (128 tokens)") if r["system"] == ZERO else r["label"]
+    model = r["system"].removeprefix("hybrid-")  # a fusion of BM25 with a trained model: that model's budget
+    length = " (200 tokens)" if ds == "scifact" else " (128 tokens)"
+    label = r["label"] + length if r["system"] in (ZERO, "hybrid-zero-shot") else r["label"]
     if superseded and r["system"] != ZERO:
         label += f" [before: {before}]"
     return {"recipe": RECIPE_NAMES[recipe], "system": r["system"], "label": label,
             "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero,
-            "budget": budget(ds, recipe, r["system"], budget_was) if is_student(r["system"]) or r["system"].startswith("mc-rerank") else "-",
+            "budget": budget(ds, recipe, model, budget_was) if is_student(model) or model.startswith("mc-rerank") else "-",
             "machine": machine(d.get("machine")), "superseded": superseded,
             "file": file + (f" ({', '.join(d['overrides'])})" if d.get("overrides") else "")}
 

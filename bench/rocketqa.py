@@ -66,12 +66,20 @@ def audit_summary(store: str, result) -> dict:
     return out
 
 
+def label(system: str) -> str:
+    """A system's row label; ``hybrid`` / ``hybrid-<model>`` (``hybrid.enabled``): BM25 fused with that model."""
+    if system == "hybrid":
+        return "BM25 + zero-shot MiniLM, fused (no training)"
+    if system.startswith("hybrid-"):
+        return "BM25 + " + LABELS.get(system.removeprefix("hybrid-"), system.removeprefix("hybrid-")) + ", fused"
+    return LABELS.get(system, system)
+
+
 def table(metrics: list[dict]) -> list[dict]:
     by = {m["system"]: m for m in metrics}
-    return [{"system": s, "label": LABELS.get(s, s), "ndcg@10": round(by[s]["ndcg@10"], 4),
-             "recall@100": round(by[s]["recall@100"], 4)} for s in ORDER if s in by] + \
-           [{"system": s, "label": s, "ndcg@10": round(m["ndcg@10"], 4), "recall@100": round(m["recall@100"], 4)}
-            for s, m in by.items() if s not in ORDER]
+    order = [s for s in ORDER if s in by] + [s for s in by if s not in ORDER]
+    return [{"system": s, "label": label(s), "ndcg@10": round(by[s]["ndcg@10"], 4),
+             "recall@100": round(by[s]["recall@100"], 4)} for s in order]
 
 
 def bench_dataset(ds: str, store: str, sets: dict[str, list[str]], flows: tuple[str, ...]) -> dict:
