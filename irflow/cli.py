@@ -325,9 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a recipe")
     common(r)
     r.add_argument("--from", dest="from_stage", action="append", metavar="STAGE",
-                   help="recompute this stage (name or name[label]) and everything downstream of it")
+                   help="recompute this stage (name or name[label]; repeatable) and everything downstream of it")
     r.add_argument("--to", dest="to_stage", action="append", metavar="STAGE",
-                   help="stop after this stage (name or name[label]): run only it and the stages it needs")
+                   help="stop after this stage (name or name[label]; repeatable): run only it and the stages it needs")
     json_flag(r, help="print the run's result as JSON (last line of stdout)")
     r.set_defaults(func=cmd_run)
 
@@ -339,9 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="which stages of a config are cached or stale, and why")
     common(s)
-    s.add_argument("--from", dest="from_stage", action="append", metavar="STAGE")
+    s.add_argument("--from", dest="from_stage", action="append", metavar="STAGE",
+                   help="as run's --from: this stage and everything downstream count as stale (repeatable)")
     s.add_argument("--to", dest="to_stage", action="append", metavar="STAGE",
-                   help="only this stage and the stages it needs (the others: skipped)")
+                   help="only this stage and the stages it needs (the others: skipped; repeatable)")
     s.add_argument("--graph", metavar="OUT.svg", help="also draw the plan as SVG (stale stages with their reasons)")
     engine_flag(s)
     json_flag(s)
