@@ -88,12 +88,14 @@ def timed(call: Callable[[], Any], what: str) -> Timed:
 
 
 def run(config: str | Path, overrides: list[str] | tuple[str, ...] = (), store: str | Path | None = None,
-        force: list[str] | tuple[str, ...] = ()) -> Timed:
-    """``irflow.api.run`` in this process, timed (no Python start-up or imports in the time)."""
+        force: list[str] | tuple[str, ...] = (), to: list[str] | tuple[str, ...] = ()) -> Timed:
+    """``irflow.api.run`` in this process, timed (no Python start-up or imports in the time); ``to``: as
+    ``irflow run --to``."""
     from irflow import api
 
-    return timed(lambda: api.run(str(config), overrides=list(overrides), store=store, force=list(force)),
-                 f"api.run({str(config)!r}, overrides={list(overrides)}, store={str(store)!r}, force={list(force)})")
+    return timed(lambda: api.run(str(config), overrides=list(overrides), store=store, force=list(force), to=list(to)),
+                 f"api.run({str(config)!r}, overrides={list(overrides)}, store={str(store)!r}, force={list(force)}"
+                 + (f", to={list(to)})" if to else ")"))
 
 
 def cli_env() -> dict[str, str]:

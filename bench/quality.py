@@ -476,6 +476,9 @@ def paired_in_store(spec: str) -> dict:
         fused = {"hybrid": per_query["hybrid"], **{k: v for k, v in per_query.items() if k.startswith("hybrid-")}}
         for k, t in paired_with(fused, "hybrid").items():
             systems[k]["vs_hybrid"] = t
+        bm25 = {k: v for k, v in per_query.items() if k.startswith("bm25-")}  # and against BM25 alone
+        for k, t in paired_with({**dict(list(bm25.items())[:1]), **fused}, "bm25-").items():
+            systems[k]["vs_bm25"] = t
     return {"store": str(store), "run_id": run_id, "config": config, "systems": systems}
 
 

@@ -2,7 +2,7 @@
 re-execution stage lists on the bundled sample.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/rocketqa.py --dataset scifact [--store DIR] [--skip-ance | --skip-rocketqa]
-        [--set key=value ...] [--ance-set key=value ...] [--out bench/results/rocketqa_scifact.json]
+        [--set key=value ...] [--ance-set key=value ...] [--to STAGE ...] [--out bench/results/rocketqa_scifact.json]
     HF_HUB_OFFLINE=1 .venv/bin/python bench/rocketqa.py --partial [--out bench/results/rocketqa_partial.json]
 
 Runs ``configs/rocketqa_<ds>_offline.yaml`` and ``configs/ance_<ds>_offline.yaml`` through
@@ -82,15 +82,21 @@ def table(metrics: list[dict]) -> list[dict]:
              "recall@100": round(by[s]["recall@100"], 4)} for s in order]
 
 
-def bench_dataset(ds: str, store: str, sets: dict[str, list[str]], flows: tuple[str, ...]) -> dict:
-    """Each of ``flows`` on dataset ``ds`` in one store; ``sets``: config overrides per flow."""
+def bench_dataset(ds: str, store: str, sets: dict[str, list[str]], flows: tuple[str, ...],
+                  to: list[str] = ()) -> dict:
+    """Each of ``flows`` on dataset ``ds`` in one store; ``sets``: config overrides per flow; ``to``: only
+    these stages and what they need (``irflow run --to``). Each run's systems get their paired tests
+    (``quality.paired_in_store``: against zero-shot, and a BM25 fusion against BM25 and the zero-shot one)."""
+    from quality import paired_in_store
+
     out = {"dataset": ds, "machine": harness.machine(), "store": store, "overrides": sets.get("rocketqa", []),
-           "overrides_ance": sets.get("ance", []), "runs": {}}
+           "overrides_ance": sets.get("ance", []), "to": list(to), "runs": {}}
     metrics = []
     for flow in flows:
         config = f"configs/{flow}_{ds}_offline.yaml"
-        result = harness.run(ROOT / config, sets.get(flow, []), store)
+        result = harness.run(ROOT / config, sets.get(flow, []), store, to=to)
         out["runs"][flow] = {"config": config, "run_id": result.run_id, "wall_seconds": round(result.wall_seconds, 1),
+                             "paired": paired_in_store(f"{store}:{result.run_id}")["systems"],
                              "load_before": result.load_before, "load_after": result.load_after,
                              "stages": [{"stage": s.name, "status": s.status, "seconds": round(s.seconds, 1),
                                          "device": (s.runtime or {}).get("device"),
@@ -136,6 +142,8 @@ def main() -> None:
                     help="key=value for RocketQA's config only (its keys, e.g. denoise.*, are not ANCE's)")
     ap.add_argument("--ance-set", dest="ance_sets", action="append", default=[],
                     help="key=value for ANCE's config (e.g. hybrid.enabled=true, runtime.threads=1)")
+    ap.add_argument("--to", action="append", default=[], help="only these stages and what they need "
+                                                              "(as irflow run --to; e.g. evaluate[hybrid-md0])")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.partial:
@@ -145,7 +153,7 @@ def main() -> None:
     else:
         store = a.store or str(ROOT / f"store-bench-{a.dataset}")
         flows = tuple(f for f, skip in (("rocketqa", a.skip_rocketqa), ("ance", a.skip_ance)) if not skip)
-        res = bench_dataset(a.dataset, store, {"rocketqa": a.sets, "ance": a.ance_sets}, flows)
+        res = bench_dataset(a.dataset, store, {"rocketqa": a.sets, "ance": a.ance_sets}, flows, a.to)
         out = a.out or str(ROOT / f"bench/results/rocketqa_{a.dataset}.json")
         harness.table(["system", "nDCG@10", "R@100"],
                       [[r["label"], f"{r['ndcg@10']:.4f}", f"{r['recall@100']:.4f}"] for r in res["table"]])
