@@ -64,6 +64,10 @@ GPL_FILES = {"scifact": [("gpl_teacher_scifact_neg16_5seeds_len256.json", None),
 # bench/gpl_teacher.py files whose runs also hold BM25 fused with the GPL student (hybrid.students, the
 # hybrid-gpl-student system; a row each, beside the fusion of BM25 and the zero-shot model)
 GPL_HYBRID_FILES = {"scifact": ["gpl_hybrid_scifact.json"], "nfcorpus": ["gpl_hybrid_nfcorpus.json"]}
+# bench/rocketqa.py files run with ``hybrid.enabled`` (the recipe's config otherwise): BM25 fused with the zero-shot
+# model at the recipe's passage length and with each trained model (``hybrid-<model>``); a row each, with the
+# file's paired tests against that zero-shot fusion and against BM25. Not the configs' rows (hybrid is off there).
+RECIPE_HYBRID_FILES = {"scifact": ["ance_scifact_rounds7_hybrid.json", "rocketqa_scifact_hybrid_partial.json"]}
 # What bench/gpl.py's trained rows (gpl.json, gpl_<ds>.json) had that the GPL config no longer has: those rows
 # are history (``[before: ...]``, not counted for the goals); the config's rows are gpl_teacher.py's
 GPL_PY_BEFORE = {"scifact": "teacher fuses each miner's own top 50",
@@ -189,16 +193,14 @@ def rows_for(ds: str) -> list[dict]:
             system = r["system"]
             if system == "bm25-flat" or (system in newest and (system == ZERO or newest[system] == r["ndcg@10"])):
                 continue  # one BM25 / zero-shot row per table (ANCE's zero-shot is RocketQA's: same encoding)
-            if system == "hybrid":  # BM25 + zero-shot at this recipe's length; the "hybrid" row (teacher) is GPL's
-                system = "hybrid-zero-shot"
-                r = {**r, "system": system}
-                if system in newest:
-                    continue
-            recipe = "ance" if system.removeprefix("hybrid-").startswith("ance-") else "rocketqa"
+            if system.startswith("hybrid"):
+                continue  # BM25 fusions: RECIPE_HYBRID_FILES's rows
+            recipe = "ance" if system.startswith("ance-") else "rocketqa"
             _, config_was, budget_was = config_from(ds, recipe)
             before = ", ".join(w for w in (config_was, was if system in newest else None) if w) or None
             rows.append(recipe_row(ds, recipe, r, zero, d, current.name, before, budget_was))
             newest.setdefault(system, r["ndcg@10"])
+    rows += recipe_hybrid_rows(ds)
     # settings chosen on a train-side dev cut, then run on test (bench/train_dev.py --on-test)
     for recipe in ("rocketqa", "ance"):
         config_file, config_was, budget_was = config_from(ds, recipe)
@@ -256,6 +258,31 @@ def rows_for(ds: str) -> list[dict]:
                     ds, f"gpl-student-{r['source']}-{r['teacher']}",
                     f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log), "
                     f"{TEACHER[r['teacher']]}", r["metrics"], d.get("machine"), mf.name, model_free=True))
+    return rows
+
+
+def recipe_hybrid_rows(ds: str) -> list[dict]:
+    """RECIPE_HYBRID_FILES's BM25 fusions: ``hybrid-zero-shot`` (BM25 + zero-shot MiniLM at the recipe's passage
+    length; GPL's ``hybrid`` row reads 256 tokens) and ``hybrid-<model>``, each with its paired tests."""
+    rows = []
+    for name in RECIPE_HYBRID_FILES.get(ds, []):
+        f = RESULTS / name
+        if not f.exists():
+            continue
+        d = json.loads(f.read_text())
+        alone = {r["system"]: r["ndcg@10"] for r in d["table"]}
+        labels = {r["system"]: r["label"] for r in d["table"]}
+        for r in d["table"]:
+            if not r["system"].startswith("hybrid"):
+                continue
+            model = r["system"].removeprefix("hybrid").removeprefix("-") or ZERO
+            flow = next(iter(d["runs"])) if model == ZERO else "ance" if model.startswith("ance-") else "rocketqa"
+            tests = d["runs"][flow].get("paired", {}).get(r["system"], {})
+            label = r["label"] + ("" if model == ZERO else f"; {labels[model]} alone {alone[model]:.4f} there")
+            row = recipe_row(ds, flow, {**r, "system": "hybrid-zero-shot" if model == ZERO else r["system"],
+                                        "label": label}, alone[ZERO], d, name)
+            rows.append({**row, "system": f"{flow}:{r['system']}", "of": r["system"], "vs_fusion": tests.get("vs_hybrid"),
+                         "vs_bm25": tests.get("vs_bm25")})
     return rows
 
 
@@ -429,6 +456,16 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
                        f"{r['vs_fusion']['losses']} queries, {p_text(r['vs_fusion']['t_pvalue'])}; vs BM25 "
                        f"{r['vs_bm25']['wins']} / {r['vs_bm25']['losses']}, {p_text(r['vs_bm25']['t_pvalue'])})"
                        for r in hybrids) + gpl_hybrid_seed_mean(ds))
+    zero_fused = [r for r in rows if r.get("of") == "hybrid"]
+    fused = [r for r in rows if (r.get("of") or "").startswith("hybrid-") and r.get("vs_fusion")]
+    if fused:  # not a goal: the same question for the supervised recipes (hybrid.enabled, off in their configs)
+        out.append("BM25 fused with each RocketQA / ANCE model (`hybrid.enabled`), paired t-tests against BM25 + "
+                   f"zero-shot MiniLM at the same length ({', '.join(format(r['ndcg@10'], '.4f') for r in zero_fused)}) "
+                   "and against BM25: " + "; ".join(
+                       f"{r['of'].removeprefix('hybrid-')} {r['ndcg@10']:.4f} (vs fusion {r['vs_fusion']['wins']} / "
+                       f"{r['vs_fusion']['losses']}, {p_text(r['vs_fusion']['t_pvalue'])}; vs BM25 "
+                       f"{r['vs_bm25']['wins']} / {r['vs_bm25']['losses']}, {p_text(r['vs_bm25']['t_pvalue'])})"
+                       for r in fused))
     return out
 
 
