@@ -66,7 +66,8 @@ GPL_FILES = {"scifact": [("gpl_teacher_scifact_neg16_5seeds_len256.json", None),
 GPL_HYBRID_FILES = {"scifact": ["gpl_hybrid_scifact.json"], "nfcorpus": ["gpl_hybrid_nfcorpus.json"]}
 # bench/rocketqa.py files run with ``hybrid.enabled`` (the recipe's config otherwise): BM25 fused with the zero-shot
 # model at the recipe's passage length and with each trained model (``hybrid-<model>``); a row each, with the
-# file's paired tests against that zero-shot fusion and against BM25. Not the configs' rows (hybrid is off there).
+# file's paired tests against that zero-shot fusion and against BM25 (configs/ance_scifact_offline.yaml enables
+# hybrid since its file; the other RocketQA / ANCE configs leave it off). Not students: no goal reads them.
 RECIPE_HYBRID_FILES = {"scifact": ["ance_scifact_rounds7_hybrid.json", "rocketqa_scifact_hybrid_partial.json"]}
 # What bench/gpl.py's trained rows (gpl.json, gpl_<ds>.json) had that the GPL config no longer has: those rows
 # are history (``[before: ...]``, not counted for the goals); the config's rows are gpl_teacher.py's
