@@ -461,7 +461,7 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     fused = [r for r in rows if (r.get("of") or "").startswith("hybrid-") and r.get("vs_fusion")]
     if fused:  # not a goal: the same question for the supervised recipes (hybrid.enabled, off in their configs)
         out.append("BM25 fused with each RocketQA / ANCE model (`hybrid.enabled`), paired t-tests against BM25 + "
-                   f"zero-shot MiniLM at the same length ({', '.join(format(r['ndcg@10'], '.4f') for r in zero_fused)}) "
+                   f"zero-shot MiniLM at the same length ({', '.join(sorted({format(r['ndcg@10'], '.4f') for r in zero_fused}))}) "
                    "and against BM25: " + "; ".join(
                        f"{r['of'].removeprefix('hybrid-')} {r['ndcg@10']:.4f} (vs fusion {r['vs_fusion']['wins']} / "
                        f"{r['vs_fusion']['losses']}, {p_text(r['vs_fusion']['t_pvalue'])}; vs BM25 "

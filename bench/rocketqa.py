@@ -71,7 +71,7 @@ def label(system: str) -> str:
     if system == "hybrid":
         return "BM25 + zero-shot MiniLM, fused (no training)"
     if system.startswith("hybrid-"):
-        return "BM25 + " + LABELS.get(system.removeprefix("hybrid-"), system.removeprefix("hybrid-")) + ", fused"
+        return "BM25 + [" + LABELS.get(system.removeprefix("hybrid-"), system.removeprefix("hybrid-")) + "], fused"
     return LABELS.get(system, system)
 
 
