@@ -459,7 +459,7 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
                        for r in hybrids) + gpl_hybrid_seed_mean(ds))
     zero_fused = [r for r in rows if r.get("of") == "hybrid"]
     fused = [r for r in rows if (r.get("of") or "").startswith("hybrid-") and r.get("vs_fusion")]
-    if fused:  # not a goal: the same question for the supervised recipes (hybrid.enabled, off in their configs)
+    if fused:  # not a goal: the same question for the supervised recipes (hybrid.enabled; RECIPE_HYBRID_FILES)
         out.append("BM25 fused with each RocketQA / ANCE model (`hybrid.enabled`), paired t-tests against BM25 + "
                    f"zero-shot MiniLM at the same length ({', '.join(sorted({format(r['ndcg@10'], '.4f') for r in zero_fused}))}) "
                    "and against BM25: " + "; ".join(
