@@ -124,6 +124,11 @@ def config_from(ds: str, recipe: str) -> tuple[str | None, str | None, str | Non
     return CONFIG_FROM.get(ds, {}).get(recipe, (None, None, None))
 
 
+def recipe_of(system: str) -> str:
+    """bench/rocketqa.py's recipe of a trained system: ANCE's are ``ance-*``."""
+    return "ance" if system.startswith("ance-") else "rocketqa"
+
+
 def is_student(system: str) -> bool:
     return system in STUDENTS or system.startswith(("gpl-student-own-", "gpl-student-every-", "ance-round"))
 
@@ -197,7 +202,7 @@ def rows_for(ds: str) -> list[dict]:
                 continue  # one BM25 / zero-shot row per table (ANCE's zero-shot is RocketQA's: same encoding)
             if system.startswith("hybrid"):
                 continue  # BM25 fusions: RECIPE_HYBRID_FILES's rows
-            recipe = "ance" if system.startswith("ance-") else "rocketqa"
+            recipe = recipe_of(system)
             _, config_was, budget_was = config_from(ds, recipe)
             before = ", ".join(w for w in (config_was, was if system in newest else None) if w) or None
             rows.append(recipe_row(ds, recipe, r, zero, d, current.name, before, budget_was))
@@ -278,7 +283,7 @@ def recipe_hybrid_rows(ds: str) -> list[dict]:
             if not r["system"].startswith("hybrid"):
                 continue
             model = r["system"].removeprefix("hybrid").removeprefix("-") or ZERO
-            flow = next(iter(d["runs"])) if model == ZERO else "ance" if model.startswith("ance-") else "rocketqa"
+            flow = next(iter(d["runs"])) if model == ZERO else recipe_of(model)
             tests = d["runs"][flow].get("paired", {}).get(r["system"], {})
             label = r["label"] + ("" if model == ZERO else f"; {labels[model]} alone {alone[model]:.4f} there")
             row = recipe_row(ds, flow, {**r, "system": "hybrid-zero-shot" if model == ZERO else r["system"],
@@ -454,20 +459,14 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
     if hybrids:  # not a goal: what adapting the dense model gives a deployed BM25 + dense hybrid
         out.append("BM25 fused with the GPL student (`hybrid.students`), paired t-tests against the same fusion of the "
                    "zero-shot model and against BM25: " + "; ".join(
-                       f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} (vs fusion {r['vs_fusion']['wins']} / "
-                       f"{r['vs_fusion']['losses']} queries, {p_text(r['vs_fusion']['t_pvalue'])}; vs BM25 "
-                       f"{r['vs_bm25']['wins']} / {r['vs_bm25']['losses']}, {p_text(r['vs_bm25']['t_pvalue'])})"
-                       for r in hybrids) + gpl_hybrid_seed_mean(ds))
+                       f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} {fused_tests(r)}" for r in hybrids) + gpl_hybrid_seed_mean(ds))
     zero_fused = [r for r in rows if r.get("of") == "hybrid"]
     fused = [r for r in rows if (r.get("of") or "").startswith("hybrid-") and r.get("vs_fusion")]
     if fused:  # not a goal: the same question for the supervised recipes (hybrid.enabled; RECIPE_HYBRID_FILES)
         out.append("BM25 fused with each RocketQA / ANCE model (`hybrid.enabled`), paired t-tests against BM25 + "
                    f"zero-shot MiniLM at the same length ({', '.join(sorted({format(r['ndcg@10'], '.4f') for r in zero_fused}))}) "
                    "and against BM25: " + "; ".join(
-                       f"{r['of'].removeprefix('hybrid-')} {r['ndcg@10']:.4f} (vs fusion {r['vs_fusion']['wins']} / "
-                       f"{r['vs_fusion']['losses']}, {p_text(r['vs_fusion']['t_pvalue'])}; vs BM25 "
-                       f"{r['vs_bm25']['wins']} / {r['vs_bm25']['losses']}, {p_text(r['vs_bm25']['t_pvalue'])})"
-                       for r in fused))
+                       f"{r['of'].removeprefix('hybrid-')} {r['ndcg@10']:.4f} {fused_tests(r)}" for r in fused))
     return out
 
 
@@ -487,9 +486,19 @@ def gpl_hybrid_seed_mean(ds: str) -> str:
     return "".join(clauses)
 
 
+def tested(t: dict) -> str:
+    """A paired test as ``wins / losses, p``."""
+    return f"{t['wins']} / {t['losses']}, {p_text(t['t_pvalue'])}"
+
+
+def fused_tests(r: dict) -> str:
+    """A BM25 fusion row's tests against the zero-shot fusion and against BM25."""
+    return f"(vs fusion {tested(r['vs_fusion'])}; vs BM25 {tested(r['vs_bm25'])})"
+
+
 def vs_hybrid(system: dict) -> str:
     t = system.get("vs_hybrid")
-    return f"{t['wins']} / {t['losses']}, {p_text(t['t_pvalue'])}" if t else "-"
+    return tested(t) if t else "-"
 
 
 def paired_in_store(spec: str) -> dict:
@@ -515,8 +524,8 @@ def paired_in_store(spec: str) -> dict:
         fused = {"hybrid": per_query["hybrid"], **{k: v for k, v in per_query.items() if k.startswith("hybrid-")}}
         for k, t in paired_with(fused, "hybrid").items():
             systems[k]["vs_hybrid"] = t
-        bm25 = {k: v for k, v in per_query.items() if k.startswith("bm25-")}  # and against BM25 alone
-        for k, t in paired_with({**dict(list(bm25.items())[:1]), **fused}, "bm25-").items():
+        bm25 = next((k for k in per_query if k.startswith("bm25-")), None)  # and against BM25 (its first variant)
+        for k, t in (paired_with({bm25: per_query[bm25], **fused}, bm25) if bm25 else {}).items():
             systems[k]["vs_bm25"] = t
     return {"store": str(store), "run_id": run_id, "config": config, "systems": systems}
 
