@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from irflow.errors import StageFailed, UserError
+from irflow.processes import interrupted
 
 
 # ---- process environment --------------------------------------------------------------------
@@ -109,6 +110,11 @@ class _QuietPrefect(logging.Filter):
             return False
         # Ctrl-C: the CLI says "interrupted" once; Prefect's crash records of every run say it again
         if "aborted by an interrupt signal" in msg or msg.startswith("Stopping temporary server"):
+            return False
+        # ... and so do its "failed" records when a library turned the KeyboardInterrupt into its own
+        # error on the way out (CI once saw DuckDB's "InvalidInputException: offering a filter to the
+        # source ... failed: KeyboardInterrupt" from a query the Ctrl-C landed in)
+        if record.name.startswith("prefect") and interrupted():
             return False
         return True
 

@@ -307,3 +307,31 @@ def test_a_child_dies_when_the_thread_that_started_it_ends(setpriv, own_session,
     release.set()
     thread.join()
     assert p.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_prefect_failure_records_of_a_converted_ctrl_c_stay_off_the_console(monkeypatch):
+    """CI once saw a Ctrl-C land inside a DuckDB query: DuckDB raised its own InvalidInputException
+    ("... failed: KeyboardInterrupt"), and Prefect logged the task and the flow as failed, four lines
+    above the CLI's "interrupted". After a Ctrl-C, Prefect's records stay off the console; before it,
+    and for irflow's own loggers, they are shown."""
+    import io
+    import logging
+
+    from irflow import orchestration, processes
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(orchestration._QuietPrefect())
+    failed = 'Task run failed with exception: InvalidInputException("offering a filter to the source failed")'
+
+    def emit(name: str, msg: str) -> None:
+        handler.handle(logging.LogRecord(name, logging.ERROR, __file__, 1, msg, None, None))
+
+    monkeypatch.setattr(processes, "_interrupted", False)
+    emit("prefect.task_runs", failed)
+    assert out.getvalue().splitlines() == [failed]  # a real failure is shown
+    monkeypatch.setattr(processes, "_interrupted", True)
+    emit("prefect.task_runs", failed)
+    emit("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception')")
+    emit("irflow", "run interrupted; staging reclaimed")
+    assert out.getvalue().splitlines() == [failed, "run interrupted; staging reclaimed"]
