@@ -213,7 +213,9 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
         opt.zero_grad(set_to_none=True)
         value = distributed.mean_over_processes(loss.detach(), world)
         history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0], **(step_info() if step_info else {})})
-        bar.set_postfix(loss=f"{value:.4f}")
+        # refresh=False: the bar's own refresh (every 2 s) shows it. A refresh here would redraw the bar with the
+        # step count the iterator last published, which lags (a log read "22/861" for steps 22 and 23)
+        bar.set_postfix(loss=f"{value:.4f}", refresh=False)
         done = step + 1
         if (ckpt_path is not None and rank == 0 and p.checkpoint_every and done % p.checkpoint_every == 0
                 and done < total):
