@@ -68,7 +68,7 @@ GPL_HYBRID_FILES = {"scifact": ["gpl_hybrid_scifact.json"], "nfcorpus": ["gpl_hy
 # model at the recipe's passage length and with each trained model (``hybrid-<model>``); a row each, with the
 # file's paired tests against that zero-shot fusion and against BM25 (configs/ance_scifact_offline.yaml enables
 # hybrid since its file; the other RocketQA / ANCE configs leave it off). Not students: no goal reads them.
-RECIPE_HYBRID_FILES = {"scifact": ["ance_scifact_rounds7_hybrid.json", "rocketqa_scifact_hybrid_partial.json"],
+RECIPE_HYBRID_FILES = {"scifact": ["ance_scifact_rounds7_hybrid.json", "rocketqa_scifact_hybrid.json"],
                        "nfcorpus": ["rocketqa_nfcorpus_hybrid_partial.json"]}
 # What bench/gpl.py's trained rows (gpl.json, gpl_<ds>.json) had that the GPL config no longer has: those rows
 # are history (``[before: ...]``, not counted for the goals); the config's rows are gpl_teacher.py's
