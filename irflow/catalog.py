@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import re
 import socket
@@ -143,8 +144,17 @@ def _attached(path: str, read_only: bool):
         if entry is None:
             alias = f"catalog_{next(_ALIASES)}"
             quoted = path.replace("'", "''")
-            when_unlocked(lambda: cur.execute(f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else "")),
-                          path)
+            attach = f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else "")
+            try:
+                when_unlocked(lambda: cur.execute(attach), path)
+            except duckdb.Error as e:
+                # ResourceInUseException ("already attached by database catalog_N"): a Ctrl-C landed
+                # between an ATTACH and its bookkeeping here, or inside a DETACH, and left the file
+                # attached under an alias nobody uses. That attachment is detached and the file attached
+                # again; without this every later access of the run (its 'interrupted' row too) fails.
+                if not _detach_orphans(cur, path):
+                    raise
+                when_unlocked(lambda: cur.execute(attach), path)
             entry = _ATTACHED[path] = [alias, read_only, 0]
         elif entry[1] and not read_only:
             raise RuntimeError(f"the catalog {path} is open read-only here; a write cannot nest inside that access")
@@ -160,6 +170,23 @@ def _attached(path: str, read_only: bool):
                 cur.execute(f"DETACH {entry[0]}")
     finally:
         cur.close()
+
+
+def _detach_orphans(cur, path: str) -> bool:
+    """Detach every attachment of the catalog file ``path`` that ``_ATTACHED`` does not know of (an
+    access interrupted half-way left it); whether there was one."""
+    known = {entry[0] for entry in _ATTACHED.values()}
+    target = os.path.realpath(path)
+    orphans = [name for name, attached in cur.execute(
+        "SELECT database_name, path FROM duckdb_databases() WHERE path IS NOT NULL").fetchall()
+        if name not in known and os.path.realpath(attached) == target]
+    for name in orphans:
+        # debug only: after a Ctrl-C the CLI's one line "interrupted" is all the console says
+        logging.getLogger(__name__).debug("catalog %s left attached as %s by an interrupted access: detached",
+                                          path, name)
+        cur.execute("USE memory")
+        cur.execute(f"DETACH {name}")
+    return bool(orphans)
 
 
 class Catalog:

@@ -34,7 +34,7 @@ from irflow.errors import ConfigError
 from irflow.follows import Follow, resolve
 from irflow.orchestration import configure
 from irflow.params import Params, explain
-from irflow.processes import check_interrupted, older_objects_frozen
+from irflow.processes import check_interrupted, interrupted, older_objects_frozen
 from irflow.runtime import RuntimeConfig
 from irflow.stage import Run
 
@@ -248,10 +248,11 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     run = Run(store_root, run_id or new_run_id(recipe.name), runtime=c.runtime, force=force, only=only)
     flow_run_id = _prefect_flow_run_id()
     run.store.reclaim()  # staging left by killed runs
-    interrupted = run.catalog.start_run(run.run_id, recipe.name, str(Path(config_path).resolve()) if config_path else None,
-                          c.model_dump(mode="json"))
-    if interrupted:
-        log.warning("earlier run(s) %s died without finishing (killed?): marked interrupted", ", ".join(interrupted))
+    dead_runs = run.catalog.start_run(run.run_id, recipe.name,
+                                      str(Path(config_path).resolve()) if config_path else None,
+                                      c.model_dump(mode="json"))
+    if dead_runs:
+        log.warning("earlier run(s) %s died without finishing (killed?): marked interrupted", ", ".join(dead_runs))
     t0 = time.perf_counter()
     status, rows = "failed", []
     try:
@@ -265,6 +266,10 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
+        raise
+    except Exception:
+        if interrupted():  # a Ctrl-C some library turned into its own error: the CLI says "interrupted"
+            status = "interrupted"
         raise
     finally:
         run.catalog.finish_run(run.run_id, status, flow_run_id, run.skipped, run.failed)

@@ -397,8 +397,12 @@ class Stage:
                         refs, provenance = self._compute(run, store, catalog, key, params, inputs, stage_label,
                                                          onnx_models)
                 except Exception as e:
+                    # A Ctrl-C that a library turned into its own error anywhere in the computation (the
+                    # stage's function, but also staging its outputs: a DuckDB contract query raises
+                    # InvalidInputException) is still a Ctrl-C: the run is interrupted, no stage failed.
+                    check_interrupted()
                     # kept for the run's row (not stage_runs: only results go there), so that its graph
-                    # shows where it failed (irflow.dag); a Ctrl-C is no failure
+                    # shows where it failed (irflow.dag)
                     run.fail(e, {"name": stage_label, "inputs": _ids(inputs), "seconds": clock.seconds()})
                     raise
                 release_memory()

@@ -83,6 +83,27 @@ def test_stages_run_with_the_older_objects_frozen_out_of_the_collector(setup, mo
     assert gc.get_freeze_count() == before
 
 
+def test_a_ctrl_c_turned_into_an_error_outside_a_stage_marks_the_run_interrupted(setup, monkeypatch):
+    """A Ctrl-C can land outside any stage (here in the report after the stages, in a DuckDB query that
+    makes it its own error): the run row says interrupted, as the CLI does, not failed."""
+    from irflow import processes
+    from irflow.catalog import Catalog
+    from irflow.tasks import report
+
+    def ctrl_c_in_the_report(run, evaluations):
+        processes._interrupted = True  # what the CLI's SIGINT handler does
+        raise RuntimeError("Invalid Input Error: query interrupted")
+
+    monkeypatch.setattr(processes, "_interrupted", False)
+    monkeypatch.setattr(report, "report", ctrl_c_in_the_report)
+    with pytest.raises((RuntimeError, KeyboardInterrupt)):
+        api.run(setup["config"], store=setup["store"], run_id="interrupted-in-report")
+    monkeypatch.setattr(processes, "_interrupted", False)
+    with Catalog(setup["store"] / "catalog.duckdb").connect() as con:
+        assert con.execute("SELECT status FROM runs WHERE run_id = 'interrupted-in-report'").fetchall() == [
+            ("interrupted",)]
+
+
 def test_prefect_shows_one_task_run_per_stage(setup):
     """The recipe's flow is what Prefect runs (CLI, API and deployments alike): its UI lists one task
     run per stage, named after it."""

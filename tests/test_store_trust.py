@@ -242,6 +242,51 @@ def test_a_run_staging_is_reclaimed_and_a_dead_run_marked_interrupted(tmp_path):
     assert rows == {"killed": "interrupted", "next": "running"}
 
 
+def test_a_ctrl_c_converted_while_staging_outputs_is_an_interrupt_not_a_failure(run, docs, monkeypatch):
+    """A Ctrl-C can land after the stage's function returned, in the DuckDB query of the output's contract
+    check, which turns it into its own InvalidInputException. The run is interrupted there: the stage
+    is not recorded as failed (nor as run), and nothing is left staged or published."""
+    import duckdb
+
+    from irflow import data_contracts, processes
+
+    src, _ = run.store.publish_table("corpus", "corpus", docs)
+    query = data_contracts._query
+
+    def ctrl_c_in_the_query(table, sql):
+        processes._interrupted = True  # what the CLI's SIGINT handler does
+        raise duckdb.InvalidInputException("Invalid Input Error: query interrupted")
+
+    monkeypatch.setattr(processes, "_interrupted", False)
+    monkeypatch.setattr(data_contracts, "_query", ctrl_c_in_the_query)
+    with pytest.raises(KeyboardInterrupt):
+        make_upper([]).run(run, Suffix(), docs=src)
+    assert run.error is None and run.failed is None and statuses(run) == []
+    assert not list((run.store.root / "tmp").iterdir())
+    # the same error without a Ctrl-C is the stage's failure, recorded for the run's graph
+    monkeypatch.setattr(processes, "_interrupted", False)
+    monkeypatch.setattr(data_contracts, "_query", lambda table, sql: query(table, sql + " AND no_such_column"))
+    with pytest.raises(duckdb.BinderException):
+        make_upper([]).run(run, Suffix(), docs=src)
+    assert run.failed["name"] == "toy_upper" and isinstance(run.error, duckdb.BinderException)
+
+
+def test_a_catalog_left_attached_by_an_interrupted_access_is_attached_again(tmp_path):
+    """A Ctrl-C between the catalog's ATTACH and its bookkeeping (or inside its DETACH) leaves the file
+    attached under an alias no access knows; DuckDB then refuses to attach it again ("already attached"),
+    which failed every later access of the run, its 'interrupted' row included."""
+    from irflow import memdb
+
+    cat = Catalog(tmp_path / "catalog.duckdb")
+    cat.start_run("r", "toy", None, {})
+    memdb.cursor().execute(f"ATTACH '{cat.path}' AS catalog_orphan")  # what the interrupted access left
+    cat.finish_run("r", "interrupted", None, [], [])
+    with cat.connect() as con:
+        assert con.execute("SELECT status FROM runs").fetchall() == [("interrupted",)]
+    attached = [r[0] for r in memdb.cursor().execute("SELECT database_name FROM duckdb_databases()").fetchall()]
+    assert "catalog_orphan" not in attached
+
+
 # ---- one computation per key ------------------------------------------------------------------------
 SLOW_STAGE = textwrap.dedent('''
     import logging, sys, time
