@@ -26,7 +26,7 @@ from irflow.errors import ConfigError
 DEPTH = "renamed: depth (how many passages per query a ranking holds)"
 PER_LINE = "renamed: negatives_per_line (hard negatives on each training line)"
 MOVED = {
-    "bf16_autocast": "precision is a runtime setting now: runtime.precision: auto | fp32 | bf16 | fp16 "
+    "bf16_autocast": "precision is a runtime setting now: runtime.precision: auto | bf16-native | fp32 | bf16 | fp16 "
                      "(auto uses bf16 only where the hardware has it)",
     "top_k": {"bm25": DEPTH, "dense": DEPTH, "hybrid": DEPTH, "mine": "renamed: depth (how deep each miner's list is mined)",
               "generate": "renamed: sample_top_k (T5 sampling)",

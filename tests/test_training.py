@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+import yaml
 from pydantic import ValidationError
 
 from irflow import runtime as irt
@@ -124,6 +125,23 @@ def test_auto_precision_follows_the_cpu_flags(monkeypatch):
     assert irt.resolve_precision("fp32", "train", "cpu") == "fp32"  # a forced value is kept
     assert irt.stage_runtime(RuntimeConfig(device="cpu"), "train").precision == "bf16"
     assert irt.stage_runtime(RuntimeConfig(device="cpu"), "encode").precision == "fp32"
+
+
+def test_bf16_native_is_bf16_only_where_the_cpu_has_it(monkeypatch):
+    """The offline RocketQA configs score in `bf16-native`: bf16 on AVX-512 BF16 / AMX, fp32 on an
+    AVX2-only CPU, where emulated bf16 scored 7x slower (a forced `bf16` is kept, with a warning)."""
+    scoring = RuntimeConfig.model_validate({"device": "cpu", "precision": {"score": "bf16-native"}})
+    monkeypatch.setattr(irt, "cpu_flags", lambda: frozenset({"sse4_2", "avx2"}))
+    plan = irt.resolved_plan(scoring)
+    assert plan["score"] == {"device": "cpu", "precision": "fp32", "warning": None}
+    assert irt.stage_runtime(scoring, "score").precision == "fp32"
+    monkeypatch.setattr(irt, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    plan = irt.resolved_plan(scoring)
+    assert plan["score"]["precision"] == "bf16" and plan["score"]["warning"] is None
+    assert plan["encode"]["precision"] == "fp32"  # the other kinds keep auto
+    for config in ("rocketqa_scifact_offline.yaml", "rocketqa_nfcorpus_offline.yaml"):
+        runtime = yaml.safe_load((Path(__file__).parents[1] / "configs" / config).read_text())["runtime"]
+        assert RuntimeConfig.model_validate(runtime).precision.score == "bf16-native", config
 
 
 class _Tiny(torch.nn.Module):
