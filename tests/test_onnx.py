@@ -89,7 +89,20 @@ def test_int8_is_close_and_does_not_depend_on_the_batch(tiny):
     s3 = cross_encoder_scores(str(tiny["ce"]), PAIRS, batch_size=3, **kw)
     np.testing.assert_array_equal(s3, cross_encoder_scores(str(tiny["ce"]), PAIRS, batch_size=8, **kw))
     exact = cross_encoder_scores(str(tiny["ce"]), PAIRS, batch_size=4, max_length=64, show_progress=False)
-    assert np.corrcoef(s3, exact)[0, 1] > 0.9
+    # Without integer dot products (VNNI / AMX int8) ONNX Runtime's u8s8 products saturate: less exact (0.89
+    # measured on an AVX2-only EPYC, against > 0.9 with VNNI), and loading the model warns about it.
+    assert np.corrcoef(s3, exact)[0, 1] > (0.9 if onnx_inference.cpu_has_int8_dot() else 0.8)
+
+
+def test_int8_without_integer_dot_products_warns(tiny, monkeypatch, caplog):
+    from irflow import runtime as irt
+
+    ce8 = onnx_inference.export(str(tiny["ce"]), tiny["root"] / "ce-int8-warn", "score", "int8")
+    for flags, warned in ((frozenset({"avx2"}), True), (frozenset({"avx2", "avx512_vnni"}), False)):
+        monkeypatch.setattr(irt, "cpu_flags", lambda flags=flags: flags)
+        caplog.clear()
+        onnx_inference.load(str(ce8), threads=1)
+        assert any("saturate" in r.getMessage() for r in caplog.records) == warned, flags
 
 
 def test_quantization_is_keyed_only_when_set():
