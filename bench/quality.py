@@ -94,7 +94,10 @@ CONFIG_SEED_MEAN = {"nfcorpus": {"rocketqa": ("seed_mean_rocketqa_nfcorpus_offli
 # A config's rows run again at other seeds (bench/train_dev.py --on-test, the seeds set): (recipe, file, what was
 # set). Each such system counts for the "best dense" goal as its mean over the seeds, the config's file's row and
 # these (its best seed alone would be a pick).
-CONFIG_SEEDS = {"scifact": [("ance", "train_dev_ance_scifact_offline_test_s43.json", "warmup.seed and round.seed 43")]}
+CONFIG_SEEDS = {"scifact": [("ance", "train_dev_ance_scifact_offline_test_s43.json", "warmup.seed and round.seed 43"),
+                            ("rocketqa", "train_dev_rocketqa_scifact_offline_test_s43.json",
+                             "dual_encoder.seed, denoise.seed and student.seed 43; M_D0, undenoised hard negatives "
+                             "and M_D1-fusion only (no M_C), fp32")]}
 # what seed_mean_<ds>.json's seeds were trained with, where a config has moved on since
 SEED_MEAN_NOTE = {"nfcorpus": "; 40 steps a model: RocketQA's and ANCE's configs before"}
 RECIPE_NAMES = {"rocketqa": "RocketQA", "ance": "ANCE"}  # bench/rocketqa.py's and train_dev.py's recipes, as rows name them
@@ -137,7 +140,8 @@ def machine(block: dict | None) -> str:
     if not block:
         return "2-core AMD EPYC (AVX-512 BF16), CPU"  # gpl.json predates the machine block; same machine
     gpus = block.get("gpus") or []
-    return (f"{block.get('cores')}-core {block.get('cpu')}" + (" (AVX-512 BF16)" if block.get("avx512_bf16") else "")
+    return (f"{block.get('cores')}-core {block.get('cpu')}" + (" (AVX-512 BF16)" if block.get("avx512_bf16") else
+                                                                " (AVX2 only)" if block.get("avx512") is False else "")
             + (" with AMX" if block.get("amx") else "")
             + (f", {gpus[0]}" if gpus else ", CPU"))
 
