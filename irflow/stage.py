@@ -489,9 +489,7 @@ class Stage:
             except StageFailed:
                 raise
             except Exception as e:
-                # A Ctrl-C that a C extension turned into its own error (or that a library wrapped) is
-                # still a Ctrl-C: the run is interrupted, not failed.
-                check_interrupted()
+                # (a Ctrl-C that a library turned into this error is told apart in ``execute``)
                 raise StageFailed(stage_label, e) from e
             check_interrupted()  # a Ctrl-C swallowed during the computation: publish nothing
             if len(self.outputs) == 1 and not isinstance(result, dict):
