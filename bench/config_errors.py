@@ -44,15 +44,25 @@ TEST_FILE = ROOT / "tests" / "test_config.py"
 
 
 def bad_cases_from_tests() -> list[dict]:
-    """The BAD list of tests/test_config.py: [(config, overrides, fragments)], evaluated with only
-    DEMO and BASELINES defined (the file is parsed, not imported)."""
+    """The BAD list of tests/test_config.py: [(config, overrides, fragments)]. The file is parsed, not
+    imported; BAD is evaluated with the file's own top-level constants before it (``ROCKETQA =
+    str(REPO / "configs" / ...)``, with REPO this checkout), so a config the tests add is found here too."""
     tree = ast.parse(TEST_FILE.read_text())
+    names: dict = {"REPO": ROOT}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "BAD" for t in node.targets):
-            value = eval(compile(ast.Expression(node.value), str(TEST_FILE), "eval"),  # noqa: S307 -- our own file
-                         {"__builtins__": {}}, {"DEMO": DEMO, "BASELINES": BASELINES})
+        if not isinstance(node, ast.Assign) or not all(isinstance(t, ast.Name) for t in node.targets):
+            continue
+        expr = compile(ast.Expression(node.value), str(TEST_FILE), "eval")
+        if any(t.id == "BAD" for t in node.targets):
+            value = eval(expr, {"__builtins__": {"str": str}}, names)  # noqa: S307 -- our own file
             return [{"config": cfg, "sets": list(sets), "from": [], "expect": list(frags), "origin": "tests BAD"}
                     for cfg, sets, frags in value]
+        if all(t.id.isupper() and t.id != "REPO" for t in node.targets):
+            try:
+                value = eval(expr, {"__builtins__": {"str": str}}, names)  # noqa: S307
+            except Exception:  # a constant that needs more than paths (not one BAD uses)
+                continue
+            names.update({t.id: value for t in node.targets})
     raise SystemExit(f"{TEST_FILE}: no BAD list found")
 
 
