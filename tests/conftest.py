@@ -46,7 +46,7 @@ SAMPLE_RUN_FILES = ("test_gpl_flow.py", "test_inside.py", "test_report.py", "tes
 # `make test` on 2 Intel cores: test_ray.py ~500 s, the sample runs' files ~610 s, test_crash.py ~300 s,
 # test_training.py ~140 s, test_onnx.py ~120 s, test_flows.py ~80 s, test_shards.py ~50 s; every other file
 # after, by name. Alone, after the trims that followed: test_ray.py 331 s, the sample runs' files 423 s.
-LONGEST_FIRST = ("test_ray.py", "sample-runs", "test_crash.py", "test_shards.py", "test_onnx.py", "test_flows.py",
+LONGEST_FIRST = ("test_ray.py", "sample-runs", "test_crash.py", "test_schedules.py", "test_shards.py", "test_onnx.py", "test_flows.py",
                  "test_training.py")
 
 
