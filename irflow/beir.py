@@ -135,6 +135,27 @@ def is_url(source: str) -> bool:
     return urllib.parse.urlparse(str(source)).scheme in ("http", "https")
 
 
+def is_beir_source(source: str) -> bool:
+    """A BEIR dataset: a URL, a zip, or a folder with corpus.jsonl and qrels/<split>.tsv. Anything else
+    (a folder with only corpus.jsonl, a JSONL / Parquet / CSV file, a folder of documents) is a user's
+    own documents (``irflow.corpus_sources``)."""
+    if is_url(source):
+        return True
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise IngestError(f"no such file or folder: {source}{_relative_hint(source)}")
+    if path.is_file():
+        return zipfile.is_zipfile(path)
+    return _is_beir_folder(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _is_beir_folder(path: str, mtime_ns: int) -> bool:
+    p = Path(path)
+    return any((p / "qrels").glob("*.tsv")) and (p / "corpus.jsonl").is_file() or any(
+        (d / "qrels").is_dir() and (d / "corpus.jsonl").is_file() for d in p.iterdir() if d.is_dir())
+
+
 @functools.lru_cache(maxsize=32)
 def _splits(path: str, mtime_ns: int) -> tuple[str, ...]:
     return tuple(sorted(BeirSource(Path(path)).qrels_files()))

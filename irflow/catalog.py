@@ -75,6 +75,12 @@ ALTER TABLE runs ADD COLUMN IF NOT EXISTS failed_stage JSON;
 -- Added with recorded warnings: what the computation that made a dataset warned about (a JSON list of
 -- messages; NULL: nothing, or made before this column). A run that reuses the dataset says them again.
 ALTER TABLE datasets ADD COLUMN IF NOT EXISTS warnings JSON;
+-- The model each run selected to ship (irflow.selection): its system and id, the metric on the run's
+-- evaluation (labelled, or a proxy), and why.
+CREATE TABLE IF NOT EXISTS selections(
+  run_id VARCHAR PRIMARY KEY, system VARCHAR, model_id VARCHAR, metric VARCHAR, value DOUBLE,
+  start_system VARCHAR, start_value DOUBLE, p_value DOUBLE, evaluation VARCHAR, reason VARCHAR,
+  models JSON);
 """
 
 # DuckDB allows one writing process per file; inside a process we serialise access ourselves so
@@ -435,6 +441,41 @@ class Catalog:
                     [run_id, eval_dataset_id, r["system"], r["dataset"], r["split"], r["metric"], r["value"],
                      r.get("num_queries")],
                 )
+
+    def record_selection(self, run_id: str, sel: dict) -> None:
+        with self.connect() as con:
+            con.execute("INSERT OR REPLACE INTO selections VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [run_id, sel["system"], sel["model_id"], sel["metric"], sel["value"], sel["start"],
+                         sel["start_value"], sel["p_value"], sel["evaluation"], sel["reason"],
+                         json.dumps(sel.get("models") or {})])
+
+    def selection(self, run_id: str) -> dict | None:
+        with self.connect(read_only=True) as con:
+            try:
+                cur = con.execute("SELECT * FROM selections WHERE run_id = ?", [run_id])
+            except duckdb.CatalogException:  # a store no run of this version has written to
+                return None
+            row = cur.fetchone()
+            cols = [d[0] for d in cur.description]
+        if row is None:
+            return None
+        out = dict(zip(cols, row))
+        out["models"] = json.loads(out["models"] or "{}")
+        return out
+
+    def selections(self) -> list[dict]:
+        """Every run's selection, oldest first (``irflow models``)."""
+        with self.connect(read_only=True) as con:
+            try:
+                cur = con.execute("SELECT s.*, r.flow, r.started_at FROM selections s JOIN runs r USING (run_id) "
+                                  "ORDER BY r.started_at")
+            except duckdb.CatalogException:
+                return []
+            cols = [d[0] for d in cur.description]
+            rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+        for r in rows:
+            r["models"] = json.loads(r["models"] or "{}")
+        return rows
 
     def run_metrics(self, run_id: str) -> list[dict]:
         """One dict per (system, dataset, split) with the metrics as keys, in recording order."""

@@ -12,6 +12,11 @@
     irflow verify [--store DIR] [--json]                   re-hash every stored object; exit 1 if any is damaged
     irflow gc [--store DIR] [--dry-run]                    remove what nothing refers to (see irflow.maintenance)
     irflow serve CONFIG --cron "0 3 * * *" [--set ...]     run on a schedule (needs a Prefect server)
+    irflow export [RUN_ID | latest] --out DIR [--system NAME] [--format st|onnx]
+                                                           a run's model as a sentence-transformers folder
+    irflow models [--store DIR] [--json]                   the models runs evaluated, and which they selected
+    irflow new RECIPE --corpus PATH [--queries P --qrels P] [--query-log P] --out CONFIG
+                                                           a commented config for your documents, with estimates
 
 Errors the user can fix (a config value, a missing file, data that cannot support the run, a stage
 that says so) print one line and exit 2; other failures print one line naming the stage and exit 1.
@@ -50,14 +55,26 @@ def cmd_run(args) -> int:
     api.load_config(args.config, args.set)  # a bad config fails here, before Prefect or the store is touched
     if not getattr(args, "debug", False):
         orchestration.quiet_prefect(api.store_root(args.store))
+    estimated = None if args.no_estimate else _estimate(args)
     result = api.run(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
     print()
     print(format_table(result.metrics))
+    if estimated:
+        from irflow import estimate
+
+        measured = {s.name: s.seconds for s in result.stages if s.status == "computed"}
+        print("\n" + estimate.format_estimates(estimated[0], estimated[1], measured))
     computed = len(result.computed)
     print(f"\nrun {result.run_id}: {len(result.stages)} stages, {computed} computed, "
           f"{len(result.stages) - computed} cached, {result.seconds:.1f}s; store {result.store}")
     if result.skipped:
         print(f"not run (--to {', '.join(args.to_stage)}): {', '.join(result.skipped)}")
+    if result.evaluation != "labelled":
+        print(f"evaluation: {result.evaluation} -- a proxy, not relevance labels")
+    if result.selected:
+        sel = result.selected
+        print(f"selected: {sel['system']} (model {sel['model_id'][:16]}): {sel['reason']}")
+        print(f"  hand it out: irflow export {result.run_id} --out DIR --store {result.store}")
     if result.warnings:
         # Said again at the end: in place they scroll away among a long run's progress lines.
         print(f"\n{len(result.warnings)} warning(s) during the run (in place in the log above):")
@@ -66,6 +83,26 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), default=str))
     return 0
+
+
+def _estimate(args):
+    """Before a run: what its stale stages will take here (irflow.estimate), printed; (estimates, hardware), or
+    None when nothing is stale or the corpus cannot be sized (the run then says why)."""
+    from irflow import estimate
+
+    try:
+        plan = api.status(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
+        stale = list(dict.fromkeys(p.name for p in plan if p.status == "stale"))
+        if not stale:
+            return None
+        c = api.load_config(args.config, args.set)
+        hw = estimate.hardware()
+        rows = estimate.estimate(c, stale, estimate.corpus_size(c.dataset), hw)
+    except Exception as e:  # noqa: BLE001 -- an estimate never stops a run: a bad corpus is the run's to report
+        log.debug("no estimate: %s", e)
+        return None
+    print(estimate.format_estimates(rows, hw), file=sys.stderr)
+    return rows, hw
 
 
 def cmd_status(args) -> int:
@@ -305,6 +342,54 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from irflow import export
+    from irflow.report.runs import resolve_run
+
+    catalog = _catalog(args)
+    run_id = resolve_run(catalog, args.run_id)
+    done = export.export(catalog, run_id, args.out, args.system, args.format, args.force)
+    which = "selected by the run" if done.selected else "named with --system"
+    print(f"{done.system} ({which}; model {done.model_id[:16]}) of run {run_id} -> {done.out}")
+    if done.onnx:
+        print(f"ONNX: {done.onnx}")
+    print(f'load it: SentenceTransformer("{done.out}"); its model card: {done.out / "README.md"}')
+    return 0
+
+
+def cmd_models(args) -> int:
+    from irflow import export
+
+    rows = export.models(_catalog(args))
+    if args.json:
+        print(json.dumps(rows, default=str))
+        return 0
+    if not rows:
+        print("no run has selected a model yet")
+        return 0
+    print(f"{'model':<18} {'run':<28} {'system':<28} {'recipe':<10} {'ndcg@10':>8}  evaluation")
+    for r in rows:
+        mark = "* " if r["selected"] else "  "
+        value = "" if r.get("ndcg@10") is None else f"{r['ndcg@10']:.4f}"
+        print(f"{r['model_id'][:16]:<18} {r['run_id']:<28} {mark + r['system']:<28} {r['recipe']:<10} {value:>8}  "
+              f"{r['evaluation']}")
+    print("\n* the model its run selected (irflow export RUN_ID hands it out)")
+    return 0
+
+
+def cmd_new(args) -> int:
+    from irflow import scaffold
+
+    fields = dict(f.split("=", 1) for f in args.field or []) or None
+    text, table = scaffold.new_config(args.recipe, args.corpus, queries=args.queries, qrels=args.qrels,
+                                      query_log=args.query_log, model=args.model, generator=args.generator,
+                                      teacher=args.teacher, fields=fields, budget_minutes=args.budget_minutes)
+    out = scaffold.write(args.out, text, args.force)
+    print(table)
+    print(f"\nwrote {out}: irflow run {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="irflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -329,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--to", dest="to_stage", action="append", metavar="STAGE",
                    help="stop after this stage (name or name[label]; repeatable): run only it and the stages it needs")
     json_flag(r, help="print the run's result as JSON (last line of stdout)")
+    r.add_argument("--no-estimate", action="store_true",
+                   help="skip the estimate of each stale stage's time and memory printed before the run")
     r.set_defaults(func=cmd_run)
 
     def engine_flag(sp):
@@ -421,6 +508,42 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cron", required=True)
     sv.add_argument("--name")
     sv.set_defaults(func=cmd_serve)
+
+    ex = sub.add_parser("export", help="a run's model (default: the one it selected) as a self-contained "
+                                       "sentence-transformers folder with a model card")
+    ex.add_argument("run_id", nargs="?", default="latest", metavar="RUN_ID",
+                    help="a run id, a unique prefix of one, or latest (default)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="the folder to write (must not exist, or be empty)")
+    ex.add_argument("--system", help="another dense model of the run, by system name (see irflow models)")
+    ex.add_argument("--format", choices=("st", "onnx"), default="st",
+                    help="st: sentence-transformers (default); onnx: also onnx/ (irflow's ONNX export)")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    common(ex, config=False)
+    ex.set_defaults(func=cmd_export)
+
+    nw = sub.add_parser("new", help="a commented config for your own documents and this machine, with each "
+                                    "stage's estimated time and memory")
+    nw.add_argument("recipe", choices=("gpl", "baselines"), help="gpl (adapt a model) or baselines (BM25, zero-shot)")
+    nw.add_argument("--corpus", required=True, help="your documents: .jsonl(.gz), .parquet (or a folder of them), "
+                                                    ".csv, .tsv, or a folder of .txt / .md / .html")
+    nw.add_argument("--queries", help="labelled test queries (with --qrels)")
+    nw.add_argument("--qrels", help="their judgements: TSV query_id, doc_id, relevance (or TREC qrels)")
+    nw.add_argument("--query-log", help="query texts without labels (a search log): GPL's best offline source")
+    nw.add_argument("--model", default="all-MiniLM-L6-v2", help="the model to adapt (default all-MiniLM-L6-v2)")
+    nw.add_argument("--generator", help="a T5 query generator (local folder or hub id)")
+    nw.add_argument("--teacher", help="a cross-encoder teacher (local folder or hub id)")
+    nw.add_argument("--field", action="append", metavar="NAME=COLUMN",
+                    help="the corpus column for id, title or text (repeatable: --field text=body)")
+    nw.add_argument("--budget-minutes", type=float, default=60.0,
+                    help="size training to fit this many minutes here, with the rest of the run (default 60)")
+    nw.add_argument("--out", required=True, help="the config file to write")
+    nw.add_argument("--force", action="store_true", help="replace --out")
+    nw.set_defaults(func=cmd_new)
+
+    ms = sub.add_parser("models", help="the models runs evaluated: id, run, system, recipe, metric, selected")
+    common(ms, config=False)
+    json_flag(ms)
+    ms.set_defaults(func=cmd_models)
     return p
 
 

@@ -113,6 +113,10 @@ class RunResult:
     metrics: list[dict] = field(default_factory=list)  # one dict per (system, dataset, split)
     prefect_flow_run_id: str | None = None
     skipped: list[str] = field(default_factory=list)  # stage labels left out by --to (not run, not recorded)
+    # the dense model to ship (irflow.selection; None: the run evaluated no dense model): system, model_id,
+    # the metric and why; and what the metrics were measured on (labelled, or a proxy and how it was made)
+    selected: dict | None = None
+    evaluation: str = "labelled"
     # irflow's warnings during the run (the recipe's advice, a stage's "the teacher is at chance"), each once,
     # in order; api.run fills it from this process's log records (Ray workers' are relayed here, and a
     # cached stage says again what its computation warned about, from the catalog)
@@ -254,14 +258,16 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     if dead_runs:
         log.warning("earlier run(s) %s died without finishing (killed?): marked interrupted", ", ".join(dead_runs))
     t0 = time.perf_counter()
-    status, rows = "failed", []
+    status, rows, selected = "failed", [], None
     try:
         # executor ray: the run's Ray; and its stage calls run at once where they may (irflow.branches:
         # leaving the block waits for every stage and raises the first failure)
         with older_objects_frozen(), _executor(c.runtime), branches_for(run, c.runtime):
             evaluations = recipe.body(c, run)
         # an evaluation that --to left out has no metrics to report
-        rows = report(run, [ev for ev in evaluations if ev["metrics"].kind != PENDING])
+        evaluated = [ev for ev in evaluations if ev["metrics"].kind != PENDING]
+        rows = report(run, evaluated)
+        selected = _select(run, evaluated)
         check_interrupted()
         status = "completed"
     except KeyboardInterrupt:
@@ -276,7 +282,31 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"), s["shards"],
                           s["started"]) for s in run.catalog.stage_runs(run.run_id)]
     return RunResult(run.run_id, recipe.name, store_root, status, round(time.perf_counter() - t0, 3), stages, rows,
-                     flow_run_id, _unique(s["name"] for s in run.skipped))
+                     flow_run_id, _unique(s["name"] for s in run.skipped), selected=selected,
+                     evaluation=run.evaluation)
+
+
+def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict | None:
+    """The run's model to ship (``irflow.selection``) among the dense models its recipe evaluated,
+    recorded in the catalog (``selections``)."""
+    from irflow import selection
+
+    if run.start_system is None:
+        return None
+    per_query: dict[str, dict[str, float]] = {}
+    for ev in evaluations:
+        t = ev["per_query"].table()
+        for system, q, m, v in zip(*(t.column(c).to_pylist() for c in ("system", "query_id", "metric", "value"))):
+            if m == metric and system in run.dense_models:
+                per_query.setdefault(system, {})[q] = v
+    if run.start_system not in per_query:
+        return None
+    sel = selection.select(per_query, run.start_system, run.evaluation, metric)
+    out = {**sel.to_dict(), "model_id": run.dense_models[sel.system].id,
+           "models": {s: run.dense_models[s].id for s in per_query}}
+    run.catalog.record_selection(run.run_id, out)
+    log.info("selected model: %s (%s)", sel.system, sel.reason)
+    return out
 
 
 def _executor(rt: RuntimeConfig):

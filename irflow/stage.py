@@ -96,6 +96,11 @@ class Run:
         self.failed: dict | None = None  # the stage that failed: {name, inputs, seconds}
         self.error: BaseException | None = None  # the first failure (stages may run at once: irflow.branches)
         self.branches = None  # irflow.branches.Branches while stage calls run at once
+        # what a recipe says about its evaluated dense models (irflow.selection picks the one to ship):
+        # system -> model ref, the system training started from, and what the evaluation measured
+        self.dense_models: dict[str, DatasetRef] = {}
+        self.start_system: str | None = None
+        self.evaluation: str = "labelled"
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:

@@ -37,8 +37,10 @@ def baselines(c: BaselinesConfig, run: Run) -> list[dict]:
     runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
     if c.dense.enabled:
         system = c.dense.system or system_name(c.dense.model)
+        model = run.model(c.dense.model, "dense.model")
         runs[system] = dense_run(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
-                                 model=run.model(c.dense.model, "dense.model"))
+                                 model=model)
+        run.start_system, run.dense_models[system] = system, model
     return evaluate_runs(run, c.evaluate, data, runs)
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal, Union
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from irflow.beir import IngestError, dataset_splits, is_url
+from irflow.beir import IngestError, _relative_hint, dataset_splits, is_beir_source, is_url
 from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.follows import Follow
-from irflow.params import ModelName
+from irflow.params import ModelName, Params
 from irflow.recipe import RecipeConfig
 from irflow.stage import Run
 from irflow.store import DatasetRef
@@ -26,13 +27,36 @@ from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, 
 from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
 from irflow.tasks.evaluate import EvaluateParams, EvaluationParams, evaluate
 from irflow.tasks.fuse import FuseParams, FuseSettings, fuse
-from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
+from irflow.tasks.generate_queries import GENERATED_SPLIT, CropSource, ICTSource, T5Source, generate_queries
+from irflow.tasks.ingest import (CorpusReadParams, HoldoutParams, IngestParams, OwnFormat, PassageSettings,
+                                 QueryFileParams, SelectQueriesParams, holdout, ingest_beir, ingest_corpus,
+                                 ingest_queries, select_queries, source_ref)
 from irflow.tasks.mine_negatives import MineParams
 
 
 # ---- sections ---------------------------------------------------------------------------------
+class ProxyT5(T5Source):
+    model: ModelName = Field(description="the seq2seq query generator (a hub id or local directory)")
+
+
+class ProxyConfig(Params):
+    documents: PositiveInt = Field(200, description="documents held out for the synthetic evaluation")
+    seed: int = Field(0, description="which documents are held out (a hash of seed and document id)")
+    queries: Annotated[Union[ICTSource, ProxyT5, CropSource], Field(discriminator="source")] = Field(
+        ICTSource(source="ict"), description="how the held-out passages' queries are made: ict (a sentence of the "
+                                             "passage, offline), crop (a span), or t5 with a model. A proxy made "
+                                             "by the generator that made the training queries favours the model "
+                                             "trained on them")
+
+    def describe(self) -> str:
+        return f"{self.queries.source} queries of {self.documents} held-out documents"
+
+
 class DatasetConfig(IngestParams):
-    source: str = Field(min_length=1, description="a BEIR folder, a .zip, or an http(s) URL (then md5 is required)")
+    source: str = Field(min_length=1, description="a BEIR folder, a .zip, or an http(s) URL (then md5 is required); "
+                                                  "or your own documents: a .jsonl / .jsonl.gz, .parquet (or a "
+                                                  "folder of them), .csv, .tsv file, or a folder of .txt / .md / "
+                                                  ".html files")
     name: str | None = Field(None, description="name in the metrics (null: the source's file name without "
                                                "extension)")
     md5: str | None = Field(None, description="md5 of the zip: required for a URL, checked for a local file")
@@ -40,6 +64,21 @@ class DatasetConfig(IngestParams):
                                                          "queries")
     limit_queries: PositiveInt | None = Field(None, description="evaluate only the first n test queries by id "
                                                                 "(null: all)")
+    # your own documents
+    format: OwnFormat = Field("auto", description="your own documents: how the source is read (auto: by extension)")
+    fields: dict[Literal["id", "title", "text"], str] | None = Field(
+        None, description="your own documents: the source's column for id, title and text (null: _id / id / doc_id, "
+                          "title, text)")
+    passages: PassageSettings | None = Field(None, description="your own documents: cut long documents into "
+                                                               "passages (null: a passage per document)")
+    queries: str | None = Field(None, description="your own documents, labelled: a file of test queries (.jsonl, "
+                                                  ".tsv, .csv, or .txt with a query per line); needs qrels")
+    qrels: str | None = Field(None, description="your own documents, labelled: the judgements of queries "
+                                                "(TSV query_id, doc_id, relevance; or TREC qrels)")
+    query_log: str | None = Field(None, description="your own documents: query texts without labels (a search "
+                                                    "log), for generate.source: unlabelled")
+    proxy: ProxyConfig = Field(ProxyConfig(), description="your own documents without labels: the synthetic "
+                                                          "held-out evaluation (a proxy, reported as one)")
 
     @field_validator("md5", mode="before")
     @classmethod
@@ -52,14 +91,44 @@ class DatasetConfig(IngestParams):
         if is_url(self.source) and not self.md5:
             raise ValueError(f"md5: required for a URL source ({self.source}), so the download can be "
                              "verified")
+        if self.own:
+            if (self.queries is None) != (self.qrels is None):
+                have, lack = ("queries", "qrels") if self.qrels is None else ("qrels", "queries")
+                raise ValueError(f"{lack}: a labelled set needs both queries and qrels ({have} is set); without "
+                                 "labels leave both out (the evaluation is then a synthetic proxy)")
+            for key in ("queries", "qrels", "query_log"):
+                path = getattr(self, key)
+                if path is not None and not Path(path).expanduser().is_file():
+                    raise ValueError(f"{key}: no such file: {path}{_relative_hint(path)}")
+            return self
+        own_keys = [k for k in ("fields", "passages", "queries", "qrels", "query_log")
+                    if getattr(self, k) is not None] + (["format"] if self.format != "auto" else [])
+        if own_keys:
+            raise ValueError(f"{own_keys[0]}: for your own documents; {self.source} is a BEIR dataset (its queries "
+                             "and qrels are read from it)")
         splits = self.splits()
         if splits is not None and self.split not in splits:
             raise ValueError(f"split: '{self.split}' is not a split of {self.source} "
                              f"(its qrels: {', '.join(splits) or 'none'})")
         return self
 
+    @property
+    def own(self) -> bool:
+        """Your own documents (not a BEIR folder, zip or URL)."""
+        try:
+            return not is_beir_source(self.source)
+        except IngestError as e:
+            raise ValueError(f"source: {e}") from None
+
+    @property
+    def labelled(self) -> bool:
+        return not self.own or self.qrels is not None
+
     def splits(self) -> tuple[str, ...] | None:
-        """The source's qrels splits (None: not known before download)."""
+        """The source's qrels splits (None: not known before download); your own documents: the labelled
+        split, or none."""
+        if self.own:
+            return (self.split,) if self.qrels is not None else ()
         try:
             return dataset_splits(self.source)
         except IngestError as e:
@@ -67,7 +136,8 @@ class DatasetConfig(IngestParams):
 
     @property
     def display_name(self) -> str:
-        return self.name or Path(str(self.source).rstrip("/")).stem
+        name = Path(str(self.source).rstrip("/")).name
+        return self.name or (name[: -len(".jsonl.gz")] if name.endswith(".jsonl.gz") else Path(name).stem)
 
 
 class BM25Config(BM25Retrieval):
@@ -137,23 +207,71 @@ class SupervisedHybridConfig(HybridConfig):
 # ---- building blocks ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Dataset:
-    """A BEIR dataset in the store, and its evaluation queries."""
+    """A dataset in the store and its evaluation queries: a BEIR dataset, or your own documents with a
+    labelled set or, without labels, a synthetic held-out set (``proxy``)."""
 
     name: str
     split: str
-    corpus: DatasetRef
+    corpus: DatasetRef  # what every evaluated system searches
     queries: DatasetRef
     qrels: DatasetRef
     test_queries: DatasetRef
+    train_corpus: DatasetRef | None = None  # what training queries and pairs come from (None: corpus)
+    query_log: DatasetRef | None = None  # your own documents: query texts without labels
+    proxy: str | None = None  # without labels: how the synthetic evaluation was made (None: labelled)
+
+    @property
+    def training_corpus(self) -> DatasetRef:
+        return self.train_corpus or self.corpus
+
+    @property
+    def evaluation(self) -> str:
+        """What the metrics are measured on: labelled, or a proxy and how it was made."""
+        return "labelled" if self.proxy is None else f"proxy ({self.proxy})"
 
 
 def ingest(run: Run, d: DatasetConfig) -> Dataset:
-    """The dataset (fetched once if a URL) and the judged queries of its evaluated split."""
+    """The dataset (fetched once if a URL) and the judged queries of its evaluated split; your own
+    documents: read into passages, with a labelled set if given, else a synthetic held-out set."""
     source = run.external(source_ref(d.source, d.md5, run.store.root / "downloads"), {"source": d.source})
+    if d.own:
+        return _own_documents(run, d, source)
     beir = ingest_beir(run, d.to(IngestParams), source=source)
     test = select_queries(run, SelectQueriesParams(split=d.split, limit=d.limit_queries), tag=d.split,
                           queries=beir["queries"], qrels=beir["qrels"])
     return Dataset(d.display_name, d.split, beir["corpus"], beir["queries"], beir["qrels"], test)
+
+
+def _file_ref(run: Run, path: str, key: str) -> DatasetRef:
+    return run.external(source_ref(path, None, run.store.root / "downloads"), {"source": path, "config_key": key})
+
+
+def _own_documents(run: Run, d: DatasetConfig, source: DatasetRef) -> Dataset:
+    corpus = ingest_corpus(run, d.to(CorpusReadParams), source=source)
+    log_queries = None
+    if d.query_log is not None:
+        log_queries = ingest_queries(run, QueryFileParams(), tag="query-log",
+                                     queries=_file_ref(run, d.query_log, "dataset.query_log"))["queries"]
+    if d.labelled:
+        labelled = ingest_queries(run, QueryFileParams(split=d.split), tag=d.split, corpus=corpus,
+                                  queries=_file_ref(run, d.queries, "dataset.queries"),
+                                  qrels=_file_ref(run, d.qrels, "dataset.qrels"))
+        test = select_queries(run, SelectQueriesParams(split=d.split, limit=d.limit_queries), tag=d.split,
+                              queries=labelled["queries"], qrels=labelled["qrels"])
+        return Dataset(d.display_name, d.split, corpus, labelled["queries"], labelled["qrels"], test,
+                       query_log=log_queries)
+    # No labels: documents set aside before anything trains; each held-out passage's generated queries
+    # have it as their one relevant passage.
+    p = d.proxy
+    parts = holdout(run, p.to(HoldoutParams), corpus=corpus)
+    q = p.queries
+    if isinstance(q, ProxyT5):
+        gen = generate_queries(run, q.to(T5Source), tag="proxy", corpus=parts["heldout"],
+                               model=run.model(q.model, "dataset.proxy.queries.model"))
+    else:
+        gen = generate_queries(run, q, tag="proxy", corpus=parts["heldout"])
+    return Dataset(d.display_name, GENERATED_SPLIT, corpus, gen["queries"], gen["qrels"], gen["queries"],
+                   train_corpus=parts["train_corpus"], query_log=log_queries, proxy=p.describe())
 
 
 def bm25_runs(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, *, prefix: str = "bm25",
@@ -185,7 +303,9 @@ def system_name(model: str) -> str:
 def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, DatasetRef]) -> list[dict]:
     """One evaluate stage per system (a changed system re-evaluates alone), on the test queries; the
     corpus lets it count the judged queries with no judged document in it."""
-    p = c.to(EvaluateParams, dataset=data.name, split=data.split)
+    run.evaluation = data.evaluation
+    name = data.name if data.proxy is None else f"{data.name} (proxy)"
+    p = c.to(EvaluateParams, dataset=name, split=data.split)
     return [evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
             for system, ref in runs.items()]
 
@@ -295,6 +415,8 @@ def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
     zero_shot = system_name(base_model or c.base_model)
     runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
                                 tag="zero-shot")
+    run.start_system, run.dense_models[zero_shot] = zero_shot, base
     for name, model in models.items():
         runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, tag=name)
+        run.dense_models[name] = model
     return runs

@@ -243,7 +243,11 @@ class GPLConfig(RecipeConfig):
         if self.doc2query.enabled and source != "t5":
             raise ValueError(f"doc2query.enabled: doc2query expands passages with generated queries; "
                              f"generate.source is {source}, not t5")
-        if source == "unlabelled":
+        if source == "unlabelled" and self.dataset.own:
+            if self.dataset.query_log is None:
+                raise ValueError("generate.source: unlabelled reads a query log: set dataset.query_log (a file of "
+                                 "query texts) for your own documents")
+        elif source == "unlabelled":
             if self.generate.split == self.dataset.split:
                 raise ValueError(f"generate.split: '{self.generate.split}' is the evaluated split "
                                  f"(dataset.split); training on its queries would leak the test set")
@@ -280,13 +284,17 @@ class GPLConfig(RecipeConfig):
 
 # ---- building blocks ------------------------------------------------------------------------------
 def query_generation(run: Run, g, data: Dataset) -> dict[str, DatasetRef]:
-    """Generated (or unlabelled real) queries and their qrels (the source passage; none if unlabelled)."""
+    """Generated (or unlabelled real) queries and their qrels (the source passage; none if unlabelled),
+    from the training corpus (without the passages a synthetic evaluation holds out)."""
+    corpus = data.training_corpus
     if isinstance(g, T5Generate):
-        return generate_queries(run, g.to(T5Source), tag="t5", corpus=data.corpus,
+        return generate_queries(run, g.to(T5Source), tag="t5", corpus=corpus,
                                 model=run.model(g.model, "generate.model"))
+    if isinstance(g, UnlabelledSource) and data.query_log is not None:  # your own documents' query log, whole
+        return generate_queries(run, g, tag=g.source, corpus=corpus, queries=data.query_log)
     if isinstance(g, UnlabelledSource):
-        return generate_queries(run, g, tag=g.source, corpus=data.corpus, queries=data.queries, qrels=data.qrels)
-    return generate_queries(run, g, tag=g.source, corpus=data.corpus)
+        return generate_queries(run, g, tag=g.source, corpus=corpus, queries=data.queries, qrels=data.qrels)
+    return generate_queries(run, g, tag=g.source, corpus=corpus)
 
 
 def miner_model(run: Run, m: DenseMiner, c: GPLConfig, student: DatasetRef | None) -> DatasetRef:
@@ -366,27 +374,28 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     # Each round: 2. negative mining with every miner; 3. pseudo labels from the teacher; 4. the GPL student
     # (Margin-MSE on the teacher's margins). Round 1 is GPL; from round 2 on, the dense miner on train.model is
     # the last round's student, so the mining and a fusion teacher see it (self-training).
+    corpus = data.training_corpus  # the corpus itself, unless a synthetic evaluation holds passages out
     students, student, labels = {}, None, []
     for r in range(1, c.rounds + 1):
         round_tag = None if r == 1 else f"r{r}"  # stage tags of round r > 1: mine_negatives[r2], miner-bi-r2
         suffix = f"-{round_tag}" if round_tag else ""
-        mined = [miner_run(run, m, c, data.corpus, gen["queries"], student, suffix) for m in c.mine.miners]
+        mined = [miner_run(run, m, c, corpus, gen["queries"], student, suffix) for m in c.mine.miners]
         negatives = mine_negatives(run, c.mine.to(MineParams), tag=round_tag, rankings=mined,
-                                   qrels=gen["qrels"], corpus=data.corpus)
+                                   qrels=gen["qrels"], corpus=corpus)
         start = base if student is None or c.round_init == "base" else student
         labels.append(labelling(run, c, gen, negatives,
-                                teacher_runs(run, c, gen, negatives, mined, data.corpus, student, suffix),
-                                start, data.corpus, round_tag))
+                                teacher_runs(run, c, gen, negatives, mined, corpus, student, suffix),
+                                start, corpus, round_tag))
         # (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
         student = train_student(run, c.train.gpl_params(), tag=f"gpl{suffix}", queries=gen["queries"],
-                                corpus=data.corpus, base_model=start, pseudo_labels=labels[-1])["student"]
+                                corpus=corpus, base_model=start, pseudo_labels=labels[-1])["student"]
         students[f"gpl-student{suffix}"] = student
 
     # The QGen baseline: MNRL on (q, pos), the first round's positives.
     if c.train.qgen.enabled:
         positives = label_positives(run, NoParams(), pseudo_labels=labels[0])
         students["qgen-student"] = train_student(run, c.train.qgen_params(), tag="qgen", queries=gen["queries"],
-                                                 corpus=data.corpus, base_model=base, qrels=positives)["student"]
+                                                 corpus=corpus, base_model=base, qrels=positives)["student"]
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
     runs = test_runs(run, c, data, base, students, base_model=c.train.model)

@@ -105,7 +105,8 @@ class CropSource(Params):
 class UnlabelledSource(Params):
     source: Literal["unlabelled"] = Field(description="the dataset's own query texts of one split, labels unused "
                                                       "(what a query log gives)")
-    split: str = Field("train", min_length=1, description="whose queries (never the evaluated split)")
+    split: str = Field("train", min_length=1, description="whose queries (never the evaluated split); a "
+                                                          "dataset.query_log is read whole")
 
     @field_validator("split")
     @classmethod
@@ -170,9 +171,16 @@ def _model_free(corpus_ref: DatasetRef, p: ICTSource | CropSource) -> dict[str, 
 
 # ---- unlabelled -------------------------------------------------------------------------------
 def _unlabelled(queries, qrels, p: UnlabelledSource) -> dict[str, pa.Table]:
-    if queries is None or qrels is None:
-        raise ValueError("generate_queries: source 'unlabelled' needs the dataset's 'queries' and 'qrels' inputs")
+    if queries is None:
+        raise ValueError("generate_queries: source 'unlabelled' needs the 'queries' input")
     import duckdb
+
+    if qrels is None:  # a query log: every query, no split to pick
+        with duckdb.connect() as con:
+            con.register("q", queries.table())
+            t = con.sql("SELECT query_id, text FROM q WHERE trim(text) <> '' ORDER BY query_id").to_arrow_table()
+        return _outputs({"query_id": t.column("query_id").to_pylist(), "text": t.column("text").to_pylist(),
+                         "doc_id": []}, with_qrels=False)
 
     with duckdb.connect() as con:
         con.register("q", queries.table())

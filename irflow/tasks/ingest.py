@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
-from pydantic import Field, PositiveInt
+import logging
+
+from pydantic import Field, PositiveInt, model_validator
 
 from irflow.beir import fetch, read_beir
 from irflow.errors import DataError
@@ -20,6 +22,8 @@ from irflow.params import Params
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef, fingerprint_file
+
+log = logging.getLogger(__name__)
 
 
 # ---- sources --------------------------------------------------------------------------------
@@ -86,3 +90,126 @@ def select_queries(p: SelectQueriesParams, rt: StageRuntime, *, queries: Dataset
         raise DataError(f"no queries are judged in split '{p.split}' (the dataset's qrels splits: "
                         f"{', '.join(splits) or 'none'})")
     return t
+
+
+# ---- a user's own documents ---------------------------------------------------------------------
+class PassageSettings(Params):
+    max_words: PositiveInt = Field(description="a document longer than this many words is cut into passages of "
+                                               "this many words (passage ids: <document id>#1, #2, ...)")
+    stride: PositiveInt | None = Field(None, description="a passage starts every this many words (null: max_words, "
+                                                         "no overlap; less than max_words: passages overlap)")
+
+    @model_validator(mode="after")
+    def _stride(self):
+        if self.stride is not None and self.stride > self.max_words:
+            raise ValueError(f"stride: {self.stride} is more than max_words ({self.max_words}): words between "
+                             "passages would be lost")
+        return self
+
+
+OwnFormat = Literal["auto", "jsonl", "parquet", "csv", "tsv", "folder"]
+
+
+class CorpusReadParams(Params):
+    format: OwnFormat = Field("auto", description="how the source is read: auto (by its extension: .jsonl, "
+                                                  ".jsonl.gz, .parquet or a folder of them, .csv, .tsv; a folder of "
+                                                  ".txt / .md / .html documents), or one of them by name")
+    fields: dict[Literal["id", "title", "text"], str] | None = Field(
+        None, description="the source's column (or JSON key) for each of id, title, text, e.g. {id: doc_id, text: "
+                          "body} (null: _id / id / doc_id, title, text). Documents without an id get a stable one: "
+                          "their path in a folder, else a hash of their content")
+    passages: PassageSettings | None = Field(None, description="cut long documents into passages (null: one "
+                                                               "passage per document)")
+
+
+@stage("ingest_corpus", version="1", outputs=Output("corpus", "corpus"))
+def ingest_corpus(p: CorpusReadParams, rt: StageRuntime, *, source: DatasetRef):
+    """A user's documents (``source``: a file or folder, keyed by its content) as a corpus of passages.
+    Reading is ``irflow.corpus_sources``'s; a source that changed after the run fingerprinted it (it is
+    being written to) is refused, so a stored corpus is always the content its id says."""
+    from irflow.corpus_sources import read_corpus
+
+    path = Path(source.path)
+    out = rt.workdir / "corpus.parquet"
+    # GPL's input: a folder holding corpus.jsonl (and no qrels: else it is a BEIR dataset)
+    read = path / "corpus.jsonl" if path.is_dir() and (path / "corpus.jsonl").is_file() else path
+    stats = read_corpus(read, out, format=p.format, fields=p.fields,
+                        max_words=p.passages.max_words if p.passages else None,
+                        stride=p.passages.stride if p.passages else None)
+    if source_fingerprint(path) != source.id:
+        raise DataError(f"{path} changed while it was read; nothing was stored: run again")
+    log.info("ingest_corpus: %d document(s) -> %d passage(s) (%d cut into passages, %d empty dropped)",
+             stats.documents, stats.passages, stats.split_documents, stats.empty_dropped)
+    return out
+
+
+class QueryFileParams(Params):
+    split: str = Field("test", min_length=1, description="the split the judgements are recorded under")
+    fields: dict[Literal["id", "text"], str] | None = Field(None, description="the query file's column for id and "
+                                                                             "text (null: _id / id / query_id, text)")
+
+
+@stage("ingest_queries", version="1", outputs=[Output("queries", "queries"), Output("qrels", "qrels")])
+def ingest_queries(p: QueryFileParams, rt: StageRuntime, *, queries: DatasetRef, qrels: DatasetRef | None = None,
+                   corpus: DatasetRef | None = None):
+    """A query file (JSONL, TSV/CSV, or plain text: a query per line) and, for a labelled set, its judgements
+    (TSV ``query_id doc_id relevance`` or TREC qrels); without ``qrels`` the queries are a query log and the
+    judgements table is empty. Judgements must name queries of the file and passages of ``corpus``."""
+    import pyarrow.compute as pc
+
+    from irflow.corpus_sources import read_qrels, read_queries
+
+    q = read_queries(Path(queries.path), fields=p.fields)
+    if qrels is None:
+        return {"queries": q, "qrels": pa.table({"query_id": pa.array([], pa.string()),
+                                                 "doc_id": pa.array([], pa.string()),
+                                                 "score": pa.array([], pa.int32()), "split": pa.array([], pa.string())})}
+    r = read_qrels(Path(qrels.path), split=p.split)
+    unknown_q = pc.invert(pc.is_in(r.column("query_id"), value_set=q.column("query_id")))
+    if pc.any(unknown_q).as_py():
+        first = r.filter(unknown_q).column("query_id")[0].as_py()
+        raise DataError(f"{qrels.path}: {pc.sum(unknown_q).as_py()} judgement(s) name a query missing from "
+                        f"{queries.path} (first: '{first}')")
+    if corpus is not None:
+        ids = corpus.table(columns=["doc_id"]).column("doc_id")
+        unknown_d = pc.invert(pc.is_in(r.column("doc_id"), value_set=ids))
+        if pc.any(unknown_d).as_py():
+            first = r.filter(unknown_d).column("doc_id")[0].as_py()
+            raise DataError(f"{qrels.path}: {pc.sum(unknown_d).as_py()} judgement(s) name a passage missing from "
+                            f"the corpus (first: '{first}'; cut documents have passage ids <document id>#<n>)")
+    if r.num_rows == 0:
+        raise DataError(f"{qrels.path}: no judgements")
+    return {"queries": q, "qrels": r}
+
+
+class HoldoutParams(Params):
+    documents: PositiveInt = Field(200, description="documents set aside for the synthetic evaluation (all their "
+                                                    "passages): never used to generate training queries or pairs")
+    seed: int = Field(0, description="which documents: the lowest hashes of (seed, document id), so a document's "
+                                     "place does not change when others are added or removed")
+
+
+def _doc_hash(seed: int, doc_id: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(f"{seed}\0{doc_id}".encode()).hexdigest()
+
+
+@stage("holdout", version="1", outputs=[Output("train_corpus", "corpus"), Output("heldout", "corpus")])
+def holdout(p: HoldoutParams, rt: StageRuntime, *, corpus: DatasetRef):
+    """Split the corpus before anything trains: ``heldout`` (the passages of ``documents`` documents, the
+    synthetic evaluation's positives) and ``train_corpus`` (the rest: what queries and training pairs
+    are made from). Retrieval at evaluation still searches the whole corpus."""
+    import pyarrow.compute as pc
+
+    from irflow.corpus_sources import document_id
+
+    t = corpus.table()
+    docs = sorted({document_id(i) for i in t.column("doc_id").to_pylist()}, key=lambda d: _doc_hash(p.seed, d))
+    if len(docs) < 2 * p.documents:
+        raise DataError(f"the corpus has {len(docs)} documents; holding out {p.documents} for the synthetic "
+                        f"evaluation needs at least twice as many (lower dataset.proxy.documents, or give labels: "
+                        f"dataset.queries and dataset.qrels)")
+    held = set(docs[:p.documents])
+    mask = pa.array([document_id(i) in held for i in t.column("doc_id").to_pylist()], pa.bool_())
+    return {"train_corpus": t.filter(pc.invert(mask)), "heldout": t.filter(mask)}

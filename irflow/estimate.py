@@ -1,0 +1,240 @@
+"""How long a run will take here, and how much memory, before it starts: per stage, from the corpus's size
+and the rates measured on this kind of hardware (``irflow/measured/rates.json``).
+
+The model: a stage's time is its fixed cost (a Prefect task, a JVM for BM25) plus its work in text-tokens
+(texts x their length, capped at the stage's max length) times the hardware's seconds per 1,000
+text-tokens for that kind of work (encode, score, train), scaled by the model's size (layers x hidden^2,
+against MiniLM's 6 x 384) and by cores (rates are for 2). ``irflow new`` writes the estimate into the
+config it makes; ``irflow run`` prints it before the first stage and the measured seconds after.
+These are estimates: within a factor of two on the machines the rates come from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+RATES = Path(__file__).with_name("measured") / "rates.json"
+WORDS_TO_TOKENS = 1.3  # WordPiece tokens per whitespace word in English prose (SciFact: 1.32)
+
+
+@lru_cache(maxsize=1)
+def rates() -> dict:
+    return json.loads(RATES.read_text())
+
+
+@dataclass(frozen=True)
+class Hardware:
+    kind: str  # a key of rates.json's hardware: cpu-avx2, cpu-avx512, cpu-amx, cuda
+    cores: int
+    gpu: str | None
+    memory_mb: int
+
+    def describe(self) -> str:
+        return self.gpu or f"{self.cores} CPU cores, {self.kind.removeprefix('cpu-').upper()}"
+
+
+def hardware() -> Hardware:
+    from irflow.runtime import cpu_flags
+
+    mem = 0
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError):
+        pass
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 -- no torch, no GPU: a CPU estimate
+        pass
+    flags = cpu_flags()
+    kind = ("cuda" if gpu else "cpu-amx" if "amx_bf16" in flags else
+            "cpu-avx512" if "avx512f" in flags else "cpu-avx2")
+    return Hardware(kind, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                    gpu, mem)
+
+
+@dataclass(frozen=True)
+class CorpusSize:
+    passages: int
+    mean_words: float
+    queries: int = 0  # evaluation queries (labelled or proxy)
+    log_queries: int = 0  # a query log's queries (generate.source: unlabelled)
+
+    @property
+    def mean_tokens(self) -> float:
+        return self.mean_words * WORDS_TO_TOKENS
+
+
+@dataclass
+class StageEstimate:
+    stage: str
+    seconds: float
+    peak_mb: int
+    work: str  # what the time is made of, in words
+
+
+def model_scale(name: str | None) -> float:
+    """A model's cost against MiniLM-L6 (6 layers x 384): layers x hidden^2, from its config.json when it is
+    a local folder, else from its name (base: 12 x 768, large: 24 x 1024)."""
+    if not name:
+        return 1.0
+    cfg = Path(name) / "config.json"
+    if cfg.is_file():
+        c = json.loads(cfg.read_text())
+        layers = c.get("num_hidden_layers") or c.get("num_layers") or 6
+        hidden = c.get("hidden_size") or c.get("d_model") or 384
+        return max(0.01, layers * hidden**2 / (6 * 384**2))
+    low = name.lower()
+    return 24 * 1024**2 / (6 * 384**2) if "large" in low else 12 * 768**2 / (6 * 384**2) if "base" in low else 1.0
+
+
+def _rate(hw: Hardware, work: str) -> float:
+    per_1k = rates()["hardware"][hw.kind][work]["value"]
+    return per_1k * (2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
+
+
+def _tokens(size: CorpusSize, max_len: int) -> float:
+    return min(size.mean_tokens, max_len)
+
+
+def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None) -> list[StageEstimate]:
+    """Seconds and peak memory of each of ``stages`` (plan labels: ``encode_corpus[zero-shot]``) under config
+    ``c`` on a corpus of ``size``."""
+    hw = hw or hardware()
+    fixed = rates()["fixed_seconds"]["value"]
+    mem = rates()["memory_mb"]["value"]
+    dense = getattr(c, "dense", None)
+    enc_len = getattr(dense, "max_seq_length", None) or 256
+    train = getattr(c, "train", None)
+    model = getattr(train, "model", None) or getattr(dense, "model", None) or getattr(c, "base_model", None)
+    scale = model_scale(model)
+    emb_mb = size.passages * 384 * 4 * 2 / 2**20 * max(1.0, scale ** 0.5)
+    n_gen = _generated_queries(c, size)
+    out = []
+    for label in stages:
+        base = label.split("[")[0]
+        sec, peak, work = fixed.get(base, 1), mem["base"], "fixed cost"
+        if base == "encode_corpus":
+            toks = size.passages * _tokens(size, enc_len)
+            sec += toks / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
+            peak += mem["model"] + emb_mb
+            work = f"{size.passages:,} passages x {_tokens(size, enc_len):.0f} tokens"
+        elif base in ("dense_search", "dense_score"):
+            sec += (size.queries + n_gen) * 20 / 1000 * _rate(hw, "encode") * scale
+            peak += mem["model"] + emb_mb
+            work = "query encoding + search"
+        elif base == "bm25_index":
+            sec += size.passages / rates()["bm25_passages_per_s"]["value"]
+            peak += mem["jvm"]
+            work = f"{size.passages:,} passages indexed"
+        elif base in ("bm25_search", "bm25_score"):
+            peak += mem["jvm"]
+            sec += (size.queries + n_gen) / 200
+        elif base == "generate_queries" and "[t5" in label or base == "doc2query_expand":
+            gen = getattr(c, "generate", None)
+            qpp = getattr(gen, "queries_per_passage", 1)
+            qpp = qpp if isinstance(qpp, int) else 3
+            sec += size.passages * qpp * rates()["hardware"][hw.kind]["generate_query_s"]["value"] * (
+                2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
+            peak += 2 * mem["model"]
+            work = f"{size.passages * qpp:,} queries sampled"
+        elif base == "label_scores" and getattr(getattr(c, "teacher", None), "type", "") == "cross_encoder":
+            t = c.teacher
+            pairs = n_gen * (c.label.negatives_per_positive + 1)
+            sec += pairs * _tokens(size, t.max_length) / 1000 * _rate(hw, "score") * model_scale(t.model)
+            peak += mem["model"]
+            work = f"{pairs:,} (query, passage) pairs scored"
+        elif base == "train_student" and train is not None:
+            qgen = "qgen" in label
+            steps = train.qgen.steps if qgen else train.steps
+            texts = (2 if qgen else 3) * train.batch_size
+            toks = train.batch_size * 20 + (texts - train.batch_size) * min(size.mean_tokens, train.max_seq_length)
+            sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
+            peak += mem["train"] * max(1.0, scale ** 0.5) * train.batch_size / 16
+            work = f"{steps} steps of {train.batch_size}"
+        out.append(StageEstimate(label, round(sec, 1), int(peak), work))
+    return out
+
+
+def _generated_queries(c, size: CorpusSize) -> int:
+    gen = getattr(c, "generate", None)
+    if gen is None:
+        return 0
+    if gen.source == "unlabelled":
+        return size.log_queries or size.queries
+    qpp = getattr(gen, "queries_per_passage", 1)
+    return size.passages * (qpp if isinstance(qpp, int) else 3)
+
+
+def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
+    """Count the passages and words of a config's dataset (``dataset:`` section), reading it as a run would
+    (your own documents: cut into passages) into a temporary file."""
+    import tempfile
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from irflow.beir import is_beir_source
+    from irflow.corpus_sources import read_corpus
+
+    src = Path(d.source).expanduser()
+    beir = is_beir_source(d.source)
+    size = src.stat().st_size if src.is_file() else sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    if size > MAX_SIZED_BYTES:
+        raise ValueError(f"{d.source} is {size / 2**20:,.0f} MB: too large to read twice (irflow new estimates it once)")
+    with tempfile.TemporaryDirectory(prefix="irflow-size-") as tmp, _no_progress_bars():
+        out = Path(tmp) / "corpus.parquet"
+        read = src / "corpus.jsonl" if src.is_dir() and (src / "corpus.jsonl").is_file() else src
+        if beir:
+            read_corpus(src, out, format="beir")
+        else:
+            read_corpus(read, out, format=d.format, fields=d.fields,
+                        max_words=d.passages.max_words if d.passages else None,
+                        stride=d.passages.stride if d.passages else None)
+        t = pq.read_table(out, columns=["text"])
+    words = pc.list_value_length(pc.utf8_split_whitespace(t.column("text")))
+    mean = pc.mean(words).as_py() or 0.0
+    log_q = 0
+    if getattr(d, "query_log", None):
+        log_q = sum(1 for ln in Path(d.query_log).read_text(errors="replace").splitlines() if ln.strip())
+    queries = proxy_queries if proxy_queries is not None else (300 if beir else d.proxy.documents)
+    return CorpusSize(t.num_rows, round(mean, 1), queries, log_q)
+
+
+MAX_SIZED_BYTES = 200 * 2**20  # a source read before the run to size it; larger ones are left to irflow new
+
+
+@contextmanager
+def _no_progress_bars():
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
+
+
+def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None) -> str:
+    total = sum(e.seconds for e in est)
+    peak = max((e.peak_mb for e in est), default=0)
+    head = f"{'stage':<34} {'estimate':>9} {'peak MB':>8}" + (f" {'measured':>9}" if measured is not None else "")
+    lines = [f"estimate for {hw.describe()} (irflow/measured/rates.json):", head]
+    for e in est:
+        m = "" if measured is None else f" {measured.get(e.stage, float('nan')):>8.1f}s"
+        lines.append(f"{e.stage:<34} {e.seconds:>8.1f}s {e.peak_mb:>8,}{m}  {e.work}")
+    tail = f"{'total':<34} {total:>8.1f}s {peak:>8,}"
+    if measured is not None:
+        tail += f" {sum(measured.get(e.stage, 0) for e in est):>8.1f}s"
+    lines.append(tail)
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Hand a model out of the store: ``irflow export`` and ``irflow models``.
+
+``export`` copies a run's model (by default the one the run selected, ``irflow.selection``) into a
+self-contained sentence-transformers folder that ``SentenceTransformer(DIR)`` loads offline, and writes
+its model card (``README.md``): the base model, the recipe, the corpus it was adapted to, the config, the
+metrics with what they were measured on (labelled, or a proxy), training steps and time, the irflow id
+for ``irflow lineage``, and the command that reproduces it. ``fmt="onnx"`` adds ``onnx/`` (irflow's
+ONNX export, ``irflow.onnx_inference``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from irflow.catalog import Catalog
+from irflow.errors import UserError
+
+
+@dataclass
+class Exported:
+    out: Path
+    run_id: str
+    system: str
+    model_id: str
+    selected: bool
+    onnx: Path | None = None
+
+
+def _model_of(catalog: Catalog, run_id: str, system: str | None) -> tuple[str, str, dict]:
+    sel = catalog.selection(run_id)
+    if sel is None:
+        raise UserError(f"run {run_id} selected no model (it evaluated no dense model, or was made before irflow "
+                        f"recorded selections): run its config again, or name a stored model with irflow lineage")
+    if system is None:
+        return sel["system"], sel["model_id"], sel
+    if system not in sel["models"]:
+        raise UserError(f"--system {system}: not a dense model of run {run_id}; its dense models: "
+                        f"{', '.join(sorted(sel['models']))}")
+    return system, sel["models"][system], sel
+
+
+def _base_models(catalog: Catalog, model_id: str) -> list[str]:
+    """The external models at the root of a model's lineage (what it was trained from)."""
+    return sorted({d["name"] for d in catalog.lineage(model_id)[1:]
+                   if d.get("stage") == "external" and d.get("kind") == "model"})
+
+
+def _training(catalog: Catalog, model_id: str) -> dict | None:
+    info = catalog.dataset(model_id)
+    if info is None or info.get("stage") in (None, "external"):
+        return None
+    params = json.loads(info["params"]) if isinstance(info.get("params"), str) else (info.get("params") or {})
+    seconds = None
+    for r in catalog.stage_runs(info["run_id"]):
+        if model_id in (r.get("outputs") or {}).values() and r["status"] == "computed":
+            seconds = r["seconds"]
+    return {"stage": info["stage"], "steps": params.get("steps"), "seconds": seconds, "run_id": info["run_id"],
+            "params": params}
+
+
+def _corpus(catalog: Catalog, run_id: str) -> dict | None:
+    """The run's dataset source (its content fingerprint) and the corpus ingested from it."""
+    for r in catalog.stage_runs(run_id, with_inputs=True):
+        if r["name"].split("[")[0] in ("ingest", "ingest_corpus"):
+            out = r["outputs"].get("corpus")
+            src = next((ids[0] for ids in (r.get("inputs") or {}).values() if ids), None)
+            rows = (catalog.dataset(out) or {}).get("num_rows") if out else None
+            source = (catalog.dataset(src) or {}) if src else {}
+            return {"source": source.get("path") or source.get("name"), "fingerprint": src, "corpus_id": out,
+                    "passages": rows}
+    return None
+
+
+def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict) -> str:
+    run = catalog.run(run_id) or {}
+    config = run.get("config")
+    config = json.loads(config) if isinstance(config, str) else (config or {})
+    metrics = [m for m in catalog.run_metrics(run_id) if m["system"] in sel["models"] or m["system"] == system]
+    train = _training(catalog, model_id)
+    corpus = _corpus(catalog, run_id)
+    bases = _base_models(catalog, model_id) or [model_id]
+    proxy = sel["evaluation"] != "labelled"
+    lines = [f"# {system}", "",
+             f"A dense retriever (sentence-transformers) made by irflow's `{run.get('flow')}` recipe, run "
+             f"`{run_id}`.", "",
+             "```python", "from sentence_transformers import SentenceTransformer",
+             "model = SentenceTransformer(\"path/to/this/folder\")", "```", "",
+             "## Where it comes from", "",
+             f"- base model: {', '.join(bases)}",
+             f"- recipe: {run.get('flow')}; irflow model id `{model_id}` (`irflow lineage {model_id[:20]}`)"]
+    if corpus:
+        lines.append(f"- corpus: {corpus['source']} ({corpus['passages']} passages; source fingerprint "
+                     f"`{corpus['fingerprint']}`)")
+    if train:
+        steps = f"{train['steps']} steps" if train["steps"] is not None else "trained"
+        took = f", {train['seconds']:.0f} s" if train["seconds"] else ""
+        lines.append(f"- training: {train['stage']}, {steps}{took} (run {train['run_id']})")
+    else:
+        lines.append("- training: none here: this is the model the run started from")
+    lines += ["", "## Why this model", "", sel["reason"] if sel["system"] == system else
+              f"Exported by name (--system); the run selected {sel['system']}: {sel['reason']}", "",
+              "## Metrics", "",
+              (f"Measured on a **proxy**: {sel['evaluation']}. Not relevance labels: generated queries whose one "
+               "relevant passage is the one they were made from. Read it as a comparison between systems, not as "
+               "the quality users will see." if proxy else "Measured on labelled queries (the dataset's qrels)."),
+              "", "| system | dataset | split | ndcg@10 | recall@100 |", "|---|---|---|---|---|"]
+    for m in metrics:
+        cells = ["" if m.get(k) is None else f"{m[k]:.4f}" for k in ("ndcg@10", "recall@100")]
+        lines.append(f"| {m['system']} | {m['dataset']} | {m['split']} | {cells[0]} | {cells[1]} |")
+    store = str(catalog.root)
+    lines += ["", "## Reproduce", "", "```bash",
+              f"irflow run {run.get('config_path') or 'CONFIG.yaml'} --store {store}",
+              f"irflow export {run_id} --system {system} --out DIR --store {store}", "```", "",
+              "## Config", "", "```yaml", yaml.safe_dump(config, sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def export(catalog: Catalog, run_id: str, out: str | Path, system: str | None = None, fmt: str = "st",
+           force: bool = False) -> Exported:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise UserError(f"--out {out}: exists and is not empty (choose another folder, or --force to replace it)")
+    system, model_id, sel = _model_of(catalog, run_id, system)
+    info = catalog.dataset(model_id)
+    path = Path(info["path"]) if info and info.get("path") else None
+    if path is None or not (path / "modules.json").is_file():
+        raise UserError(f"model {model_id} ({system}) is not a sentence-transformers folder in this store "
+                        f"({path}); was it removed by irflow gc?")
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(path, staging, ignore=shutil.ignore_patterns("checkpoints", "irflow_*.json", "README.md"))
+    (staging / "README.md").write_text(model_card(catalog, run_id, system, model_id, sel))
+    onnx = None
+    if fmt == "onnx":
+        from irflow import onnx_inference
+
+        onnx_inference.export(str(staging), staging / "onnx", "embed")
+        onnx = out / "onnx"
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)  # the folder appears whole, or not at all
+    return Exported(out, run_id, system, model_id, sel["system"] == system, onnx)
+
+
+def models(catalog: Catalog) -> list[dict]:
+    """Every model a run evaluated and recorded in a selection: id, run, system, recipe, nDCG@10, evaluation,
+    and whether that run selected it; newest run last."""
+    out = []
+    for s in catalog.selections():
+        metrics = {m["system"]: m.get(s["metric"]) for m in catalog.run_metrics(s["run_id"])}
+        for system, model_id in s["models"].items():
+            info = catalog.dataset(model_id) or {}
+            out.append({"model_id": model_id, "run_id": s["run_id"], "system": system, "recipe": s["flow"],
+                        s["metric"]: metrics.get(system), "evaluation": s["evaluation"],
+                        "selected": system == s["system"], "trained": info.get("stage") not in (None, "external")})
+    return out

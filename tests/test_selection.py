@@ -1,0 +1,37 @@
+"""irflow.selection: a trained model is shipped only when it beats the model it started from beyond noise."""
+
+import random
+
+from irflow.selection import select
+
+
+def _scores(seed: int, n: int, shift: float, noise: float) -> tuple[dict, dict]:
+    rng = random.Random(seed)
+    start = {f"q{i}": rng.uniform(0.2, 0.8) for i in range(n)}
+    return start, {q: min(1.0, max(0.0, v + shift + rng.gauss(0, noise))) for q, v in start.items()}
+
+
+def test_a_trained_model_clearly_better_is_selected():
+    start, trained = _scores(0, 200, 0.05, 0.05)
+    s = select({"zero": start, "gpl": trained}, "zero", "labelled")
+    assert s.system == "gpl" and s.p_value < 0.05 and s.value > s.start_value
+    assert "gpl" in s.reason and "p = " in s.reason
+
+
+def test_a_gain_within_noise_keeps_the_starting_model():
+    start, trained = _scores(1, 20, 0.005, 0.2)
+    s = select({"zero": start, "gpl": trained, "qgen": start}, "zero", "proxy (ict queries of 20 held-out documents)")
+    assert s.best_trained == "gpl"
+    assert s.system == "zero" and "did not help beyond noise" in s.reason and "proxy" in s.reason
+
+
+def test_a_worse_trained_model_keeps_the_starting_model():
+    start, trained = _scores(2, 200, -0.1, 0.02)
+    s = select({"zero": start, "gpl": trained}, "zero", "labelled")
+    assert s.system == "zero" and s.value == s.start_value and "at or below" in s.reason
+
+
+def test_nothing_trained_selects_the_start():
+    start, _ = _scores(3, 10, 0, 0)
+    s = select({"zero": start}, "zero", "labelled")
+    assert s.system == "zero" and s.best_trained is None
