@@ -285,15 +285,66 @@ def shard_task():
     return _SHARD_TASK
 
 
+#: How often a shard whose worker was lost (a killed process, a preempted node) is computed again within
+#: the run before the stage fails: a shard that raises is retried by Prefect (``shard_task``), but a worker
+#: that dies takes Prefect's retry with it.
+LOST_WORKER_RETRIES = 2
+_LOST_WORKER = {"WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "ActorDiedError", "RayActorError",
+                "OwnerDiedError", "ObjectLostError", "ObjectReconstructionFailedError"}
+
+
+def lost_worker(e: BaseException | None) -> bool:
+    """Whether ``e`` (or what it wraps) says the shard's worker died, rather than that the shard failed."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ in _LOST_WORKER:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _on_ray(stage, jobs: list[ShardJob], runtime: RuntimeConfig) -> list[dict]:
+    """Every job as a Prefect task on the run's Ray; a shard whose worker is lost is submitted again (at most
+    ``LOST_WORKER_RETRIES`` times) and its record says ``retried``."""
     import ray
-    from prefect_ray import RayTaskRunner
-    from prefect_ray.context import remote_options
 
     if not ray.is_initialized():
         raise RuntimeError("runtime.executor ray: Ray is not joined (shards run inside `irflow run` / api.run, "
                            "which join the run's cluster)")
     gpus = runtime.ray.gpus_per_shard if stage.work else 0.0
+    done: list[dict] = []
+    lost_times: dict[int, int] = {}
+    pending = jobs
+    while pending:
+        finished, failed = _submit(pending, gpus)
+        done += finished
+        lost = [(job, e) for job, e in failed if lost_worker(e)]
+        other = [(job, e) for job, e in failed if not lost_worker(e)]
+        given_up = [(job, e) for job, e in lost if lost_times.get(job.index, 0) >= LOST_WORKER_RETRIES]
+        if other or given_up:
+            job, e = (other or given_up)[0]
+            why = f" (its worker was lost {LOST_WORKER_RETRIES + 1} times)" if not other else ""
+            raise ShardFailed(f"shard {job.index} (rows {job.start}-{job.stop} of {job.role}) failed{why}: "
+                              f"{type(e).__name__}: {e}" + (f" ({len(failed) - 1} more shard(s) failed)"
+                                                            if len(failed) > 1 else ""), e) from e
+        for job, e in lost:
+            lost_times[job.index] = lost_times.get(job.index, 0) + 1
+            log.warning("%s: shard %d (rows %d-%d) lost its worker (%s): computing it again (%d of %d)", job.label,
+                        job.index, job.start, job.stop, type(e).__name__, lost_times[job.index],
+                        LOST_WORKER_RETRIES)
+        pending = [job for job, _ in lost]
+    for r in done:
+        if lost_times.get(r["index"]):
+            r["status"] = "retried"
+    return done
+
+
+def _submit(jobs: list[ShardJob], gpus: float) -> tuple[list[dict], list[tuple[ShardJob, BaseException]]]:
+    """Run ``jobs`` as Prefect tasks on the joined Ray; wait for every one: (records, failures)."""
+    from prefect_ray import RayTaskRunner
+    from prefect_ray.context import remote_options
+
     task = shard_task()
     # Ray does not retry a shard itself (max_retries 0): Prefect retries it once, and a Ray retry of a
     # task Prefect saw finish is an illegal state change for Prefect (prefect-ray#82).
@@ -304,11 +355,6 @@ def _on_ray(stage, jobs: list[ShardJob], runtime: RuntimeConfig) -> list[dict]:
     for job, f in futures:
         try:
             done.append(f.result())
-        except Exception as e:  # noqa: BLE001 -- every shard is waited for, then the first failure is raised
+        except Exception as e:  # noqa: BLE001 -- every shard is waited for, then the failures are sorted
             failed.append((job, e))
-    if failed:
-        job, e = failed[0]
-        raise ShardFailed(f"shard {job.index} (rows {job.start}-{job.stop} of {job.role}) failed: "
-                          f"{type(e).__name__}: {e}" + (f" ({len(failed) - 1} more shard(s) failed)"
-                                                        if len(failed) > 1 else ""), e) from e
-    return done
+    return done, failed
