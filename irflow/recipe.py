@@ -266,8 +266,8 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
             evaluations = recipe.body(c, run)
         # an evaluation that --to left out has no metrics to report
         evaluated = [ev for ev in evaluations if ev["metrics"].kind != PENDING]
-        rows = report(run, evaluated)
         selected = _select(run, evaluated)
+        rows = report(run, evaluated, selected)
         check_interrupted()
         status = "completed"
     except KeyboardInterrupt:

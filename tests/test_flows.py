@@ -90,7 +90,7 @@ def test_a_ctrl_c_turned_into_an_error_outside_a_stage_marks_the_run_interrupted
     from irflow.catalog import Catalog
     from irflow.tasks import report
 
-    def ctrl_c_in_the_report(run, evaluations):
+    def ctrl_c_in_the_report(run, evaluations, selected=None):
         processes._interrupted = True  # what the CLI's SIGINT handler does
         raise RuntimeError("Invalid Input Error: query interrupted")
 

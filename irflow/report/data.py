@@ -81,6 +81,7 @@ class ReportData:
     comparisons: list[Comparison]
     stages: list[dict]  # name, status, seconds
     notes: list[str]  # what the page must say about what is missing
+    selection: dict | None = None  # the model the run selected (irflow.selection), and what it was measured on
 
     def system(self, name: str) -> SystemSummary:
         return next(s for s in self.systems if s.system == name)
@@ -143,7 +144,7 @@ def report_data(catalog: Catalog, run_id: str, baselines: list[str] | None = Non
         split = rows[0]["split"] if rows else run["config"].get("dataset", {}).get("split")
         _fill_texts(comparisons, ranking_of, _Texts(catalog, evals[0]), split)
     return ReportData(run=run, metric=metric, metric_rows=rows, systems=systems, baselines=chosen,
-                      comparisons=comparisons, stages=stages, notes=notes)
+                      comparisons=comparisons, stages=stages, notes=notes, selection=catalog.selection(run_id))
 
 
 def _baselines(asked: list[str] | None, made_by: dict[str, str], systems: list[str]) -> list[str]:

@@ -54,6 +54,12 @@ def header(d: ReportData) -> str:
             ("finished", f"{r['finished_at']:%Y-%m-%d %H:%M:%S}" if r["finished_at"] else "–"),
             ("config file", r["config_path"] or "(given as a mapping, not a file)"),
             ("stages", f"{len(d.stages)}: {computed} computed, {len(d.stages) - computed} cached")]
+    if d.selection:
+        sel = d.selection
+        rows += [("evaluation", sel["evaluation"] + ("" if sel["evaluation"] == "labelled"
+                                                     else ": a proxy, not relevance labels")),
+                 ("selected model", f"{sel['system']} ({sel['model_id']}): {sel['reason']}"),
+                 ("hand it out", f"irflow export {r['run_id']} --out DIR")]
     body = "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in rows)
     stages = "".join(f"<tr><td>{escape(s['name'])}</td><td>{escape(s['status'])}</td>"
                      f"<td class=num>{s['seconds']:.1f} s</td></tr>" for s in d.stages)

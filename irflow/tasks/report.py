@@ -81,7 +81,7 @@ def histogram_markdown(data: dict, png: str, dataset_id: str) -> str:
     return "\n".join(lines + ["", f"PNG: `{png}` (dataset {dataset_id})"])
 
 
-def summary_markdown(run: Run, rows: list[dict]) -> str:
+def summary_markdown(run: Run, rows: list[dict], selected: dict | None = None) -> str:
     """The run in a few lines of markdown (Prefect's artifact): what its stages did, its metrics, and
     the commands that show more (the HTML report, the graph)."""
     stages = run.catalog.stage_runs(run.run_id)
@@ -97,20 +97,25 @@ def summary_markdown(run: Run, rows: list[dict]) -> str:
                   + " | ".join("" if r.get(c) is None else f"{r[c]:.4f}" for c in cols) + " |" for r in rows]
     else:
         lines.append("(no metrics)")
+    if selected:
+        if selected["evaluation"] != "labelled":
+            lines += ["", f"Evaluation: {selected['evaluation']} -- a proxy, not relevance labels."]
+        lines += ["", f"Selected model: **{selected['system']}** (`{selected['model_id']}`): {selected['reason']}"]
     store = run.store_root
     lines += ["", f"HTML report: `irflow report {run.run_id} --store {store} --out {store}/reports/{run.run_id}`",
               f"Graph: `irflow dag {run.run_id} --store {store} --out {run.run_id}.svg`"]
     return "\n".join(lines)
 
 
-def report(run: Run, evals: list[dict]) -> list[dict]:
+def report(run: Run, evals: list[dict], selected: dict | None = None) -> list[dict]:
     rows = record_metrics(run, evals)
     try:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
         description = f"irflow run {run.run_id}"
         create_table_artifact(key="metrics", table=rows, description=description)
-        create_markdown_artifact(key="run-summary", markdown=summary_markdown(run, rows), description=description)
+        create_markdown_artifact(key="run-summary", markdown=summary_markdown(run, rows, selected),
+                                  description=description)
         for s in run.catalog.stage_runs(run.run_id):  # denoise[ce] -> artifact denoise-ce
             if "histogram" in s["outputs"]:
                 where = run.store.object_dir(s["outputs"]["histogram"])
