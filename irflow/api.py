@@ -27,6 +27,7 @@ from typing import Any
 
 from irflow import orchestration, runtime
 from irflow.errors import ConfigError, UserError
+from irflow.executors import executor_for
 from irflow.params import model_fields
 from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan, upstream
 from irflow.stage import warnings_logged
@@ -71,13 +72,7 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
         runtime.check_devices(c.runtime)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if c.runtime.executor == "ray":
-        from irflow import ray_cluster
-
-        if c.runtime.ray.address is not None:
-            ray_cluster.check_address(c.runtime.ray.address)
-        else:
-            ray_cluster.check_local_gpus(c.runtime.ray.gpus_per_shard)
+    executor_for(c.runtime).preflight(c.runtime)
     warnings = list(c.advice())
     for work, r in runtime.resolved_plan(c.runtime).items():
         if r["warning"] and r["warning"] not in warnings:

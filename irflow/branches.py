@@ -325,9 +325,9 @@ def _failed_name(run) -> str:
 
 
 def branches_for(run, runtime) -> contextlib.AbstractContextManager:
-    """The run's Branches when its stages may run at once (executor ray, ``concurrent_stages`` > 1),
-    else a context that changes nothing (stage calls run one after another)."""
-    limit = runtime.ray.concurrent_stages
-    if runtime.executor != "ray" or limit <= 1 or run.dry_run:
+    """The run's Branches when its executor runs stages at once (ray: ``concurrent_stages`` > 1), else a
+    context that changes nothing (stage calls run one after another)."""
+    limit = run.executor.concurrent_stages(runtime)
+    if limit <= 1 or run.dry_run:
         return contextlib.nullcontext()
     return Branches(run, limit)

@@ -262,7 +262,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     try:
         # executor ray: the run's Ray; and its stage calls run at once where they may (irflow.branches:
         # leaving the block waits for every stage and raises the first failure)
-        with older_objects_frozen(), _executor(c.runtime), branches_for(run, c.runtime):
+        with older_objects_frozen(), run.executor.session(c.runtime), branches_for(run, c.runtime):
             evaluations = recipe.body(c, run)
         # an evaluation that --to left out has no metrics to report
         evaluated = [ev for ev in evaluations if ev["metrics"].kind != PENDING]
@@ -307,16 +307,6 @@ def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict 
     run.catalog.record_selection(run.run_id, out)
     log.info("selected model: %s (%s)", sel.system, sel.reason)
     return out
-
-
-def _executor(rt: RuntimeConfig):
-    """executor ray: the run's Ray cluster, joined for the recipe's body (irflow.ray_cluster)."""
-    if rt.executor != "ray":
-        return contextlib.nullcontext()
-    from irflow.orchestration import api_url
-    from irflow.ray_cluster import ray_session
-
-    return ray_session(rt, api_url())
 
 
 def plan(recipe: Recipe, c: RecipeConfig, store: str, force: set[str] = frozenset(),

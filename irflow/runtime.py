@@ -136,14 +136,23 @@ class RuntimeConfig(Params):
                           "activation memory of one layer instead of all of them, for more compute (a "
                           "MiniLM step on 2 CPU cores: 1.3-1.5x the CPU time) (false: keep every activation)")
 
-    executor: Literal["local", "ray"] = Field("local", description="local: stages and their shards run in "
-                                                                   "this process, one after another; ray: shards "
-                                                                   "run as Prefect tasks on Ray workers, and "
-                                                                   "independent stages at once (runtime.ray)")
+    executor: str = Field("local", description="local: stages and their shards run in this process, one after "
+                                               "another; ray: shards run as Prefect tasks on Ray workers, and "
+                                               "independent stages at once (runtime.ray); or an executor "
+                                               "registered with irflow.executors.register")
     ray: RayConfig = Field(RayConfig(), description="the Ray cluster of executor ray")
     shard_rows: PositiveInt = Field(100_000, description="rows of a sharded stage's input per shard (corpus "
                                                          "passages, queries or pairs): the unit of parallel work, "
                                                          "of memory, and of resuming a killed run")
+
+    @field_validator("executor")
+    @classmethod
+    def _known_executor(cls, v):
+        from irflow import executors
+
+        if v not in executors.EXECUTORS:
+            raise ValueError(f"'{v}' is not an executor ({', '.join(executors.names())})")
+        return v
 
     @model_validator(mode="after")
     def _onnx_on_cpu(self):

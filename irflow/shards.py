@@ -158,7 +158,7 @@ def run_shard(job: ShardJob) -> dict:
             "status": "computed", "warnings": warned}
 
 
-def _relay_warnings(label: str, records: list[dict]) -> None:
+def relay_warnings(label: str, records: list[dict]) -> None:
     """A Ray worker's warnings are logged where nobody collects them (its stderr): each distinct one that
     the shards computed on Ray workers logged is logged here once, naming those shards (the run's log,
     ``RunResult.warnings``, and the datasets' recorded warnings then have it)."""
@@ -203,8 +203,12 @@ class ShardFailed(RuntimeError):
 
 
 def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeConfig, resume_dir: Path,
-            onnx_models: dict | None = None) -> list[dict]:
-    """Every shard's parts in ``resume_dir`` (computing the missing ones); their records, in order."""
+            onnx_models: dict | None = None, executor=None) -> list[dict]:
+    """Every shard's parts in ``resume_dir`` (computing the missing ones, on ``executor``: the run's,
+    ``irflow.executors``); their records, in order."""
+    from irflow.executors import LocalExecutor, executor_for
+
+    executor = executor or executor_for(runtime)
     role = stage.shard
     align = stage.shard_align(params) if stage.shard_align else 1
     shard_rows = aligned(runtime.shard_rows, align)
@@ -221,21 +225,17 @@ def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeCon
                           "status": "resumed"}
             continue
         jobs.append(ShardJob(stage.fn.__module__, stage.fn.__name__, label, i, a, b, role, params, inputs, parts,
-                             runtime, worker_threads(runtime), onnx_models))
-    if len(ranges) > 1 or runtime.executor == "ray":
+                             runtime, executor.worker_threads(runtime), onnx_models))
+    if len(ranges) > 1 or not isinstance(executor, LocalExecutor):
         log.info("%s: %d shard(s) of %d %s rows (%d to compute, %d resumed), executor %s", label, len(ranges),
-                 shard_rows, role, len(jobs), len(ranges) - len(jobs), runtime.executor)
-    if runtime.executor == "ray" and jobs:
-        done = _on_ray(stage, jobs, runtime)
-        _relay_warnings(label, done)
-    else:
-        done = _here(jobs)
+                 shard_rows, role, len(jobs), len(ranges) - len(jobs), executor.name)
+    done = executor.map_shards(stage, label, jobs, runtime) if jobs else []
     for r in done:
         records[r["index"]] = r
     return records  # type: ignore[return-value]
 
 
-def _here(jobs: list[ShardJob]) -> list[dict]:
+def run_here(jobs: list[ShardJob]) -> list[dict]:
     """The shards in this process, one after another, the stage's model and index kept between them."""
     global _KEEPING
     _KEEPING += 1
@@ -252,17 +252,6 @@ def _here(jobs: list[ShardJob]) -> list[dict]:
         _KEEPING -= 1
         if not _KEEPING:
             _PER_WORKER.clear()
-
-
-def worker_threads(runtime: RuntimeConfig) -> int:
-    from irflow.runtime import available_cpus
-
-    if runtime.executor != "ray":
-        return runtime.cpu_threads()
-    if runtime.ray.threads_per_worker:
-        return runtime.ray.threads_per_worker
-    workers = runtime.ray.workers or available_cpus()
-    return max(1, (runtime.threads or available_cpus()) // workers)
 
 
 _SHARD_TASK = None
@@ -304,7 +293,7 @@ def lost_worker(e: BaseException | None) -> bool:
     return False
 
 
-def _on_ray(stage, jobs: list[ShardJob], runtime: RuntimeConfig) -> list[dict]:
+def on_ray(stage, jobs: list[ShardJob], runtime: RuntimeConfig) -> list[dict]:
     """Every job as a Prefect task on the run's Ray; a shard whose worker is lost is submitted again (at most
     ``LOST_WORKER_RETRIES`` times) and its record says ``retried``."""
     import ray

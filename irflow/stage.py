@@ -52,6 +52,7 @@ from irflow.errors import DataError, StageFailed
 from irflow.params import Params
 from irflow.processes import check_interrupted, file_lock, release_memory
 from irflow.runtime import RuntimeConfig, stage_runtime
+from irflow.executors import executor_for
 from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
 
 log = logging.getLogger("irflow")
@@ -96,6 +97,7 @@ class Run:
         self.failed: dict | None = None  # the stage that failed: {name, inputs, seconds}
         self.error: BaseException | None = None  # the first failure (stages may run at once: irflow.branches)
         self.branches = None  # irflow.branches.Branches while stage calls run at once
+        self.executor = executor_for(self.runtime)  # where shards (and, for some, stages at once) run
         # what a recipe says about its evaluated dense models (irflow.selection picks the one to ship):
         # system -> model ref, the system training started from, and what the evaluation measured
         self.dense_models: dict[str, DatasetRef] = {}
@@ -566,7 +568,8 @@ class Stage:
                  f"{rt.device}, {rt.precision}{_backend(rt)}" if self.work else "cpu")
         try:
             with warnings_logged() as warned:  # the shards' own, also those relayed from Ray workers
-                records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir, onnx_models)
+                records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir, onnx_models,
+                                         run.executor)
         except shards.ShardFailed as e:
             check_interrupted()
             # A user error (a model that cannot be loaded, data that cannot support the params) is the
