@@ -10,7 +10,7 @@ else (miners, fusion teacher, Margin-MSE, steps) as the config. Runs share one s
 Prints nDCG@10 / R@100 of zero-shot, BM25, the fusion teacher and the GPL student per source (with the
 paired t-test of each against zero-shot over the test queries), and
 writes JSON after each run (so a cut-off keeps what finished). The numbers the recipe's warning cites
-(``irflow.flows.gpl.MODEL_FREE_MEASURED``) come from this file.
+(``irflow/measured/model_free.json``) come from this file.
 """
 
 from __future__ import annotations

@@ -111,6 +111,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     docs, log_file = prepare(args.dataset, work)
     out: dict = {"dataset": args.dataset, "steps": args.steps, "runs": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if Path(args.out).exists():  # sources run before into the same file: the agreement covers them all
+        out["runs"] = json.loads(Path(args.out).read_text()).get("runs", {})
     proxy_all, real_all, per_query_real = {}, {}, {}
     for source in args.sources:
         cfg = config_for(args.dataset, source, docs, log_file, work, args.qgen, args.steps)
@@ -146,6 +148,13 @@ def main() -> None:
         real_all.update(real)
         per_query_real.update(pq)
         harness.write_json(args.out, out)
+    for source, r in out["runs"].items():
+        start = r["selected"]["start"]
+        for system, v in r["proxy_ndcg@10"].items():
+            key = system if system in (start, "bm25-flat") or system.startswith("hybrid") else f"{system}-{source}"
+            proxy_all.setdefault(key, v)
+        for system, v in r["real_ndcg@10"].items():
+            real_all.setdefault(system, v)
     dense = [s for s in real_all if s != "bm25-flat"]
     both = sorted(set(proxy_all) & set(real_all))
     out["agreement"] = {

@@ -40,12 +40,17 @@ def names() -> list[str]:
 
 
 def executor_for(rt) -> "Executor":
-    """The executor ``rt.executor`` names (the runtime's validator has checked the name)."""
+    """The executor ``rt.executor`` names."""
+    if rt.executor not in EXECUTORS:
+        from irflow.errors import ConfigError
+
+        raise ConfigError(f"runtime.executor: '{rt.executor}' is not an executor ({', '.join(names())})")
     return EXECUTORS[rt.executor]()
 
 
 class Executor:
     name: ClassVar[str]
+    remote: ClassVar[bool] = False  # shards run in other processes (the log says how they were spread)
 
     def preflight(self, rt) -> None:
         return None
@@ -81,6 +86,7 @@ class RayExecutor(Executor):
     (``runtime.ray``)."""
 
     name = "ray"
+    remote = True
 
     def preflight(self, rt) -> None:
         from irflow import ray_cluster

@@ -96,7 +96,7 @@ def load_sentence_transformer(path: str, device: str = "cpu", max_seq_length: in
     """The model at ``path`` (once per shard worker process: ``irflow.shards.per_worker``); with ``onnx``
     (its exported directory, ``StageRuntime.onnx_model``) an ``OnnxBiEncoder`` on ``threads`` threads,
     which ``irflow.encoding.encode_texts`` runs in its place."""
-    from irflow.shards import per_worker
+    from irflow.worker import per_worker
 
     if onnx:
         from irflow import onnx_inference

@@ -186,7 +186,7 @@ def export(source: str, out_dir: str | Path, task: Task, quantization: Quantizat
         meta["do_lower_case"] = bool(getattr(st[0], "do_lower_case", False))
         output = "token_embeddings"
     else:
-        from irflow.scoring import load_cross_encoder
+        from irflow.cross_encoders import load_cross_encoder
 
         tok, model = load_cross_encoder(source, "cpu")
         meta["num_labels"] = int(model.config.num_labels)

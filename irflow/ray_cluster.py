@@ -119,7 +119,7 @@ def ray_session(runtime, prefect_api_url: str | None):
     import ray
 
     from irflow.runtime import available_cpus
-    from irflow.shards import WORKER_ENV
+    from irflow.worker import WORKER_ENV
 
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
     env[WORKER_ENV] = "1"

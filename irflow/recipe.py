@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar
 from pydantic import BaseModel, Field, model_validator
 
 from irflow import config as config_files
+from irflow import executors
 from irflow.branches import branches_for
 from irflow.errors import ConfigError
 from irflow.follows import Follow, resolve
@@ -40,14 +41,9 @@ from irflow.stage import Run
 
 log = logging.getLogger("irflow")
 
-# recipe name (a config's `flow:`) -> module that defines it
-MODULES = {
-    "baselines": "irflow.flows.baselines",
-    "gpl": "irflow.flows.gpl",
-    "rocketqa": "irflow.flows.rocketqa",
-    "ance": "irflow.flows.ance",
-}
+# recipe name (a config's `flow:`) -> the recipe; each registers itself where it is defined (@recipe)
 _REGISTRY: dict[str, "Recipe"] = {}
+FLOWS_PACKAGE = "irflow.flows"  # every module in it is imported to find the recipes (``recipe_names``)
 
 
 class RecipeConfig(Params):
@@ -177,15 +173,39 @@ class Recipe:
 
 
 def recipe(name: str, config_cls: type[RecipeConfig]) -> Callable[[Callable], Recipe]:
+    """Declare a recipe: ``@recipe("gpl", GPLConfig)`` over its body ``(config, run) -> evaluations``. It
+    registers itself (``get_recipe``), and its module gets ``<name>_flow``, the Prefect flow that a
+    deployment's entrypoint names (``irflow/flows/gpl.py:gpl_flow``)."""
+
     def wrap(body: Callable) -> Recipe:
-        r = Recipe(name, config_cls, body)
-        # Prefect loads a deployment's entrypoint file as a fresh module (not irflow.flows.<name>): only
-        # the package module registers, so there is one set of config classes for isinstance checks.
-        if body.__module__ == MODULES.get(name):
-            _REGISTRY[name] = r
+        module = body.__globals__
+        if getattr(module.get("annotations"), "compiler_flag", None):  # `from __future__ import annotations`
+            raise TypeError(f"recipe {name} ({body.__module__}): drop `from __future__ import annotations`: "
+                            "Prefect loads a deployment's entrypoint file as a module outside sys.modules, "
+                            "where pydantic cannot resolve string annotations of the config models")
+        canonical = _canonical_module(body)
+        if body.__module__ != canonical:
+            # Prefect loads a deployment's entrypoint file as a fresh module: the package module's recipe
+            # (one set of config classes for isinstance checks) serves it
+            importlib.import_module(canonical)
+            r = _REGISTRY[name]
+        else:
+            r = Recipe(name, config_cls, body)
+            _REGISTRY.setdefault(name, r)
+        module.setdefault("__getattr__", flow_getattr(r))
         return r
 
     return wrap
+
+
+def _canonical_module(body: Callable) -> str:
+    """The importable name of the module that defines ``body``: ``irflow.flows.<file>`` for a file of
+    irflow's flows package, however it was loaded; else the module's own name."""
+    import inspect
+
+    flows = Path(__file__).resolve().parent / "flows"
+    file = Path(inspect.getfile(body)).resolve()
+    return f"{FLOWS_PACKAGE}.{file.stem}" if file.parent == flows else body.__module__
 
 
 def flow_getattr(r: Recipe) -> Callable[[str], Any]:
@@ -200,13 +220,29 @@ def flow_getattr(r: Recipe) -> Callable[[str], Any]:
     return module_getattr
 
 
+_DISCOVERED = False
+
+
+def _discover() -> None:
+    """Import every module of irflow's flows package once: each recipe registers itself."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        import pkgutil
+
+        package = importlib.import_module(FLOWS_PACKAGE)
+        for m in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{FLOWS_PACKAGE}.{m.name}")
+        _DISCOVERED = True
+
+
 def recipe_names() -> list[str]:
-    return sorted(MODULES)
+    _discover()
+    return sorted(_REGISTRY)
 
 
 def get_recipe(name: str) -> Recipe:
     if name not in _REGISTRY:
-        importlib.import_module(MODULES[name])
+        _discover()
     return _REGISTRY[name]
 
 
@@ -225,7 +261,11 @@ def load_config(config: str | Path | dict | BaseModel, overrides: list[str] | tu
         close = difflib.get_close_matches(str(flow), recipe_names(), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{source}: flow: unknown recipe {flow!r}{hint}; known: {', '.join(recipe_names())}")
-    return config_files.validate(get_recipe(flow).config_cls, raw, source)
+    c = config_files.validate(get_recipe(flow).config_cls, raw, source)
+    if c.runtime.executor not in executors.EXECUTORS:  # registered at run time, so not in the runtime's model
+        raise ConfigError(f"{source}: 1 problem\n  runtime.executor: '{c.runtime.executor}' is not an executor "
+                          f"({', '.join(executors.names())})")
+    return c
 
 
 def new_run_id(name: str) -> str:

@@ -145,15 +145,6 @@ class RuntimeConfig(Params):
                                                          "passages, queries or pairs): the unit of parallel work, "
                                                          "of memory, and of resuming a killed run")
 
-    @field_validator("executor")
-    @classmethod
-    def _known_executor(cls, v):
-        from irflow import executors
-
-        if v not in executors.EXECUTORS:
-            raise ValueError(f"'{v}' is not an executor ({', '.join(executors.names())})")
-        return v
-
     @model_validator(mode="after")
     def _onnx_on_cpu(self):
         if self.backend == "onnx":

@@ -58,7 +58,6 @@ from irflow.store import DatasetRef
 
 log = logging.getLogger("irflow.shards")
 
-WORKER_ENV = "IRFLOW_SHARD_WORKER"  # set in Ray workers: objects cached per process (models, indexes)
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def run_shard(job: ShardJob) -> dict:
     """Compute one shard in this process and write its part. Returns the shard's record."""
     from irflow.processes import check_interrupted
     from irflow.runtime import stage_runtime
-    from irflow.stage import torch_threads, warnings_logged
+    from irflow.worker import torch_threads, warnings_logged
     from irflow.store import write_parts
 
     stage = getattr(importlib.import_module(job.module), job.attr)
@@ -173,26 +172,6 @@ def relay_warnings(label: str, records: list[dict]) -> None:
 
 
 # ---- objects kept per worker process -------------------------------------------------------------
-_PER_WORKER: dict[Any, Any] = {}
-_PER_WORKER_MAX = 2  # a dense search holds its model and its index
-
-
-_KEEPING = 0  # > 0 while this process runs the shards of one stage itself (executor local)
-
-
-def per_worker(key: Any, make: Callable[[], Any]) -> Any:
-    """``make()``, kept for the next shard when this process is a shard worker (a model is loaded once
-    per worker, not once per shard), or while it runs a stage's shards itself. Otherwise nothing is
-    kept: in the flow's own process a stage's model must not outlive the stage (memory)."""
-    if os.environ.get(WORKER_ENV) != "1" and not _KEEPING:
-        return make()
-    if key not in _PER_WORKER:
-        while len(_PER_WORKER) >= _PER_WORKER_MAX:
-            _PER_WORKER.pop(next(iter(_PER_WORKER)))
-        _PER_WORKER[key] = make()
-    return _PER_WORKER[key]
-
-
 # ---- running every shard of a stage ---------------------------------------------------------------
 class ShardFailed(RuntimeError):
     """A shard failed; ``cause`` is what it raised (a user error is reported as the stage's own)."""
@@ -203,12 +182,10 @@ class ShardFailed(RuntimeError):
 
 
 def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeConfig, resume_dir: Path,
-            onnx_models: dict | None = None, executor=None) -> list[dict]:
+            onnx_models: dict | None = None, *, executor) -> list[dict]:
     """Every shard's parts in ``resume_dir`` (computing the missing ones, on ``executor``: the run's,
     ``irflow.executors``); their records, in order."""
-    from irflow.executors import LocalExecutor, executor_for
 
-    executor = executor or executor_for(runtime)
     role = stage.shard
     align = stage.shard_align(params) if stage.shard_align else 1
     shard_rows = aligned(runtime.shard_rows, align)
@@ -226,7 +203,7 @@ def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeCon
             continue
         jobs.append(ShardJob(stage.fn.__module__, stage.fn.__name__, label, i, a, b, role, params, inputs, parts,
                              runtime, executor.worker_threads(runtime), onnx_models))
-    if len(ranges) > 1 or not isinstance(executor, LocalExecutor):
+    if len(ranges) > 1 or executor.remote:
         log.info("%s: %d shard(s) of %d %s rows (%d to compute, %d resumed), executor %s", label, len(ranges),
                  shard_rows, role, len(jobs), len(ranges) - len(jobs), executor.name)
     done = executor.map_shards(stage, label, jobs, runtime) if jobs else []
@@ -237,9 +214,9 @@ def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeCon
 
 def run_here(jobs: list[ShardJob]) -> list[dict]:
     """The shards in this process, one after another, the stage's model and index kept between them."""
-    global _KEEPING
-    _KEEPING += 1
-    try:
+    from irflow.worker import keeping
+
+    with keeping():
         done = []
         for job in jobs:
             try:
@@ -248,10 +225,6 @@ def run_here(jobs: list[ShardJob]) -> list[dict]:
                 raise ShardFailed(f"shard {job.index} (rows {job.start}-{job.stop} of {job.role}) failed: "
                                   f"{type(e).__name__}: {e}", e) from e
         return done
-    finally:
-        _KEEPING -= 1
-        if not _KEEPING:
-            _PER_WORKER.clear()
 
 
 _SHARD_TASK = None

@@ -53,6 +53,7 @@ from irflow.params import Params
 from irflow.processes import check_interrupted, file_lock, release_memory
 from irflow.runtime import RuntimeConfig, stage_runtime
 from irflow.executors import executor_for
+from irflow.worker import torch_threads, warnings_logged  # noqa: F401 -- part of this module's API
 from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
 
 log = logging.getLogger("irflow")
@@ -156,47 +157,9 @@ def _as_list(v) -> list[DatasetRef]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's intra-op threads for the stage (process-wide: stages that compute with torch in this
-    process take turns, ``_DRIVER_TORCH``)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-class _Warnings(logging.Handler):
-    """irflow's warning records, each message once, in order (of one thread only, when ``thread`` is set)."""
-
-    def __init__(self, thread: int | None):
-        super().__init__(logging.WARNING)
-        self.thread = thread
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.thread is not None and record.thread != self.thread:
-            return
-        if record.getMessage() not in self.messages:
-            self.messages.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def warnings_logged(every_thread: bool = False):
-    """The distinct irflow warnings logged inside the block (a list, filled as they come). By this thread
-    only, by default: what a computation warned about, recorded with its datasets (and a Ray shard's, with
-    its record), while other stages run at once in other threads (irflow.branches). ``every_thread``: the
-    whole process's (a run's, ``api.run``)."""
-    handler = _Warnings(None if every_thread else threading.get_ident())
-    log.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        log.removeHandler(handler)
+#: The stage that exports a model for the stages declared with ``onnx=`` (and its params model):
+#: ``irflow.tasks.export_onnx`` registers itself here when ``irflow.tasks`` is imported.
+ONNX_EXPORT: dict[str, Any] = {}
 
 
 # Stages that compute with torch in this process (``work`` set, not sharded) take turns, also when
@@ -461,15 +424,14 @@ class Stage:
         (source model id, opset, quantization), so a model is exported once for every later stage and run."""
         if self.onnx is None:
             return {}
-        from irflow.tasks.export_onnx import ExportParams, export_onnx
-
+        export, export_params = ONNX_EXPORT["stage"], ONNX_EXPORT["params"]
         out = {}
         for role, (task, quantization) in self.onnx(params).items():
             model = inputs.get(role)
             if model is None or (quantization == "none" and run.runtime.backend != "onnx"):
                 continue
-            ref, _ = export_onnx.execute(run, ExportParams(task=task, quantization=quantization),
-                                         f"{task}-{quantization}", {"model": model}, needed=True)
+            ref, _ = export.execute(run, export_params(task=task, quantization=quantization),
+                                    f"{task}-{quantization}", {"model": model}, needed=True)
             out[model.path] = ref.path
         return out
 
@@ -569,7 +531,7 @@ class Stage:
         try:
             with warnings_logged() as warned:  # the shards' own, also those relayed from Ray workers
                 records = shards.compute(self, stage_label, params, inputs, run.runtime, parts_dir, onnx_models,
-                                         run.executor)
+                                         executor=run.executor)
         except shards.ShardFailed as e:
             check_interrupted()
             # A user error (a model that cannot be loaded, data that cannot support the params) is the

@@ -362,7 +362,7 @@ def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
     """GPL on ICT / cropping queries was measured to lower the student below zero-shot: the recipe says
     so, with the numbers, before a run (preflight: what `irflow run` and `status` log) and in `irflow
     config`; the demo's own query source gets no warning. The numbers it cites are the benchmark's."""
-    from irflow.flows.gpl import MODEL_FREE_MEASURED
+    from irflow.flows.gpl import model_free_measured
 
     results = json.loads((REPO / "bench" / "results" / "model_free.json").read_text())["runs"]
     measured = {src: {(r["dataset"], r["teacher"], r["metrics"]["dense-all-MiniLM-L6-v2"]["ndcg@10"],
@@ -372,7 +372,9 @@ def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
                       and [o for o in r["overrides"] if not o.startswith("runtime.")]
                       == [f"generate={{source: {src}}}", "train.qgen.enabled=false"]}
                 for src in ("ict", "crop")}
-    assert {src: set(rows) for src, rows in MODEL_FREE_MEASURED.items()} == measured
+    shipped = {src: {(r["dataset"], r["teacher"], r["zero_shot"], r["student"], r["t_pvalue"]) for r in rows}
+               for src, rows in model_free_measured()["rows"].items()}
+    assert shipped == measured
     losing = [src for src, rows in measured.items() if any(student < zero for _, _, zero, student, _ in rows)]
     assert "ict" in losing  # SciFact: 0.6451 -> 0.6214
     for src in ("ict", "crop"):

@@ -98,3 +98,25 @@ def test_prefect_server_answers_what_deploy_and_worker_ask(prefect_harness):
                                                     worker_filter=WorkerFilter(status={"any_": ["ONLINE"]}))
     assert dep["name"] in names
     assert workers == []
+
+
+def test_every_registered_recipe_has_a_deployment_of_its_own_flow():
+    """Recipes register themselves where they are defined; prefect.yaml must deploy each one's flow."""
+    from irflow.recipe import recipe_names
+
+    entrypoints = {d["entrypoint"] for d in _deployments()[1]}
+    missing = [n for n in recipe_names() if f"irflow/flows/{n}.py:{n}_flow" not in entrypoints]
+    assert not missing, f"recipes without a deployment in prefect.yaml: {missing}"
+
+
+def test_a_recipe_module_with_postponed_annotations_is_refused_at_import(tmp_path):
+    import importlib.util
+
+    src = tmp_path / "myrecipe.py"
+    src.write_text("from __future__ import annotations\n"
+                   "from irflow.recipe import RecipeConfig, recipe\n"
+                   "class C(RecipeConfig):\n    pass\n"
+                   "@recipe('mine', C)\ndef mine(c, run):\n    return []\n")
+    spec = importlib.util.spec_from_file_location("myrecipe", src)
+    with pytest.raises(TypeError, match="drop `from __future__ import annotations`"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))

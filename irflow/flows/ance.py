@@ -26,7 +26,7 @@ from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_tr
                                  hybrid_runs, ingest, labelled_queries, retrieve, system_name, test_runs,
                                  top_negative_mining, train_split_follows)
 from irflow.follows import Follow
-from irflow.recipe import flow_getattr, recipe
+from irflow.recipe import recipe
 from irflow.stage import Run
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.train_dual_encoder import train_dual_encoder
@@ -134,5 +134,3 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
     runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.base_model), systems))
     return evaluate_runs(run, c.evaluate, data, runs)
 
-
-__getattr__ = flow_getattr(ance)  # `ance_flow`: the Prefect flow (prefect.yaml's entrypoint)

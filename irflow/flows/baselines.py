@@ -18,7 +18,7 @@ from pydantic import Field
 
 from irflow.flows.common import (BM25Config, DatasetConfig, ZeroShotDense, bm25_runs, dense_run, evaluate_runs,
                                  ingest, system_name)
-from irflow.recipe import RecipeConfig, flow_getattr, recipe
+from irflow.recipe import RecipeConfig, recipe
 from irflow.stage import Run
 from irflow.tasks.evaluate import EvaluationParams
 
@@ -43,5 +43,3 @@ def baselines(c: BaselinesConfig, run: Run) -> list[dict]:
         run.start_system, run.dense_models[system] = system, model
     return evaluate_runs(run, c.evaluate, data, runs)
 
-
-__getattr__ = flow_getattr(baselines)  # `baselines_flow`: the Prefect flow (prefect.yaml's entrypoint)

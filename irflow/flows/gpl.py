@@ -34,6 +34,8 @@ teacher weights and label miners name miners.
 
 # No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
 # is not in sys.modules, where pydantic could not resolve string annotations of the config models.
+import json
+from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, PositiveInt, model_validator
@@ -42,7 +44,7 @@ from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig
                                  evaluate_runs, hybrid_runs, ingest, system_name, test_runs)
 from irflow.follows import Follow
 from irflow.params import CrossEncoderName, ModelName, NoParams, Params
-from irflow.recipe import RecipeConfig, flow_getattr, recipe
+from irflow.recipe import RecipeConfig, recipe
 from irflow.stage import Run
 from irflow.store import DatasetRef
 from irflow.tasks.bm25 import (BM25IndexParams, BM25ScoreParams, BM25SearchParams, BM25Weights, Variant, bm25_index,
@@ -141,34 +143,33 @@ class Doc2QueryConfig(Doc2QueryParams):
                                                    "generate.source is t5; needs a generator)")
 
 
-# GPL on model-free queries against the zero-shot model it starts from: (dataset, fusion teacher, zero-shot
-# nDCG@10, GPL student nDCG@10, paired t-test p over the test queries) on the test split, the offline configs with
-# `generate: {source: ...}` and nothing else changed (bench/model_free.py -> bench/results/model_free.json;
-# a test keeps the two in step). Teacher "own": each miner's own top 50 fused; "every": both miners score every
-# candidate (teacher.score_every_candidate, as configs/gpl_scifact_offline.yaml has it now).
-MODEL_FREE_MEASURED: dict[str, tuple[tuple[str, str, float, float, float], ...]] = {
-    "ict": (("scifact", "own", 0.6451, 0.6214, 0.0652), ("scifact", "every", 0.6451, 0.637, 0.4862),
-            ("nfcorpus", "own", 0.3159, 0.3106, 0.2909)),
-    "crop": (("scifact", "own", 0.6451, 0.6315, 0.2736), ("scifact", "every", 0.6451, 0.6417, 0.7478),
-             ("nfcorpus", "own", 0.3159, 0.3038, 0.018)),
-}
 _TEACHER = {"own": "", "every": ", teacher scoring every candidate"}
+MODEL_FREE_FILE = Path(__file__).resolve().parents[1] / "measured" / "model_free.json"
+
+
+def model_free_measured() -> dict:
+    """What GPL on model-free queries was measured to give (irflow/measured/model_free.json): per source, rows
+    of dataset, teacher, zero-shot and student nDCG@10 and the paired p; the figures the warning quotes."""
+    return json.loads(MODEL_FREE_FILE.read_text())
 
 
 def model_free_advice(source: str) -> list[str]:
     """The warning for a model-free query source that was measured to lower the student (empty if none)."""
-    rows = MODEL_FREE_MEASURED.get(source, ())
-    if not any(student < zero for _, _, zero, student, _ in rows):
+    m = model_free_measured()
+    rows = m["rows"].get(source, ())
+    if not any(r["student"] < r["zero_shot"] for r in rows):
         return []
-    seen = "; ".join(f"{name} {zero:.4f} -> {student:.4f} ({student - zero:+.4f}, paired t-test p {p:.2f}"
-                     f"{_TEACHER[teacher]})" for name, teacher, zero, student, p in rows)
+    seen = "; ".join(f"{r['dataset']} {r['zero_shot']:.4f} -> {r['student']:.4f} ({r['student'] - r['zero_shot']:+.4f}, "
+                     f"paired t-test p {r['t_pvalue']:.2f}{_TEACHER[r['teacher']]})" for r in rows)
+    best = m["best_without_labels"]
     return [f"generate.source: {source} -- GPL trained on {source.upper()} pseudo-queries did not beat the "
             f"zero-shot model it starts from; it scored below it (nDCG@10 on the test split, zero-shot -> GPL "
-            f"student: {seen}; bench/results/model_free.json). Such queries are near-copies of their passage (BM25 finds it first "
-            f"for 96-99.5% of them on SciFact and NFCorpus): too easy to teach a ranking. Better: real in-domain queries without labels "
-            f"(generate: {{source: unlabelled, split: <split>}}, a query log), a T5 query generator "
-            f"(generate.source: t5, the paper's), or no training at all: the BM25 + dense fusion (the `hybrid` "
-            f"system) was the best system without labels (SciFact 0.7262, NFCorpus 0.3386)"]
+            f"student: {seen}; bench/results/model_free.json). Such queries are near-copies of their passage (BM25 "
+            f"finds it first for {m['bm25_finds_source_first']} of them on SciFact and NFCorpus): too easy to teach a "
+            f"ranking. Better: real in-domain queries without labels (generate: {{source: unlabelled}}: a BEIR "
+            f"split's queries, or your dataset.query_log), a T5 query generator (generate.source: t5, the paper's), "
+            f"or no training at all: the BM25 + dense fusion (the `{best['system']}` system) was the best system "
+            f"without labels (SciFact {best['scifact']:.4f}, NFCorpus {best['nfcorpus']:.4f})"]
 
 
 def _positive(source: str) -> str:
@@ -407,5 +408,3 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
                               prefix="bm25-doc2query", tag_suffix="-doc2query"))
     return evaluate_runs(run, c.evaluate, data, runs)
 
-
-__getattr__ = flow_getattr(gpl)  # `gpl_flow`: the Prefect flow (prefect.yaml's entrypoint)

@@ -45,7 +45,7 @@ from irflow.flows.common import (Dataset, HardNegativeTraining, SupervisedConfig
 from irflow.follows import MISSING, Follow
 from irflow.fusion import FusionSettings
 from irflow.params import ModelName, Params
-from irflow.recipe import flow_getattr, recipe
+from irflow.recipe import recipe
 from irflow.stage import Run
 from irflow.store import DatasetRef
 from irflow.tasks.augment import AUGMENTED_SPLIT, AugmentParams, AugmentSettings, augment
@@ -416,5 +416,3 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
                                        tag="mc-rerank-fused", rankings=[runs["md0"], runs["mc-rerank"]])
     return evaluate_runs(run, c.evaluate, data, runs)
 
-
-__getattr__ = flow_getattr(rocketqa)  # `rocketqa_flow`: the Prefect flow (prefect.yaml's entrypoint)

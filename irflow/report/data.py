@@ -18,7 +18,7 @@ import pyarrow.dataset as ds
 from irflow import stats
 from irflow.catalog import Catalog
 from irflow.errors import UserError
-from irflow.report import runs as R
+import irflow.report.runs as R
 
 # Stages whose ranking is a default baseline, in the order the page lists them: every recipe names its
 # zero-shot dense search `dense_search[zero-shot]` and the BM25 flat search `bm25_search[flat]`.

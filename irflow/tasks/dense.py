@@ -29,7 +29,7 @@ from irflow.models import load_sentence_transformer
 from irflow.pairs import candidate_pairs, scored_run
 from irflow.params import QUANTIZATION_DOC, Params, Quantization
 from irflow.runtime import StageRuntime
-from irflow.shards import per_worker
+from irflow.worker import per_worker
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
 from irflow.text import passage_texts

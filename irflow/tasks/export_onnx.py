@@ -14,7 +14,7 @@ from pydantic import Field
 from irflow import onnx_inference
 from irflow.params import Params
 from irflow.runtime import StageRuntime
-from irflow.stage import Output, stage
+from irflow.stage import ONNX_EXPORT, Output, stage
 from irflow.store import DatasetRef
 
 
@@ -31,3 +31,6 @@ class ExportParams(Params):
 def export_onnx(p: ExportParams, rt: StageRuntime, *, model: DatasetRef):
     """``model`` exported with torch.onnx (and quantised), checked against torch on a sample batch."""
     return onnx_inference.export(model.path, rt.workdir / "onnx", p.task, p.quantization, p.opset)
+
+
+ONNX_EXPORT.update(stage=export_onnx, params=ExportParams)  # what the runner calls before an onnx= stage

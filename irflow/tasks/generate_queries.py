@@ -33,7 +33,7 @@ zero-shot model: 0.6451 -> 0.6214 (ICT) / 0.6315 (cropping) nDCG@10 (bench/model
 with the teacher scoring every candidate; NFCorpus ICT 0.3159 -> 0.3106); the train split's real query
 texts, labels unused, raised it to 0.6657 (0.6803 with the teacher scoring every candidate). Model-free
 sources are offered as cheap baselines and for machines without a query generator; the GPL recipe
-warns before it runs on them (``irflow.flows.gpl.MODEL_FREE_MEASURED``).
+warns before it runs on them (``irflow/measured/model_free.json``).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _unlabelled(queries, qrels, p: UnlabelledSource) -> dict[str, pa.Table]:
 
 # ---- t5 ---------------------------------------------------------------------------------------
 def _t5(corpus_ref: DatasetRef, p: T5Source, model: DatasetRef, rt: StageRuntime) -> dict[str, pa.Table]:
-    from irflow.shards import per_worker
+    from irflow.worker import per_worker
 
     corpus = corpus_ref.table()
     n = queries_per_passage(p.queries_per_passage, corpus_ref.total_rows())  # the whole corpus, not the shard
