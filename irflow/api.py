@@ -28,6 +28,7 @@ from typing import Any
 from irflow import orchestration, runtime
 from irflow.errors import ConfigError, UserError
 from irflow.executors import executor_for
+from irflow.labels import stage_name
 from irflow.params import model_fields
 from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan, upstream
 from irflow.stage import warnings_logged
@@ -85,7 +86,7 @@ def _check_stages(recipe, c: RecipeConfig, store: str, flag: str, stages: set[st
     if not stages:
         return
     names = list(dict.fromkeys(p["name"] for p in plan(recipe, c, store)))
-    known = set(names) | {n.split("[")[0] for n in names}
+    known = set(names) | {stage_name(n) for n in names}
     unknown = sorted(stages - known)
     if unknown:
         import difflib
@@ -168,12 +169,13 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     return [StageStatus(p["name"], p["status"], p["why"], p["inputs"], p["outputs"], p["datasets"]) for p in steps]
 
 
-def catalog(store: str | os.PathLike | None = None):
-    """The catalog of an existing store; UserError if there is none (reading never creates a store)."""
+def catalog(store: str | os.PathLike | None = None, must_exist: bool = True):
+    """The catalog of an existing store; UserError if there is none (reading never creates a store), unless
+    ``must_exist`` is false."""
     from irflow.catalog import Catalog
 
     root = Path(store_root(store))
-    if not (root / "catalog.duckdb").exists():
+    if must_exist and not (root / "catalog.duckdb").exists():
         raise UserError(f"no irflow store at {root} (no catalog.duckdb); give --store, or run something first")
     return Catalog(root / "catalog.duckdb")
 

@@ -52,27 +52,27 @@ CREATE TABLE IF NOT EXISTS forced(run_id VARCHAR, dataset_id VARCHAR);
 CREATE TABLE IF NOT EXISTS metrics(
   run_id VARCHAR, eval_dataset_id VARCHAR, system VARCHAR, dataset VARCHAR, split VARCHAR,
   metric VARCHAR, value DOUBLE, num_queries BIGINT);
--- Added with typed recipes: the runtime (device, precision, threads, library versions) a dataset
+-- The runtime (device, precision, threads, library versions) a dataset
 -- was computed with. Provenance only: never part of a cache key.
 ALTER TABLE datasets ADD COLUMN IF NOT EXISTS runtime JSON;
 ALTER TABLE stage_runs ADD COLUMN IF NOT EXISTS runtime JSON;
--- Added with verified objects: the full sha256 of an object's files (its id holds the first 16
+-- The full sha256 of an object's files (its id holds the first 16
 -- hex), checked before the object is reused or read.
 ALTER TABLE datasets ADD COLUMN IF NOT EXISTS digest VARCHAR;
--- Added with crash hygiene: which process runs it, so a later run can tell a run that was killed
+-- Which process runs it, so a later run can tell a run that was killed
 -- (status 'interrupted') from one still going.
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS pid INTEGER;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS host VARCHAR;
--- Added with sharded stages: one row per shard of a computed sharded stage (where it ran, how long;
+-- One row per shard of a computed sharded stage (where it ran, how long;
 -- status computed, or resumed: its part was left by an earlier, interrupted run).
 CREATE TABLE IF NOT EXISTS shard_runs(
   run_id VARCHAR, stage VARCHAR, cache_key VARCHAR, shard INTEGER, start_row BIGINT, stop_row BIGINT,
   host VARCHAR, pid INTEGER, device VARCHAR, seconds DOUBLE, status VARCHAR);
--- Added with run graphs (irflow.dag): the stages --to left out ({name, inputs, outputs} each) and the
+-- For run graphs (irflow.dag): the stages --to left out ({name, inputs, outputs} each) and the
 -- stage that failed ({name, inputs, seconds}); NULL: none. Neither has a stage_runs row.
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS skipped JSON;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS failed_stage JSON;
--- Added with recorded warnings: what the computation that made a dataset warned about (a JSON list of
+-- What the computation that made a dataset warned about (a JSON list of
 -- messages; NULL: nothing, or made before this column). A run that reuses the dataset says them again.
 ALTER TABLE datasets ADD COLUMN IF NOT EXISTS warnings JSON;
 -- The model each run selected to ship (irflow.selection): its system and id, the metric on the run's

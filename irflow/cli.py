@@ -41,12 +41,7 @@ log = logging.getLogger("irflow")
 
 
 def _catalog(args, must_exist: bool = True):
-    from irflow.catalog import Catalog
-
-    root = Path(api.store_root(args.store))
-    if must_exist and not (root / "catalog.duckdb").exists():
-        raise UserError(f"no irflow store at {root} (no catalog.duckdb); give --store, or run something first")
-    return Catalog(root / "catalog.duckdb")
+    return api.catalog(args.store, must_exist)
 
 
 def cmd_run(args) -> int:
@@ -622,13 +617,12 @@ def entry() -> None:
 def _exit_after_interrupt(code: int) -> None:
     """After a Ctrl-C, once the run is recorded as interrupted and its one line printed, exit without the
     interpreter's teardown: an interrupted stage can leave DuckDB objects referenced from its frames, and
-    DuckDB's bindings (nanobind) then print ~40 lines of "leaked instance" at teardown, after our one line
-    (seen once in CI, tests/test_crash.py). Nothing of ours runs at teardown.
+    DuckDB's bindings (nanobind) can then print ~40 lines of "leaked instance" at teardown, after our one
+    line (tests/test_crash.py). Nothing of ours runs at teardown.
 
     The exit handlers run first (Prefect's temporary server stops there, temporary folders go) -- unless a
     stage thread lingers: a Ray run's thread still blocked in ``ray.get`` on a shard (or on the future of a
-    stage that will never run) kept the interpreter from exiting for ever (seen once in CI: still running
-    40 min after the Ctrl-C). Then exit at once, skipping the handlers, as a kill would; what the run
+    stage that will never run) can keep the interpreter from exiting for ever. Then exit at once, skipping the handlers, as a kill would; what the run
     started dies with it (the Ray cluster's watchdog, the children's parent-death signal), as after a
     kill -9 (tests/test_ray.py)."""
     import atexit

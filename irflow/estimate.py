@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from irflow.labels import stage_name
+
 RATES = Path(__file__).with_name("measured") / "rates.json"
 WORDS_TO_TOKENS = 1.3  # WordPiece tokens per whitespace word in English prose (SciFact: 1.32)
 
@@ -120,7 +122,7 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None)
     n_gen = _generated_queries(c, size)
     out = []
     for label in stages:
-        base = label.split("[")[0]
+        base = stage_name(label)
         sec, peak, work = fixed.get(base, 1), mem["base"], "fixed cost"
         if base == "encode_corpus":
             toks = size.passages * _tokens(size, enc_len)

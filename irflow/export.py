@@ -19,6 +19,7 @@ import yaml
 
 from irflow.catalog import Catalog
 from irflow.errors import UserError
+from irflow.labels import stage_name
 
 
 @dataclass
@@ -66,7 +67,7 @@ def _training(catalog: Catalog, model_id: str) -> dict | None:
 def _corpus(catalog: Catalog, run_id: str) -> dict | None:
     """The run's dataset source (its content fingerprint) and the corpus ingested from it."""
     for r in catalog.stage_runs(run_id, with_inputs=True):
-        if r["name"].split("[")[0] in ("ingest", "ingest_corpus"):
+        if stage_name(r["name"]) in ("ingest", "ingest_corpus"):
             out = r["outputs"].get("corpus")
             src = next((ids[0] for ids in (r.get("inputs") or {}).values() if ids), None)
             rows = (catalog.dataset(out) or {}).get("num_rows") if out else None

@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar
 from pydantic import BaseModel, Field, model_validator
 
 from irflow import config as config_files
-from irflow import executors
+from irflow import executors, labels
 from irflow.branches import branches_for
 from irflow.errors import ConfigError
 from irflow.follows import Follow, resolve
@@ -286,7 +286,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         only = upstream(steps, to)
         # api.run says which names are wrong, with the stages; a flow started another way still must not
         # silently skip everything
-        missing = sorted(t for t in to if not any(p["name"] == t or p["name"].split("[")[0] == t for p in steps))
+        missing = sorted(t for t in to if not any(labels.matches(p["name"], t) for p in steps))
         if missing:
             raise ConfigError(f"--to {', '.join(missing)}: no such stage in recipe '{recipe.name}'")
     run = Run(store_root, run_id or new_run_id(recipe.name), runtime=c.runtime, force=force, only=only)
@@ -371,7 +371,7 @@ def upstream(plan: list[dict], targets: set[str] | frozenset[str]) -> set[str]:
     reads: dict[str, set[str]] = {}
     for p in plan:  # a label planned twice (a repeated call) reads what both calls read
         reads.setdefault(p["name"], set()).update(i for ids in p["inputs"].values() for i in ids)
-    need = [p["name"] for p in plan if p["name"] in targets or p["name"].split("[")[0] in targets]
+    need = [p["name"] for p in plan if any(labels.matches(p["name"], t) for t in targets)]
     seen: set[str] = set()
     while need:
         label = need.pop()

@@ -53,6 +53,7 @@ from irflow.params import Params
 from irflow.processes import check_interrupted, file_lock, release_memory
 from irflow.runtime import RuntimeConfig, stage_runtime
 from irflow.executors import executor_for
+from irflow.labels import label as make_label
 from irflow.worker import torch_threads, warnings_logged  # noqa: F401 -- part of this module's API
 from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
 
@@ -256,7 +257,7 @@ class Stage:
 
     def run_name(self, tag: str | None) -> str:
         """The name of one call in a run: ``bm25_search[flat]`` (the tag tells calls apart)."""
-        return f"{self.name}[{tag}]" if tag else self.name
+        return make_label(self.name, tag)
 
     def _check(self, params, inputs: dict) -> tuple[Params, dict]:
         # Exactly a member class: a config section that subclasses one (and adds recipe-level fields,

@@ -18,6 +18,7 @@ import pyarrow.dataset as ds
 
 from irflow.catalog import Catalog
 from irflow.errors import UserError
+from irflow.labels import stage_name
 from irflow.store import TABLE_FILE
 
 RECENT = 5  # runs named when a run id is not found
@@ -128,7 +129,7 @@ def evaluations(catalog: Catalog, run_id: str) -> list[dict]:
     made_by = {did: s["name"] for s in stages for did in s["outputs"].values()}
     out = []
     for s in stages:
-        if s["name"].split("[")[0] != "evaluate" or "per_query" not in s["outputs"]:
+        if stage_name(s["name"]) != "evaluate" or "per_query" not in s["outputs"]:
             continue
         per_query = s["outputs"]["per_query"]
         inputs = {role: ids[0] for role, ids in stage_inputs(catalog, per_query, s["cache_key"]).items()}

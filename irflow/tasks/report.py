@@ -107,6 +107,13 @@ def summary_markdown(run: Run, rows: list[dict], selected: dict | None = None) -
     return "\n".join(lines)
 
 
+def _artifact_key(stage_label: str) -> str:
+    """denoise[ce] -> denoise-ce (Prefect artifact keys: lowercase, digits and dashes)."""
+    from irflow.labels import stage_name, tag
+
+    return "-".join(filter(None, (stage_name(stage_label), tag(stage_label)))).replace("_", "-")
+
+
 def report(run: Run, evals: list[dict], selected: dict | None = None) -> list[dict]:
     rows = record_metrics(run, evals)
     try:
@@ -121,7 +128,7 @@ def report(run: Run, evals: list[dict], selected: dict | None = None) -> list[di
                 where = run.store.object_dir(s["outputs"]["histogram"])
                 markdown = histogram_markdown(json.loads((where / "histogram.json").read_text()),
                                               str(where / "histogram.png"), s["outputs"]["histogram"])
-                create_markdown_artifact(key=s["name"].replace("[", "-").rstrip("]").replace("_", "-"),
+                create_markdown_artifact(key=_artifact_key(s["name"]),
                                          markdown=markdown, description=description)
     except Exception:  # noqa: BLE001 -- outside a Prefect run (tests, dry runs) there is no artifact store
         pass
