@@ -60,7 +60,7 @@ def cpu_flags() -> dict:
 def exported(store: Path, model_path: str, task: str, quantization: str) -> tuple[str, float, str]:
     """(directory, seconds, computed|cached) of ``model_path``'s export, by irflow's export_onnx stage."""
     from irflow.models import resolve
-    from irflow.stage import Run
+    from irflow.runner import Run
     from irflow.tasks.export_onnx import ExportParams, export_onnx
 
     run = Run(store, f"bench-inference-{os.getpid()}")

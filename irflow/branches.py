@@ -240,7 +240,7 @@ class Branches:
         parameters = {"run": run, "params": params, "tag": tag,
                       "inputs": {role: _for_prefect(v) for role, v in inputs.items()}, "name": label,
                       "branches": (self, next(self._numbers))}
-        future = self._runner.submit(stage.task, parameters=parameters)
+        future = self._runner.submit(run.stage_task(stage), parameters=parameters)
         with self._lock:
             self._futures.append(future)
         outputs = tuple(o.name for o in stage.outputs) if len(stage.outputs) > 1 else None

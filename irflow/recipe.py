@@ -37,7 +37,7 @@ from irflow.orchestration import configure
 from irflow.params import Params, explain
 from irflow.processes import check_interrupted, interrupted, older_objects_frozen
 from irflow.runtime import RuntimeConfig
-from irflow.stage import Run
+from irflow.runner import Run
 
 log = logging.getLogger("irflow")
 

@@ -192,7 +192,7 @@ def gpl_sample_config(root: str | Path, scifact_zip: str | Path) -> Path:
 
 
 def ingest_folder(run, source, dangling_qrels: str = "drop") -> dict:
-    """Ingest a BEIR folder or zip with ``run`` (a ``irflow.stage.Run``): {corpus, queries, qrels} refs."""
+    """Ingest a BEIR folder or zip with ``run`` (a ``irflow.runner.Run``): {corpus, queries, qrels} refs."""
     from irflow.tasks.ingest import IngestParams, ingest_beir, source_ref
 
     ref = run.external(source_ref(str(source), None, run.store.root / "downloads"), {"source": str(source)})

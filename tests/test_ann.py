@@ -11,7 +11,7 @@ from irflow import ann
 from irflow.encoding import encode_texts
 from irflow.models import load_sentence_transformer
 from irflow.runtime import StageRuntime
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.dense import (DenseRetrieval, DenseSearchParams, EncodeParams, build_index, dense_search,
                                 embeddings_to_numpy, encode_corpus)
 from irflow.testing import make_tiny_bi_encoder, model, scifact_docs

@@ -17,7 +17,8 @@ from irflow.branches import Branches, Deferred
 from irflow.errors import DataError, StageFailed
 from irflow.params import Params
 from irflow.processes import check_interrupted
-from irflow.stage import PENDING, Output, Run, stage
+from irflow.stage import PENDING, Output, stage
+from irflow.runner import Run
 
 
 class Nap(Params):

@@ -18,7 +18,8 @@ from irflow.catalog import Catalog
 from irflow.errors import ConfigError, DataError, StageFailed, UserError
 from irflow.params import Params
 from irflow.recipe import Recipe, RecipeConfig, execute, upstream
-from irflow.stage import Output, Run, stage
+from irflow.stage import Output, stage
+from irflow.runner import Run
 from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder
 from irflow.testing import run_cli as cli
 

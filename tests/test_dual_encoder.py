@@ -14,7 +14,7 @@ from irflow.losses import (CrossBatchInfoNCE, ListwiseDistillationLoss, Multiple
 from irflow.models import load_sentence_transformer
 from irflow.qrels import judged_positives
 from irflow.runtime import RuntimeConfig
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.train_dual_encoder import train_dual_encoder, training_examples
 from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, model, scifact_docs
 

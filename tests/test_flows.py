@@ -71,7 +71,7 @@ def test_stages_run_with_the_older_objects_frozen_out_of_the_collector(setup, mo
     collector's scans, and unfreezes them at its end."""
     import gc
 
-    from irflow import stage
+    from irflow import runner as stage
 
     frozen_at_release = []
     release = stage.release_memory

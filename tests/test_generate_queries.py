@@ -27,7 +27,7 @@ from irflow.errors import DataError, StageFailed
 from irflow.models import ModelNotAvailable, resolve
 from irflow.params import Params
 from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks import generate_queries as gq
 from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand, expand_corpus
 from irflow.generation import BatchGenerator

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from irflow import data_contracts
 from irflow.beir import IngestError, dataset_splits, is_url
 from irflow.errors import DataError, StageFailed, UserError
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.store import fingerprint_file, remove_tree
 from irflow.tasks.ingest import IngestParams, ingest_beir, source_ref
 from irflow.testing import SHARED_DATASETS, beir_slice

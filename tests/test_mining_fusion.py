@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from irflow import data_contracts
 from irflow.fusion import FusionSettings, fuse_runs, run_weights
 from irflow.runtime import RuntimeConfig
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.fuse import FuseParams, fuse
 from irflow.tasks.mine_negatives import MineParams, MixCounts, mine_negatives, mine_tables
 from irflow.testing import SHARED_DATASETS

@@ -13,7 +13,7 @@ from irflow.encoding import encode_texts
 from irflow.models import load_sentence_transformer
 from irflow.runtime import RuntimeConfig
 from irflow.scoring import cross_encoder_scores
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.dense import DenseSearchParams, EncodeParams, dense_search, encode_corpus
 from irflow.tasks.rerank import RerankParams, rerank
 from irflow.teachers import CrossEncoderTeacher

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from irflow.errors import StageFailed
 from irflow.fusion import fuse_runs
 from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.fuse import FuseParams, fuse
 from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelParams,
                                        LabelScoresParams, PseudoLabelParams, build_triples, fusion_scores,

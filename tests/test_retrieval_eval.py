@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from irflow.encoding import encode_texts
 from irflow.errors import StageFailed
 from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.dense import (DenseSearchParams, EncodeParams, build_index, dense_search, embeddings_to_numpy,
                                 encode_corpus, search_index)
 from irflow.tasks.evaluate import EvaluateParams, evaluate, evaluate_run, mrr_at_k

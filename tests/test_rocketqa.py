@@ -333,7 +333,7 @@ def test_augment_keeps_confident_queries_only():
 def unlabelled(tmp_path_factory, shared_datasets):
     """Augmentation's inputs on a real SciFact slice: 14 queries (their labels unused), a word-overlap
     ranking standing in for M_D1's list, a second one (titles only) for the fusion teacher, a tiny M_C."""
-    from irflow.stage import Run
+    from irflow.runner import Run
     from irflow.testing import ingest_folder, lexical_run, make_tiny_cross_encoder, model
     from irflow.text import passage_texts
 
@@ -380,7 +380,7 @@ def test_augment_scoring_in_shards_gives_the_data_of_one_shard_and_of_the_single
     scores (and so the augmented qrels and negatives) one shard does; and those equal what the single
     augment stage computed: the ranking's top depth scored at once, probabilities, the same decision."""
     from irflow.runtime import RuntimeConfig, StageRuntime
-    from irflow.stage import Run
+    from irflow.runner import Run
     from irflow.tasks.augment import AugmentParams, augment
     from irflow.tasks.score_candidates import score_candidates
     from irflow.teachers import teacher_scores
@@ -424,7 +424,7 @@ def test_augment_scoring_in_shards_gives_the_data_of_one_shard_and_of_the_single
 
 
 def test_an_augment_threshold_change_redecides_without_rescoring(unlabelled):
-    from irflow.stage import Run
+    from irflow.runner import Run
     from irflow.tasks.augment import AugmentParams, augment
     from irflow.tasks.score_candidates import score_candidates
 

@@ -20,7 +20,8 @@ from irflow.data_contracts import ContractError
 from irflow.errors import StageFailed
 from irflow.params import NoParams, Params
 from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.stage import Output, Run, Stage, stage
+from irflow.stage import Output, Stage, stage
+from irflow.runner import Run
 from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree
 from irflow.testing import beir_slice, ingest_folder, scifact_docs
 

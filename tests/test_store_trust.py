@@ -22,7 +22,8 @@ from irflow.catalog import Catalog
 from irflow.errors import StageFailed
 from irflow.params import Params
 from irflow.runtime import StageRuntime
-from irflow.stage import Output, Run, stage
+from irflow.stage import Output, stage
+from irflow.runner import Run
 from irflow.store import TABLE_FILE, DatasetRef, Store, make_writable
 from irflow.testing import SHARED_DATASETS, run_cli, scifact_docs
 
@@ -293,7 +294,8 @@ SLOW_STAGE = textwrap.dedent('''
     import pyarrow as pa
     from irflow.params import Params
     from irflow.runtime import StageRuntime
-    from irflow.stage import Output, Run, stage
+    from irflow.stage import Output, stage
+    from irflow.runner import Run
     from irflow.store import DatasetRef, Store
 
     from pydantic import Field

@@ -24,7 +24,7 @@ from irflow import runtime as irt
 from irflow import training
 from irflow.errors import DataError, StageFailed
 from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder, training_pairs
 from irflow.tasks.train_student import TrainStudentParams, mnrl_examples, train_student
 from irflow.testing import SHARED_DATASETS

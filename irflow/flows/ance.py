@@ -27,7 +27,7 @@ from irflow.flows.common import (HardNegativeTraining, SupervisedConfig, bm25_tr
                                  top_negative_mining, train_split_follows)
 from irflow.follows import Follow
 from irflow.recipe import recipe
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.train_dual_encoder import train_dual_encoder
 

@@ -19,7 +19,7 @@ from pydantic import Field
 from irflow.flows.common import (BM25Config, DatasetConfig, ZeroShotDense, bm25_runs, dense_run, evaluate_runs,
                                  ingest, system_name)
 from irflow.recipe import RecipeConfig, recipe
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.tasks.evaluate import EvaluationParams
 
 

@@ -21,7 +21,7 @@ from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.follows import Follow
 from irflow.params import ModelName, Params
 from irflow.recipe import RecipeConfig
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
 from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus

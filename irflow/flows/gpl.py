@@ -45,7 +45,7 @@ from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig
 from irflow.follows import Follow
 from irflow.params import CrossEncoderName, ModelName, NoParams, Params
 from irflow.recipe import RecipeConfig, recipe
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.store import DatasetRef
 from irflow.tasks.bm25 import (BM25IndexParams, BM25ScoreParams, BM25SearchParams, BM25Weights, Variant, bm25_index,
                                bm25_score, bm25_search)

@@ -46,7 +46,7 @@ from irflow.follows import MISSING, Follow
 from irflow.fusion import FusionSettings
 from irflow.params import ModelName, Params
 from irflow.recipe import recipe
-from irflow.stage import Run
+from irflow.runner import Run
 from irflow.store import DatasetRef
 from irflow.tasks.augment import AUGMENTED_SPLIT, AugmentParams, AugmentSettings, augment
 from irflow.tasks.denoise import DenoiseParams, denoise

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from irflow.stage import Run
+from irflow.runner import Run
 
 COLUMNS = ["ndcg@10", "recall@100", "map@100", "mrr@10"]
 #: Counts carried from the evaluation's metrics table into each row (not metrics: shown as integers).
