@@ -1,0 +1,75 @@
+"""`irflow new`'s estimates against what a run measured, stage by stage.
+
+For a finished run (its store and run id): the estimate ``irflow.estimate`` gives for each stage the run
+computed, on the run's own config and corpus, beside the seconds the catalog recorded; the ratio per
+stage and in all. With ``--new CORPUS``, first writes a config with `irflow new gpl` (a query log with
+``--query-log``) and runs it, so the whole path a user takes is measured.
+
+    python bench/estimates.py --new irflow/samples/scifact-sample/corpus.jsonl --query-log log.txt \\
+        --budget-minutes 5 --store /tmp/est --out bench/results/estimates_sample.json
+    python bench/estimates.py --store /work/bench-own/scifact --run RUN_ID --out bench/results/estimates_scifact.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (sets the offline environment first)
+
+
+def compare(store: Path, run_id: str) -> dict:
+    from irflow import api, estimate
+
+    catalog = api.catalog(store)
+    run = catalog.run(run_id)
+    config = run["config"] if isinstance(run["config"], dict) else json.loads(run["config"])
+    c = api.load_config(config)
+    computed = {s["name"]: s["seconds"] for s in catalog.stage_runs(run_id) if s["status"] == "computed"}
+    hw = estimate.hardware()
+    size = estimate.corpus_size(c.dataset)
+    rows = estimate.estimate(c, list(computed), size, hw)
+    print(estimate.format_estimates(rows, hw, computed))
+    total_est = sum(r.seconds for r in rows)
+    total = sum(computed.values())
+    heavy = [r for r in rows if r.seconds >= 30 or computed[r.stage] >= 30]
+    return {"run_id": run_id, "hardware": hw.__dict__, "corpus": size.__dict__,
+            "stages": [{"stage": r.stage, "estimate_s": r.seconds, "measured_s": computed[r.stage],
+                        "ratio": round(computed[r.stage] / r.seconds, 2) if r.seconds else None, "work": r.work,
+                        "estimate_peak_mb": r.peak_mb} for r in rows],
+            "total": {"estimate_s": round(total_est, 1), "measured_s": round(total, 1),
+                      "ratio": round(total / total_est, 2) if total_est else None},
+            "stages_over_30s": [{"stage": r.stage, "ratio": round(computed[r.stage] / r.seconds, 2)} for r in heavy]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--run", help="a finished run's id (default: with --new, the run it makes)")
+    ap.add_argument("--new", metavar="CORPUS", help="write a config with `irflow new gpl --corpus CORPUS` and run it")
+    ap.add_argument("--query-log")
+    ap.add_argument("--budget-minutes", type=float, default=10)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    store = Path(args.store)
+    run_id = args.run
+    if args.new:
+        from irflow import scaffold
+
+        cfg = store.parent / f"{store.name}-new.yaml"
+        text, table = scaffold.new_config("gpl", args.new, query_log=args.query_log,
+                                          budget_minutes=args.budget_minutes)
+        scaffold.write(cfg, text, force=True)
+        print(table)
+        run_id = harness.run(cfg, store=store).result.run_id
+    out = compare(store, run_id)
+    harness.write_json(args.out, out)
+    print(f"total: estimate {out['total']['estimate_s']} s, measured {out['total']['measured_s']} s "
+          f"(ratio {out['total']['ratio']})")
+
+
+if __name__ == "__main__":
+    main()
