@@ -142,6 +142,12 @@ def export(catalog: Catalog, run_id: str, out: str | Path, system: str | None = 
 
         onnx_inference.export(str(staging), staging / "onnx", "embed")
         onnx = out / "onnx"
+        with open(staging / "README.md", "a") as card:
+            card.write("\n## ONNX\n\n`onnx/` is irflow's export of this model (fp32, checked against torch on a sample "
+                       "batch; `onnx/irflow_onnx.json` says its inputs, pooling and normalisation). It runs without "
+                       "torch on ONNX Runtime:\n\n```python\nfrom irflow.encoding import encode_texts\n"
+                       "from irflow.onnx_inference import load\nmodel = load(\"path/to/this/folder/onnx\", threads=2)\n"
+                       "vectors = encode_texts(model, [\"a query\"], batch_size=32, normalize=False)\n```\n")
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)  # the folder appears whole, or not at all

@@ -164,8 +164,17 @@ def test_a_folder_of_text_files_with_a_labelled_set(own):
     assert all(m["num_queries"] == 5 for m in r["metrics"])
     assert r["selected"]["system"] == "dense-bi"
     out_dir = own["root"] / "exported-notes"
-    assert run_cli("export", "latest", "--out", out_dir, "--store", own["store"])[0] == 0
-    assert SentenceTransformer(str(out_dir), device="cpu").encode(["a query"]).shape == (1, 32)
+    assert run_cli("export", "latest", "--out", out_dir, "--store", own["store"], "--format", "onnx")[0] == 0
+    texts = ["a query", docs[0]["text"]]
+    torch_vectors = SentenceTransformer(str(out_dir), device="cpu").encode(texts)
+    assert torch_vectors.shape == (2, 32)
+    # the ONNX export beside it encodes the same (irflow's ONNX Runtime path, no torch)
+    from irflow.encoding import encode_texts
+    from irflow.onnx_inference import load
+
+    onnx_vectors = encode_texts(load(str(out_dir / "onnx"), threads=1), texts, batch_size=8, normalize=False)
+    np.testing.assert_allclose(onnx_vectors, torch_vectors, atol=1e-5)
+    assert "## ONNX" in (out_dir / "README.md").read_text()
     code, out, err = run_cli("models", "--store", own["store"], "--json")
     rows = json.loads(out)
     assert {r["run_id"] for r in rows if r["selected"]} >= {r_["run_id"] for r_ in [r]}
