@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, model_validator
 from irflow import config as config_files
 from irflow import executors, labels
 from irflow.branches import branches_for
+from irflow.branches import resolve as resolve_deferred
 from irflow.errors import ConfigError
 from irflow.follows import Follow, resolve
 from irflow.orchestration import configure
@@ -304,6 +305,8 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         # leaving the block waits for every stage and raises the first failure)
         with older_objects_frozen(), run.executor.session(c.runtime), branches_for(run, c.runtime):
             evaluations = recipe.body(c, run)
+            # stages run at once leave Deferred refs: what the selection reads must be the refs themselves
+            run.dense_models = {k: resolve_deferred(v) for k, v in run.dense_models.items()}
         # an evaluation that --to left out has no metrics to report
         evaluated = [ev for ev in evaluations if ev["metrics"].kind != PENDING]
         selected = _select(run, evaluated)

@@ -91,7 +91,8 @@ class Run:
         # A Run travels with Prefect's task context to Ray shard workers (cloudpickle): without the
         # driver's lock, its branches and its error (not needed there, and not all picklable).
         state = self.__dict__.copy()
-        state.update(_lock=None, branches=None, error=None)
+        # (and without the recipe's dense models: with stages at once they are Deferred, holding futures)
+        state.update(_lock=None, branches=None, error=None, dense_models={})
         return state
 
     def __setstate__(self, state: dict) -> None:
