@@ -28,7 +28,15 @@ def compare(store: Path, run_id: str) -> dict:
     run = catalog.run(run_id)
     config = run["config"] if isinstance(run["config"], dict) else json.loads(run["config"])
     c = api.load_config(config)
-    computed = {s["name"]: s["seconds"] for s in catalog.stage_runs(run_id) if s["status"] == "computed"}
+    # every stage of the run, with the seconds of the run that computed it (this one, or an earlier one whose
+    # result it reused: a bench run that was restarted)
+    computed = {}
+    with catalog.connect() as con:
+        for s in catalog.stage_runs(run_id):
+            row = con.execute("SELECT seconds, run_id FROM stage_runs WHERE cache_key = ? AND status = 'computed' "
+                              "ORDER BY started_at DESC LIMIT 1", [s["cache_key"]]).fetchone()
+            if row:
+                computed[s["name"]] = row[0]
     hw = estimate.hardware()
     size = estimate.corpus_size(c.dataset)
     rows = estimate.estimate(c, list(computed), size, hw)
