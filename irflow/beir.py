@@ -241,11 +241,42 @@ def _stream_jsonl_to_parquet(src, member, out: Path, columns: dict[str, tuple[st
     return n
 
 
+class Judgements:
+    """Relevance judgements read row by row (BEIR qrels, a user's TSV or TREC file): a pair judged twice
+    with one score is kept once (counted, and logged by ``table``), with two scores it is refused naming
+    both lines."""
+
+    def __init__(self):
+        self.qids: list[str] = []
+        self.dids: list[str] = []
+        self.scores: list[int] = []
+        self.seen: dict[tuple[str, str], tuple[int, int]] = {}  # (query, doc) -> (line, score)
+        self.repeated = 0
+
+    def add(self, qid: str, did: str, score: int, here: str, lineno: int) -> None:
+        if (qid, did) in self.seen:
+            first, first_score = self.seen[(qid, did)]
+            if first_score != score:
+                raise IngestError(f"{here}: query '{qid}' / document '{did}' judged {score} here but "
+                                  f"{first_score} on line {first}")
+            self.repeated += 1
+            return
+        self.seen[(qid, did)] = (lineno, score)
+        self.qids.append(qid)
+        self.dids.append(did)
+        self.scores.append(score)
+
+    def table(self, split: str, where: str) -> pa.Table:
+        if self.repeated:
+            log.warning("%s: %d repeated qrels row(s) (same query, document and score) ignored", where,
+                        self.repeated)
+        return pa.table({"query_id": self.qids, "doc_id": self.dids, "score": pa.array(self.scores, pa.int32()),
+                         "split": [split] * len(self.qids)})
+
+
 def _read_qrels(src: BeirSource, member: str, split: str) -> pa.Table:
     where = src.display(member)
-    qids, dids, scores = [], [], []
-    seen: dict[tuple[str, str], tuple[int, int]] = {}  # (query, doc) -> (line, score)
-    repeated = 0
+    judged = Judgements()
     for lineno, text in _lines(src, member):
         line = text.rstrip("\r\n")
         if not line.strip():
@@ -262,21 +293,8 @@ def _read_qrels(src: BeirSource, member: str, split: str) -> pa.Table:
             raise IngestError(f"{where}:{lineno}: score must be an integer, got {score!r}") from None
         if not qid.strip() or not did.strip():
             raise IngestError(f"{where}:{lineno}: empty query or corpus id")
-        if (qid, did) in seen:
-            first, first_score = seen[(qid, did)]
-            if first_score != s:
-                raise IngestError(f"{where}:{lineno}: query '{qid}' / document '{did}' judged {s} here but "
-                                  f"{first_score} on line {first}")
-            repeated += 1
-            continue
-        seen[(qid, did)] = (lineno, s)
-        qids.append(qid)
-        dids.append(did)
-        scores.append(s)
-    if repeated:
-        log.warning("%s: %d repeated qrels row(s) (same query, document and score) ignored", where, repeated)
-    return pa.table({"query_id": qids, "doc_id": dids, "score": pa.array(scores, pa.int32()),
-                     "split": [split] * len(qids)})
+        judged.add(qid, did, s, f"{where}:{lineno}", lineno)
+    return judged.table(split, where)
 
 
 def read_beir(path: Path, workdir: Path, dangling: str = "keep") -> dict[str, object]:

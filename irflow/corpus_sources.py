@@ -536,9 +536,9 @@ def read_qrels(path: Path, *, split: str = "test") -> pa.Table:
     path = Path(path)
     if not path.is_file():
         raise IngestError(f"{path}: no such file")
-    qids, dids, scores = [], [], []
-    seen: dict[tuple[str, str], tuple[int, int]] = {}
-    repeated, first = 0, True
+    from irflow.beir import Judgements
+
+    judged, first = Judgements(), True
     for lineno, text in _text_lines(_File(path), ""):
         line = text.rstrip("\r\n")
         if not line.strip():
@@ -559,20 +559,7 @@ def read_qrels(path: Path, *, split: str = "test") -> pa.Table:
             raise IngestError(f"{path}:{lineno}: relevance must be an integer, got {rel!r}") from None
         if not qid or not did:
             raise IngestError(f"{path}:{lineno}: empty query or document id")
-        if (qid, did) in seen:
-            at, was = seen[(qid, did)]
-            if was != score:
-                raise IngestError(f"{path}:{lineno}: query '{qid}' / document '{did}' judged {score} here but "
-                                  f"{was} on line {at}")
-            repeated += 1
-            continue
-        seen[(qid, did)] = (lineno, score)
-        qids.append(qid)
-        dids.append(did)
-        scores.append(score)
-    if repeated:
-        log.warning("%s: %d repeated judgement(s) (same query, document and relevance) ignored", path, repeated)
-    if not qids:
+        judged.add(qid, did, score, f"{path}:{lineno}", lineno)
+    if not judged.qids:
         raise IngestError(f"{path}: no judgements")
-    return pa.table({"query_id": qids, "doc_id": dids, "score": pa.array(scores, pa.int32()),
-                     "split": [split] * len(qids)}, schema=data_contracts.QRELS.schema)
+    return judged.table(split, str(path)).cast(data_contracts.QRELS.schema)
