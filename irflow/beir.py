@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -185,10 +185,10 @@ def _lines(src: BeirSource, member: str) -> Iterator[tuple[int, str]]:
             yield lineno, text
 
 
-def _jsonl_records(src: BeirSource, member: str, fields: dict[str, bool]) -> Iterator[tuple[int, dict]]:
-    """Yield (line, record) with the given string fields (name -> required)."""
-    where = src.display(member)
-    for lineno, text in _lines(src, member):
+def json_objects(lines: Iterable[tuple[int, str]], where: str) -> Iterator[tuple[int, dict]]:
+    """(line, object) for each non-blank line of a JSON Lines file; a line that is not a JSON object is
+    refused naming ``where`` and the line (BEIR's files and a user's own corpus alike)."""
+    for lineno, text in lines:
         if not text.strip():
             continue
         try:
@@ -197,6 +197,13 @@ def _jsonl_records(src: BeirSource, member: str, fields: dict[str, bool]) -> Ite
             raise IngestError(f"{where}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise IngestError(f"{where}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        yield lineno, obj
+
+
+def _jsonl_records(src: BeirSource, member: str, fields: dict[str, bool]) -> Iterator[tuple[int, dict]]:
+    """Yield (line, record) with the given string fields (name -> required)."""
+    where = src.display(member)
+    for lineno, obj in json_objects(_lines(src, member), where):
         rec = {}
         for name, required in fields.items():
             value = obj.get(name)

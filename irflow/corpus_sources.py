@@ -36,7 +36,6 @@ from __future__ import annotations
 import csv
 import gzip
 import hashlib
-import json
 import logging
 import os
 import re
@@ -53,7 +52,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from irflow import data_contracts
-from irflow.beir import BATCH_ROWS, BeirSource, IngestError, _lines
+from irflow.beir import BATCH_ROWS, BeirSource, IngestError, _lines, json_objects
 from irflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -203,15 +202,7 @@ def _record(values: dict, keys: dict, where: str, loc: Loc, required: tuple[str,
 def _jsonl_records(src, member: str, fields, defaults) -> Iterator[Record]:
     where, keys = src.display(member), None
     required = ("id", "text", *(("title",) if "title" in (fields or {}) else ()))
-    for lineno, text in _text_lines(src, member):
-        if not text.strip():
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise IngestError(f"{where}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise IngestError(f"{where}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    for lineno, obj in json_objects(_text_lines(src, member), where):
         if keys is None:  # the first object says which keys the source has (an id or content ids)
             keys = _resolve(fields, defaults, list(obj), f"{where}:{lineno}", "key")
         yield _record(obj, keys, f"{where}:{lineno}", (0, lineno), required)

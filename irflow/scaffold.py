@@ -131,7 +131,10 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
         notes.append(f"train.steps: {steps}, what fits --budget-minutes {budget_minutes:g} here (the paper: 140,000 "
                      "steps on a GPU)")
         text = yaml.safe_dump(cfg, sort_keys=False)
-        c, stages, size = _plan(text, labelled, proxy_docs)
+        # the stages and the corpus are those planned above: only train.steps changed
+        from irflow.recipe import load_config
+
+        c = load_config(yaml.safe_load(text))
     estimates = est.estimate(c, stages, size, hw)
     table = est.format_estimates(estimates, hw)
     evaluation = (f"labelled ({queries}, {qrels})" if labelled else
