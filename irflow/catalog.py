@@ -7,6 +7,8 @@ Tables
 - cache       cache key -> output dataset ids (how a stage finds its earlier result)
 - stage_runs  what each run did per stage: computed or cached, seconds, outputs
 - metrics     evaluation results of each run
+- selections  the model each run selected to ship (irflow.selection)
+- aliases     named aliases (production): one row per promotion decision (irflow.promotion)
 
 A dataset row with stage ``external`` is something no stage made: a dataset source (zip, folder) or a
 model named in a config (hub id, local directory). Lineage ends there.
@@ -31,6 +33,7 @@ from pathlib import Path
 import duckdb
 
 from irflow import memdb
+from irflow.processes import check_interrupted
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs(
@@ -81,7 +84,16 @@ CREATE TABLE IF NOT EXISTS selections(
   run_id VARCHAR PRIMARY KEY, system VARCHAR, model_id VARCHAR, metric VARCHAR, value DOUBLE,
   start_system VARCHAR, start_value DOUBLE, p_value DOUBLE, evaluation VARCHAR, reason VARCHAR,
   models JSON);
+-- Named aliases (irflow.promotion): one row per decision of a run with promote.alias, promoted or
+-- kept, with the numbers and the reason. An alias's current model is its latest promoted row (seq).
+CREATE TABLE IF NOT EXISTS aliases(
+  seq BIGINT, alias VARCHAR, decision VARCHAR, model_id VARCHAR, run_id VARCHAR, system VARCHAR,
+  previous_model_id VARCHAR, metric VARCHAR, value DOUBLE, previous_value DOUBLE, p_value DOUBLE,
+  evaluation VARCHAR, reason VARCHAR, decided_at TIMESTAMP);
 """
+
+ALIAS_COLUMNS = ("alias", "decision", "model_id", "run_id", "system", "previous_model_id", "metric", "value",
+                 "previous_value", "p_value", "evaluation", "reason")
 
 # DuckDB allows one writing process per file; inside a process we serialise access ourselves so
 # that Prefect's worker threads can record lineage safely.
@@ -395,6 +407,21 @@ class Catalog:
             ).fetchone()
         return {**json.loads(row[0] or "{}"), "run_id": row[1], "cache_key": row[2]} if row else None
 
+    def row_family_sources(self, family: str, role: str, limit: int = 5) -> list[dict]:
+        """The latest computations of a row family (``irflow.row_reuse``), newest first: {input: the id of
+        its mapped input, outputs: {name: id}, run_id}."""
+        with self.connect() as con:
+            rows = con.execute(
+                "SELECT run_id, detail, outputs FROM stage_runs WHERE status = 'computed' AND "
+                "json_extract_string(detail, '$.row_family') = ? ORDER BY started_at DESC LIMIT ?", [family, limit]
+            ).fetchall()
+        out = []
+        for run_id, detail, outputs in rows:
+            inputs = json.loads(detail or "{}").get("inputs", {}).get(role) or []
+            if inputs:
+                out.append({"input": inputs[0], "outputs": json.loads(outputs), "run_id": run_id})
+        return out
+
     def taint(self, run_id: str, dataset_ids: list[str]) -> None:
         with self.connect() as con:
             for d in dataset_ids:
@@ -426,6 +453,8 @@ class Catalog:
         return [
             {"name": r[0], "status": r[1], "outputs": json.loads(r[2]), "seconds": round(r[3], 3), "cache_key": r[4],
              "runtime": json.loads(r[5]) if r[5] else None, "started": r[7].isoformat() if r[7] else None,
+             # map stages (irflow.row_reuse): rows of the mapped input computed and reused
+             "rows": json.loads(r[6] or "{}").get("rows") if r[1] == "computed" else None,
              **({"inputs": json.loads(r[6] or "{}").get("inputs", {})} if with_inputs else {}),
              "shards": shards.get(r[4], []) if r[1] == "computed" else []}
             for r in rows
@@ -476,6 +505,77 @@ class Catalog:
         for r in rows:
             r["models"] = json.loads(r["models"] or "{}")
         return rows
+
+    # ---- aliases (irflow.promotion) ---------------------------------------------------------
+    def record_alias(self, row: dict, expect: str | None = None) -> bool:
+        """One decision about an alias (``ALIAS_COLUMNS``), in one transaction. A promotion (decision
+        ``promoted``) is written only if the alias still holds ``expect`` (the model the run compared
+        with; None: no model), else nothing is written and False returned. A Ctrl-C that came before the
+        commit rolls it back: the alias keeps its model."""
+        with self.connect() as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                if row["decision"] == "promoted" and (self._alias(con, row["alias"]) or {}).get("model_id") != expect:
+                    con.execute("ROLLBACK")
+                    return False
+                con.execute(f"INSERT INTO aliases (seq, {', '.join(ALIAS_COLUMNS)}, decided_at) SELECT coalesce(max(seq), 0) "
+                            f"+ 1, {', '.join('?' * len(ALIAS_COLUMNS))}, ? FROM aliases",
+                            [row.get(k) for k in ALIAS_COLUMNS] + [now()])
+                check_interrupted()
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return True
+
+    def set_alias(self, alias: str, model_id: str, reason: str = "set by hand", run_id: str | None = None,
+                  system: str | None = None) -> None:
+        """Point ``alias`` at a model by hand (a roll-back, or a model chosen elsewhere). Without
+        ``run_id`` the latest run that evaluated the model stands for it (its model card, its metrics)."""
+        if run_id is None:
+            for s in reversed(self.selections()):
+                hit = next((name for name, m in s["models"].items() if m == model_id), None)
+                if hit:
+                    run_id, system = s["run_id"], system or hit
+                    break
+        current = self.alias(alias)
+        self.record_alias({"alias": alias, "decision": "promoted", "model_id": model_id, "run_id": run_id,
+                           "system": system, "previous_model_id": current["model_id"] if current else None,
+                           "reason": reason}, expect=current["model_id"] if current else None)
+
+    @staticmethod
+    def _alias(con, alias: str) -> dict | None:
+        cur = con.execute("SELECT * FROM aliases WHERE alias = ? AND decision = 'promoted' ORDER BY seq DESC "
+                          "LIMIT 1", [alias])
+        row = cur.fetchone()
+        return dict(zip([d[0] for d in cur.description], row)) if row else None
+
+    def alias(self, alias: str) -> dict | None:
+        """The alias's current model: its latest promoted row (None: no model yet)."""
+        with self.connect() as con:
+            return self._alias(con, alias)
+
+    def _alias_rows(self, where: str = "", params: list | None = None) -> list[dict]:
+        with self.connect() as con:
+            cur = con.execute(f"SELECT * FROM aliases {where} ORDER BY seq", params or [])
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+    def aliases(self) -> list[dict]:
+        """Every alias's current model (its latest promoted row), by alias name."""
+        rows = self._alias_rows("WHERE decision = 'promoted' AND seq IN (SELECT max(seq) FROM aliases WHERE "
+                                "decision = 'promoted' GROUP BY alias)")
+        return sorted(rows, key=lambda r: r["alias"])
+
+    def alias_history(self, alias: str | None = None) -> list[dict]:
+        """Every decision about an alias (or about every alias), oldest first."""
+        return self._alias_rows("WHERE alias = ?", [alias]) if alias else self._alias_rows()
+
+    def promotion(self, run_id: str) -> dict | None:
+        """The run's promotion decision (its last one), or None."""
+        rows = self._alias_rows("WHERE run_id = ? AND seq = (SELECT max(seq) FROM aliases WHERE run_id = ?)",
+                                [run_id, run_id])
+        return rows[-1] if rows else None
 
     def run_metrics(self, run_id: str) -> list[dict]:
         """One dict per (system, dataset, split) with the metrics as keys, in recording order."""
@@ -550,6 +650,9 @@ class Catalog:
                     "WHERE cache_key = ? AND run_id = ? ORDER BY shard", [info["cache_key"], info["run_id"]]).fetchall()
                 info["shards"] = [{"index": r[0], "rows": [r[1], r[2]], "host": r[3], "pid": r[4], "device": r[5],
                                    "seconds": r[6], "status": r[7]} for r in shard_rows]
+                made = con.execute("SELECT detail FROM stage_runs WHERE cache_key = ? AND run_id = ? AND "
+                                   "status = 'computed' LIMIT 1", [info["cache_key"], info["run_id"]]).fetchone()
+                info["rows"] = json.loads(made[0] or "{}").get("rows") if made else None  # irflow.row_reuse
                 seen[did] = info
                 frontier.extend((p, depth + 1) for _, p in parents)
         return list(seen.values())
@@ -574,7 +677,7 @@ class Catalog:
         visible unqualified) and one view per stored table dataset, plus `all_<contract>` unions."""
         con = duckdb.connect()
         when_unlocked(lambda: con.execute(f"ATTACH '{self.path}' AS catalog (READ_ONLY)"), self.path)
-        for t in ("runs", "datasets", "edges", "cache", "stage_runs", "metrics", "forced"):
+        for t in ("runs", "datasets", "edges", "cache", "stage_runs", "metrics", "forced", "selections", "aliases"):
             con.execute(f"CREATE VIEW {t} AS SELECT * FROM catalog.main.{t}")
         rows = con.execute(
             "SELECT dataset_id, contract, path FROM catalog.main.datasets WHERE kind = 'table' ORDER BY created_at"

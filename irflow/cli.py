@@ -12,9 +12,9 @@
     irflow verify [--store DIR] [--json]                   re-hash every stored object; exit 1 if any is damaged
     irflow gc [--store DIR] [--dry-run]                    remove what nothing refers to (see irflow.maintenance)
     irflow serve CONFIG --cron "0 3 * * *" [--set ...]     run on a schedule (needs a Prefect server)
-    irflow export [RUN_ID | latest] --out DIR [--system NAME] [--format st|onnx]
-                                                           a run's model as a sentence-transformers folder
-    irflow models [--store DIR] [--json]                   the models runs evaluated, and which they selected
+    irflow export [RUN_ID | latest | ALIAS] --out DIR [--system NAME] [--format st|onnx]
+                                                           a run's (or an alias's) model as a sentence-transformers folder
+    irflow models [--store DIR] [--json] [--history]       the models runs evaluated, which they selected, the aliases
     irflow new RECIPE --corpus PATH [--queries P --qrels P] [--query-log P] --out CONFIG
                                                            a commented config for your documents, with estimates
 
@@ -62,6 +62,9 @@ def cmd_run(args) -> int:
     computed = len(result.computed)
     print(f"\nrun {result.run_id}: {len(result.stages)} stages, {computed} computed, "
           f"{len(result.stages) - computed} cached, {result.seconds:.1f}s; store {result.store}")
+    changed = result.corpus_changes()
+    if changed:
+        print(changed)
     if result.skipped:
         print(f"not run (--to {', '.join(args.to_stage)}): {', '.join(result.skipped)}")
     if result.evaluation != "labelled":
@@ -70,6 +73,12 @@ def cmd_run(args) -> int:
         sel = result.selected
         print(f"selected: {sel['system']} (model {sel['model_id'][:16]}): {sel['reason']}")
         print(f"  hand it out: irflow export {result.run_id} --out DIR --store {result.store}")
+    if result.promotion:
+        p = result.promotion
+        print(f"promotion ({p['decision']}): {p['reason']}")
+        if p["current"]:
+            print(f"  {p['alias']} holds model {p['current'][:16]}: irflow export {p['alias']} --out DIR "
+                  f"--store {result.store}")
     if result.warnings:
         # Said again at the end: in place they scroll away among a long run's progress lines.
         print(f"\n{len(result.warnings)} warning(s) during the run (in place in the log above):")
@@ -159,7 +168,8 @@ def cmd_config(args) -> int:
             print(f"{key:<{width}}  {default:<24} {doc}")
         return 0
     dump = c.model_dump(mode="json")
-    dump["runtime"] = dump.pop("runtime")  # sections in the order a user reads them; runtime last
+    dump["promote"] = dump.pop("promote")  # sections in the order a user reads them; promote, runtime last
+    dump["runtime"] = dump.pop("runtime")
     print(json.dumps(dump, indent=2) if args.json else yaml.safe_dump(dump, sort_keys=False), end="")
     return 0
 
@@ -234,6 +244,10 @@ def cmd_lineage(args) -> int:
             print(f"{pad}  runtime {rt}")
         for message in json.loads(node.get("warnings") or "[]"):
             print(f"{pad}  warned: {message}")
+        reuse = node.get("rows") or {}
+        if reuse.get("reused"):
+            print(f"{pad}  rows: {reuse['computed']} of {reuse['input']} input rows computed, {reuse['reused']} "
+                  f"reused (from run {', '.join(reuse.get('reused_from', {}))})")
         shards = node.get("shards") or []
         if len(shards) > 1 or any(s["status"] != "computed" for s in shards):
             print(f"{pad}  {len(shards)} shards:")
@@ -342,10 +356,18 @@ def cmd_export(args) -> int:
     from irflow.report.runs import resolve_run
 
     catalog = _catalog(args)
-    run_id = resolve_run(catalog, args.run_id)
-    done = export.export(catalog, run_id, args.out, args.system, args.format, args.force)
-    which = "selected by the run" if done.selected else "named with --system"
-    print(f"{done.system} ({which}; model {done.model_id[:16]}) of run {run_id} -> {done.out}")
+    if args.run_id != "latest" and catalog.alias(args.run_id):  # an alias name, before run ids and prefixes
+        if args.system:
+            raise UserError(f"--system: {args.run_id} is an alias; it holds one model (export a run to choose "
+                            f"another of its models)")
+        done = export.export_alias(catalog, args.run_id, args.out, args.format, args.force)
+        print(f"{done.system} (held by {args.run_id}; model {done.model_id[:16]}, from run {done.run_id}) -> "
+              f"{done.out}")
+    else:
+        run_id = resolve_run(catalog, args.run_id)
+        done = export.export(catalog, run_id, args.out, args.system, args.format, args.force)
+        which = "selected by the run" if done.selected else "named with --system"
+        print(f"{done.system} ({which}; model {done.model_id[:16]}) of run {run_id} -> {done.out}")
     if done.onnx:
         print(f"ONNX: {done.onnx}")
     print(f'load it: SentenceTransformer("{done.out}"); its model card: {done.out / "README.md"}')
@@ -355,7 +377,20 @@ def cmd_export(args) -> int:
 def cmd_models(args) -> int:
     from irflow import export
 
-    rows = export.models(_catalog(args))
+    catalog = _catalog(args)
+    if args.history:
+        history = catalog.alias_history()
+        if args.json:
+            print(json.dumps(history, default=str))
+            return 0
+        if not history:
+            print("no alias yet (set promote.alias in a config)")
+        for h in history:
+            model = (h["model_id"] or "-")[:16]
+            print(f"{h['decided_at']:%Y-%m-%d %H:%M:%S}  {h['alias']:<14} {h['decision']:<9} {model:<18} "
+                  f"{h['run_id'] or '(by hand)'}: {h['reason']}")
+        return 0
+    rows = export.models(catalog)
     if args.json:
         print(json.dumps(rows, default=str))
         return 0
@@ -366,9 +401,16 @@ def cmd_models(args) -> int:
     for r in rows:
         mark = "* " if r["selected"] else "  "
         value = "" if r.get("ndcg@10") is None else f"{r['ndcg@10']:.4f}"
+        held = f"  <- {', '.join(r['aliases'])}" if r["aliases"] else ""
         print(f"{r['model_id'][:16]:<18} {r['run_id']:<28} {mark + r['system']:<28} {r['recipe']:<10} {value:>8}  "
-              f"{r['evaluation']}")
+              f"{r['evaluation']}{held}")
     print("\n* the model its run selected (irflow export RUN_ID hands it out)")
+    aliases = catalog.aliases()
+    if aliases:
+        print("\naliases (irflow export ALIAS hands out its model; --history: every decision):")
+        for a in aliases:
+            print(f"  {a['alias']:<14} {a['model_id'][:16]:<18} {a['system'] or '':<20} promoted by "
+                  f"{a['run_id'] or 'hand'} at {a['decided_at']:%Y-%m-%d %H:%M:%S}")
     return 0
 
 
@@ -507,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="a run's model (default: the one it selected) as a self-contained "
                                        "sentence-transformers folder with a model card")
     ex.add_argument("run_id", nargs="?", default="latest", metavar="RUN_ID",
-                    help="a run id, a unique prefix of one, or latest (default)")
+                    help="a run id, a unique prefix of one, latest (default), or an alias name (promote.alias: "
+                         "the model it holds)")
     ex.add_argument("--out", required=True, metavar="DIR", help="the folder to write (must not exist, or be empty)")
     ex.add_argument("--system", help="another dense model of the run, by system name (see irflow models)")
     ex.add_argument("--format", choices=("st", "onnx"), default="st",
@@ -535,9 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
     nw.add_argument("--force", action="store_true", help="replace --out")
     nw.set_defaults(func=cmd_new)
 
-    ms = sub.add_parser("models", help="the models runs evaluated: id, run, system, recipe, metric, selected")
+    ms = sub.add_parser("models", help="the models runs evaluated: id, run, system, recipe, metric, selected; and "
+                                       "the aliases (promote.alias) with the model each holds")
     common(ms, config=False)
     json_flag(ms)
+    ms.add_argument("--history", action="store_true", help="every promotion decision (promoted or kept, and why)")
     ms.set_defaults(func=cmd_models)
     return p
 

@@ -1,6 +1,7 @@
 """Hand a model out of the store: ``irflow export`` and ``irflow models``.
 
-``export`` copies a run's model (by default the one the run selected, ``irflow.selection``) into a
+``export`` copies a run's model (by default the one the run selected, ``irflow.selection``; or, by
+``export_alias``, the model an alias holds, ``irflow.promotion``) into a
 self-contained sentence-transformers folder that ``SentenceTransformer(DIR)`` loads offline, and writes
 its model card (``README.md``): the base model, the recipe, the corpus it was adapted to, the config, the
 metrics with what they were measured on (labelled, or a proxy), training steps and time, the irflow id
@@ -104,8 +105,12 @@ def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: d
     else:
         lines.append("- training: none here: this is the model the run started from")
     lines += ["", "## Why this model", "", sel["reason"] if sel["system"] == system else
-              f"Exported by name (--system); the run selected {sel['system']}: {sel['reason']}", "",
-              "## Metrics", "",
+              f"Exported by name (--system); the run selected {sel['system']}: {sel['reason']}", ""]
+    for a in catalog.aliases():
+        if a["model_id"] == model_id:
+            by = f"by run {a['run_id']}" if a["run_id"] else "by hand"
+            lines += [f"Promoted to `{a['alias']}` {by} ({a['decided_at']:%Y-%m-%d %H:%M:%S} UTC): {a['reason']}", ""]
+    lines += ["## Metrics", "",
               (f"Measured on a **proxy**: {sel['evaluation']}. Not relevance labels: generated queries whose one "
                "relevant passage is the one they were made from. Read it as a comparison between systems, not as "
                "the quality users will see." if proxy else "Measured on labelled queries (the dataset's qrels)."),
@@ -127,6 +132,27 @@ def export(catalog: Catalog, run_id: str, out: str | Path, system: str | None = 
     if out.exists() and any(out.iterdir()) and not force:
         raise UserError(f"--out {out}: exists and is not empty (choose another folder, or --force to replace it)")
     system, model_id, sel = _model_of(catalog, run_id, system)
+    return _write(catalog, run_id, system, model_id, sel, out, fmt)
+
+
+def export_alias(catalog: Catalog, alias: str, out: str | Path, fmt: str = "st", force: bool = False) -> Exported:
+    """The model ``alias`` holds (its latest promotion), with the model card of the run that promoted it."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise UserError(f"--out {out}: exists and is not empty (choose another folder, or --force to replace it)")
+    row = catalog.alias(alias)
+    if row is None:
+        raise UserError(f"alias {alias} holds no model yet (irflow models --history says what was decided)")
+    model_id, run_id = row["model_id"], row["run_id"]
+    sel = catalog.selection(run_id) if run_id else None
+    system = row["system"] or next((s for s, m in ((sel or {}).get("models") or {}).items() if m == model_id), None)
+    if sel is None or (sel["models"].get(system) != model_id):
+        raise UserError(f"alias {alias} holds model {model_id}, which no recorded run evaluated here: "
+                        f"irflow lineage {model_id[:20]} says where it came from")
+    return _write(catalog, run_id, system, model_id, sel, out, fmt)
+
+
+def _write(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict, out: Path, fmt: str) -> Exported:
     info = catalog.dataset(model_id)
     path = Path(info["path"]) if info and info.get("path") else None
     if path is None or not (path / "modules.json").is_file():
@@ -156,13 +182,17 @@ def export(catalog: Catalog, run_id: str, out: str | Path, system: str | None = 
 
 def models(catalog: Catalog) -> list[dict]:
     """Every model a run evaluated and recorded in a selection: id, run, system, recipe, nDCG@10, evaluation,
-    and whether that run selected it; newest run last."""
+    whether that run selected it, and the aliases that hold it now; newest run last."""
     out = []
+    held: dict[str, list[str]] = {}
+    for a in catalog.aliases():
+        held.setdefault(a["model_id"], []).append(a["alias"])
     for s in catalog.selections():
         metrics = {m["system"]: m.get(s["metric"]) for m in catalog.run_metrics(s["run_id"])}
         for system, model_id in s["models"].items():
             info = catalog.dataset(model_id) or {}
             out.append({"model_id": model_id, "run_id": s["run_id"], "system": system, "recipe": s["flow"],
                         s["metric"]: metrics.get(system), "evaluation": s["evaluation"],
-                        "selected": system == s["system"], "trained": info.get("stage") not in (None, "external")})
+                        "selected": system == s["system"], "trained": info.get("stage") not in (None, "external"),
+                        "aliases": held.get(model_id, [])})
     return out

@@ -3,9 +3,11 @@ no refs, config or stage runtime. The ``generate_queries`` stage calls them; its
 each source is and where it comes from.
 
 - A seq2seq query generator (docT5query): ``load_generator``; ``BatchGenerator`` samples in batches
-  and halves the batch on out-of-memory; ``generate_batches`` runs it over a run of corpus rows in
-  batches that start at multiples of the batch size in the whole corpus, each seeded from the seed and
-  its batch number, so that a passage's queries do not depend on how the corpus was sharded.
+  and halves the batch on out-of-memory; ``generate_each`` runs it passage by passage, each seeded from
+  the seed and its passage id (a passage's queries depend on it alone); ``generate_batches`` runs it over
+  a run of corpus rows in batches that start at multiples of the batch size in the whole corpus, each
+  seeded from the seed and its batch number, so that a passage's queries do not depend on how the
+  corpus was sharded.
 - Model-free: ``ict_queries`` (a random sentence) and ``crop_queries`` (a random span), seeded per passage.
 """
 
@@ -185,6 +187,35 @@ def generate_passages(generator: BatchGenerator, doc_ids: list[str], texts: list
             out["doc_id"].append(doc_id)
             out["text"].append(q)
     return out, len(todo)
+
+
+def passage_seed(seed: int, doc_id: str) -> int:
+    """torch's seed for one passage's sampling: a function of the seed and the passage id only."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:passage:{doc_id}".encode()).digest()[:8], "little") >> 1
+
+
+def generate_each(generator: BatchGenerator, doc_ids: list[str], titles: list[str], bodies: list[str], n: int,
+                  *, seed: int, max_rounds: int, id_tag: str = "q") -> dict[str, list]:
+    """``generate_passages`` passage by passage (``title + " " + text``), torch seeded with
+    ``passage_seed(seed, doc_id)`` before each: a passage's queries depend on the seed and the passage
+    alone (on a given device), never on which passages come with it. Returns (query_id, doc_id, text)
+    lists, in corpus order."""
+    import torch
+
+    out: dict[str, list] = {"query_id": [], "doc_id": [], "text": []}
+    short = 0
+    with tqdm(total=len(doc_ids), desc=f"generate queries (n={n})", unit=" passages") as bar:
+        for doc_id, title, body in zip(doc_ids, titles, bodies):
+            torch.manual_seed(passage_seed(seed, doc_id))
+            rows, left = generate_passages(generator, [doc_id], [passage_text(title, body)], n, max_rounds, bar,
+                                           id_tag)
+            for c in out:
+                out[c].extend(rows[c])
+            short += left
+    if short:
+        log.info("generate_queries: %d passage(s) have fewer than %d distinct queries after %d rounds",
+                 short, n, max_rounds)
+    return out
 
 
 def batch_seed(seed: int, batch: int) -> int:

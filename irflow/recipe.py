@@ -37,6 +37,7 @@ from irflow.follows import Follow, resolve
 from irflow.orchestration import configure
 from irflow.params import Params, explain
 from irflow.processes import check_interrupted, interrupted, older_objects_frozen
+from irflow.promotion import PromoteConfig
 from irflow.runtime import RuntimeConfig
 from irflow.runner import Run
 
@@ -48,7 +49,7 @@ FLOWS_PACKAGE = "irflow.flows"  # every module in it is imported to find the rec
 
 
 class RecipeConfig(Params):
-    """Base of every recipe's config: ``flow`` picks the recipe, ``runtime`` is never keyed.
+    """Base of every recipe's config: ``flow`` picks the recipe, ``runtime`` and ``promote`` are never keyed.
 
     ``follows`` declares the keys whose default is another key's value (see ``irflow.follows``)."""
 
@@ -56,6 +57,9 @@ class RecipeConfig(Params):
 
     flow: str = Field(description="which recipe this config is for")
     runtime: RuntimeConfig = Field(RuntimeConfig(), description="where and how stages run (never part of a key)")
+    promote: PromoteConfig = Field(PromoteConfig(), description="after the run: promote its selected model to a "
+                                   "named alias if it beats the alias's current model on the run's evaluation "
+                                   "(irflow.promotion; off unless promote.alias is set; never part of a key)")
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +96,8 @@ class StageResult:
     # a computed sharded stage's shards: {index, rows: [start, stop), host, pid, device, seconds, status}
     shards: list[dict] = field(default_factory=list)
     started: str | None = None  # when it started (UTC, ISO 8601): with seconds, which stages overlapped
+    # a computed map stage (irflow.row_reuse): {input, computed, reused[, reused_from: {run: rows}]} rows
+    rows: dict | None = None
 
     @property
     def dataset_id(self) -> str | None:
@@ -114,6 +120,9 @@ class RunResult:
     # the metric and why; and what the metrics were measured on (labelled, or a proxy and how it was made)
     selected: dict | None = None
     evaluation: str = "labelled"
+    # with promote.alias: whether the selected model took the alias (irflow.promotion): decision (promoted |
+    # kept), alias, model_id (the candidate), previous (the alias's model before), current, the numbers, reason
+    promotion: dict | None = None
     # irflow's warnings during the run (the recipe's advice, a stage's "the teacher is at chance"), each once,
     # in order; api.run fills it from this process's log records (Ray workers' are relayed here, and a
     # cached stage says again what its computation warned about, from the catalog)
@@ -126,6 +135,17 @@ class RunResult:
     @property
     def cached(self) -> set[str]:
         return {s.name for s in self.stages if s.status == "cached"}
+
+    def corpus_changes(self) -> str | None:
+        """"N of M passages new or changed" when a map stage of this run reused rows of earlier runs
+        (irflow.row_reuse): its largest input; None when no stage reused rows."""
+        reusing = [s for s in self.stages if s.rows and s.rows.get("reused")]
+        if not reusing:
+            return None
+        big = max(reusing, key=lambda s: s.rows["input"])
+        n = sum(1 for s in self.stages if s.rows and s.rows.get("reused"))
+        return (f"{big.rows['computed']} of {big.rows['input']} passages new or changed ({big.name}); "
+                f"{n} map stage(s) reused the rows of unchanged ones")
 
     def stage(self, name: str) -> StageResult:
         return next(s for s in self.stages if s.name == name)
@@ -299,7 +319,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     if dead_runs:
         log.warning("earlier run(s) %s died without finishing (killed?): marked interrupted", ", ".join(dead_runs))
     t0 = time.perf_counter()
-    status, rows, selected = "failed", [], None
+    status, rows, selected, promotion = "failed", [], None, None
     try:
         # executor ray: the run's Ray; and its stage calls run at once where they may (irflow.branches:
         # leaving the block waits for every stage and raises the first failure)
@@ -312,6 +332,8 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         selected = _select(run, evaluated)
         rows = report(run, evaluated, selected)
         check_interrupted()
+        # the last act of a run: its models are published, its metrics recorded; one INSERT, or nothing
+        promotion = _promote(run, c, evaluated, selected, rows)
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -323,10 +345,10 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     finally:
         run.catalog.finish_run(run.run_id, status, flow_run_id, run.skipped, run.failed)
     stages = [StageResult(s["name"], s["status"], s["outputs"], s["seconds"], s.get("runtime"), s["shards"],
-                          s["started"]) for s in run.catalog.stage_runs(run.run_id)]
+                          s["started"], s.get("rows")) for s in run.catalog.stage_runs(run.run_id)]
     return RunResult(run.run_id, recipe.name, store_root, status, round(time.perf_counter() - t0, 3), stages, rows,
                      flow_run_id, _unique(s["name"] for s in run.skipped), selected=selected,
-                     evaluation=run.evaluation)
+                     evaluation=run.evaluation, promotion=promotion)
 
 
 def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict | None:
@@ -336,12 +358,7 @@ def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict 
 
     if run.start_system is None:
         return None
-    per_query: dict[str, dict[str, float]] = {}
-    for ev in evaluations:
-        t = ev["per_query"].table()
-        for system, q, m, v in zip(*(t.column(c).to_pylist() for c in ("system", "query_id", "metric", "value"))):
-            if m == metric and system in run.dense_models:
-                per_query.setdefault(system, {})[q] = v
+    per_query = {s: v for s, v in _per_query(evaluations, metric).items() if s in run.dense_models}
     if run.start_system not in per_query:
         return None
     sel = selection.select(per_query, run.start_system, run.evaluation, metric)
@@ -350,6 +367,41 @@ def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict 
     run.catalog.record_selection(run.run_id, out)
     log.info("selected model: %s (%s)", sel.system, sel.reason)
     return out
+
+
+def _per_query(evaluations: list[dict], metric: str) -> dict[str, dict[str, float]]:
+    """system -> {query id: value} of ``metric``, over the run's evaluations."""
+    per_query: dict[str, dict[str, float]] = {}
+    for ev in evaluations:
+        t = ev["per_query"].table()
+        for system, q, m, v in zip(*(t.column(c).to_pylist() for c in ("system", "query_id", "metric", "value"))):
+            if m == metric:
+                per_query.setdefault(system, {})[q] = v
+    return per_query
+
+
+def _promote(run: Run, c: RecipeConfig, evaluations: list[dict], selected: dict | None, rows: list[dict],
+             metric: str = "ndcg@10") -> dict | None:
+    """With ``promote.alias``: the run's selected model against the alias's current model on the run's
+    evaluation (``irflow.promotion``), decided and recorded; None when promotion is off."""
+    from irflow import promotion
+    from irflow.tasks.report import publish_summary
+
+    alias = c.promote.alias
+    if alias is None:
+        return None
+    evaluated = dict((selected or {}).get("models") or {})
+    # the alias's model, evaluated apart (irflow.flows.common.alias_runs): what its search read
+    search = labels.label("dense_search", alias)
+    for s in run.catalog.stage_runs(run.run_id, with_inputs=True):
+        if s["name"] == search and s["inputs"].get("model"):
+            evaluated.setdefault(alias, s["inputs"]["model"][0])
+    partial = (f"--to left {len(_unique(s['name'] for s in run.skipped))} stage(s) out: a partial run promotes "
+               "nothing") if run.skipped else None
+    p = promotion.promote(run.catalog, run.store, run.run_id, c.promote, selected, _per_query(evaluations, metric),
+                          evaluated, run.evaluation, metric, partial).to_dict()
+    publish_summary(run, rows, selected, p)
+    return p
 
 
 def plan(recipe: Recipe, c: RecipeConfig, store: str, force: set[str] = frozenset(),

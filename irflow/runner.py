@@ -280,7 +280,7 @@ def execute(stage: Stage, run: Run, params: Params | dict, tag: str | None, inpu
                     check_interrupted()
                     onnx_models = _onnx_models(stage, run, params, inputs)
                     refs, provenance = _compute(stage, run, store, catalog, key, params, inputs, stage_label,
-                                                     onnx_models)
+                                                onnx_models, detail, reuse_rows=not forced)
             except Exception as e:
                 # A Ctrl-C that a library turned into its own error anywhere in the computation (the
                 # stage's function, but also staging its outputs: a DuckDB contract query raises
@@ -345,9 +345,11 @@ def _onnx_models(stage: Stage, run: Run, params: Params, inputs: dict) -> dict[s
         out[model.path] = ref.path
     return out
 
-def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label, onnx_models=None):
+def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label, onnx_models=None,
+             detail: dict | None = None, reuse_rows: bool = True):
     if stage.sharded(params):
-        return _compute_shards(stage, run, store, catalog, key, params, inputs, stage_label, onnx_models or {})
+        return _compute_shards(stage, run, store, catalog, key, params, inputs, stage_label, onnx_models or {},
+                               {} if detail is None else detail, reuse_rows)
     workdir = store.staging_dir()
     resume_dir = None
     if stage.resumable:
@@ -427,21 +429,36 @@ def _record(stage: Stage, run: Run, catalog: Catalog, stage_label: str, key: str
                            runtime=provenance, warnings=warned)
 
 def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label,
-                    onnx_models: dict[str, str]):
+                    onnx_models: dict[str, str], detail: dict, reuse_rows: bool = True):
     """A sharded stage (see irflow.shards): parts into partial/<key>, each output assembled from its
-    parts, then published (every output assembled and checked before any is published)."""
-    from irflow import shards
+    parts, then published (every output assembled and checked before any is published). A stage with a
+    row map (``irflow.row_reuse``) computes only the input rows an earlier computation of its family did
+    not, and ``detail["rows"]`` says how many of each."""
+    from irflow import row_reuse, shards
     from irflow.errors import UserError
 
     parts_dir = store.root / "partial" / key
     parts_dir.mkdir(parents=True, exist_ok=True)
     rt = replace(stage_runtime(run.runtime, stage.work, onnx_capable=stage.onnx is not None), onnx_models=onnx_models)
+    role = stage.shard
+    total = inputs[role].num_rows()
+    reuse, shard_dir, shard_inputs = None, parts_dir, inputs
+    if stage.rows is not None and stage.rows.applies(params):
+        detail["row_family"] = family = row_reuse.family(stage, params, inputs, role, total)
+        earlier = _row_sources(store, catalog, stage, family, role, inputs[role]) \
+            if reuse_rows and run.runtime.reuse_rows else []
+        reuse = row_reuse.plan(stage, role, inputs, earlier, parts_dir)
+        shard_dir = reuse.work
+        shard_inputs = {**inputs, role: reuse.todo} if reuse.todo is not None else None
+        if reuse.reused:
+            log.info("%s: %d of %d %s rows new or changed, %d reused (from run %s)", stage_label, reuse.computed,
+                     total, role, reuse.reused, ", ".join(e["run_id"] for e in reuse.earlier))
     log.info("%s: computing (%s)", stage_label,
              f"{rt.device}, {rt.precision}{_backend(rt)}" if stage.work else "cpu")
     try:
         with warnings_logged() as warned:  # the shards' own, also those relayed from Ray workers
-            records = shards.compute(stage, stage_label, params, inputs, run.runtime, parts_dir, onnx_models,
-                                     executor=run.executor)
+            records = [] if shard_inputs is None else shards.compute(
+                stage, stage_label, params, shard_inputs, run.runtime, shard_dir, onnx_models, executor=run.executor)
     except shards.ShardFailed as e:
         check_interrupted()
         # A user error (a model that cannot be loaded, data that cannot support the params) is the
@@ -456,8 +473,9 @@ def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key,
         for o in stage.outputs:
             staging = store.staging_dir()
             staged[o.name] = (staging, 0)
-            files = [parts_dir / shards.part_names(stage, *r["rows"])[o.name] for r in records]
-            staged[o.name] = (staging, write_parts(o.contract, files, staging / TABLE_FILE))
+            files = [shard_dir / shards.part_names(stage, *r["rows"])[o.name] for r in records]
+            rows = files if reuse is None else row_reuse.merged(stage, o.name, reuse, files)
+            staged[o.name] = (staging, write_parts(o.contract, rows, staging / TABLE_FILE))
         published = _publish(stage, store, staged)
     except BaseException:
         for staging, _ in staged.values():
@@ -465,10 +483,26 @@ def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key,
         raise
     provenance = {**rt.provenance(), "executor": run.runtime.executor, "shard_rows": run.runtime.shard_rows,
                   "shards": len(records)}
+    detail["rows"] = reuse.record() if reuse is not None else {"input": total, "computed": total, "reused": 0}
     _record(stage, run, catalog, stage_label, key, params, inputs, published, provenance, warned)
     catalog.record_shards(run.run_id, stage_label, key, records)
     remove_tree(parts_dir)
     return {name: p[0] for name, p in published.items()}, provenance
+
+def _row_sources(store: Store, catalog: Catalog, stage: Stage, family: str, role: str, like: DatasetRef) -> list[dict]:
+    """The latest earlier computations of a row family whose mapped input and outputs are all still stored
+    (``irflow.row_reuse.plan`` reads their rows), newest first: [{input: ref, outputs: {name: ref}, run_id}]."""
+    contracts = {o.name: o.contract for o in stage.outputs}
+    out = []
+    for found in catalog.row_family_sources(family, role):
+        refs = {"input": DatasetRef(found["input"], like.name, "table", like.contract,
+                                    str(store.object_dir(found["input"])))}
+        refs.update({name: DatasetRef(i, name, "table", contracts.get(name), str(store.object_dir(i)))
+                     for name, i in found["outputs"].items()})
+        if all(Path(r.parquet).exists() for r in refs.values()):
+            out.append({"input": refs.pop("input"), "outputs": refs, "run_id": found["run_id"]})
+    return out
+
 
 def stage_task(stage):
     if stage._task is None:

@@ -144,6 +144,10 @@ class RuntimeConfig(Params):
     shard_rows: PositiveInt = Field(100_000, description="rows of a sharded stage's input per shard (corpus "
                                                          "passages, queries or pairs): the unit of parallel work, "
                                                          "of memory, and of resuming a killed run")
+    reuse_rows: bool = Field(True, description="map stages (corpus encoding, query generation) reuse the rows an "
+                                               "earlier run computed for unchanged passages and compute only new "
+                                               "or edited ones (irflow.row_reuse; the result is the same either "
+                                               "way); false: compute every row")
 
     @model_validator(mode="after")
     def _onnx_on_cpu(self):

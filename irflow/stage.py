@@ -58,8 +58,9 @@ class Stage:
     def __init__(self, fn: Callable, name: str, version: str, outputs: list[Output], work: str | None,
                  resumable: bool, shard: str | None = None, shard_when: Callable[[Params], bool] | None = None,
                  shard_align: Callable[[Params], int] | None = None,
-                 onnx: Callable[[Params], dict[str, tuple[str, str]]] | None = None):
+                 onnx: Callable[[Params], dict[str, tuple[str, str]]] | None = None, rows=None):
         self.fn = fn
+        self.rows = rows
         self.onnx = onnx
         self.shard = shard
         self.shard_when = shard_when
@@ -90,6 +91,8 @@ class Stage:
             raise TypeError(f"stage {name}: shard_when= and shard_align= need shard=")
         if onnx is not None and work is None:
             raise TypeError(f"stage {name}: onnx= is for stages that run models (work encode or score)")
+        if rows is not None and (shard is None or set(rows.owners) != {o.name for o in outputs}):
+            raise TypeError(f"stage {name}: rows= is for sharded stages and names the owner of every output")
 
     def run_name(self, tag: str | None) -> str:
         """The name of one call in a run: ``bm25_search[flat]`` (the tag tells calls apart)."""
@@ -147,7 +150,7 @@ def _params_members(ann) -> tuple[type, ...]:
 def stage(name: str, version: str, outputs: list[Output] | Output, *, work: str | None = None,
           resumable: bool = False, shard: str | None = None, shard_when: Callable[[Params], bool] | None = None,
           shard_align: Callable[[Params], int] | None = None,
-          onnx: Callable[[Params], dict[str, tuple[str, str]]] | None = None) -> Callable[[Callable], Stage]:
+          onnx: Callable[[Params], dict[str, tuple[str, str]]] | None = None, rows=None) -> Callable[[Callable], Stage]:
     """Declare a stage: ``@stage("bm25_search", version="1", outputs=Output("run", "run"))``.
 
     ``work`` is the kind of work it does on a device (encode, score, generate, train; None for
@@ -165,10 +168,12 @@ def stage(name: str, version: str, outputs: list[Output] | Output, *, work: str 
     (task embed: a bi-encoder, score: a cross-encoder; quantization: the params' none | int8): the runner
     exports those it runs on ONNX Runtime (``runtime.backend: onnx``, or int8) before computing, and the
     stage finds them with ``rt.onnx_model(model)`` (``irflow.onnx_inference``).
+    ``rows``: an ``irflow.row_reuse.RowMap`` (sharded stages): which input row each output row belongs
+    to, so that a later call on a changed input computes only its new and changed rows.
     """
     outs = [outputs] if isinstance(outputs, Output) else list(outputs)
 
     def wrap(fn: Callable) -> Stage:
-        return Stage(fn, name, version, outs, work, resumable, shard, shard_when, shard_align, onnx)
+        return Stage(fn, name, version, outs, work, resumable, shard, shard_when, shard_align, onnx, rows)
 
     return wrap

@@ -57,6 +57,9 @@ class DatasetRef:
     # A shard's view of a table: rows [start, stop) only (table() and batches() read just those row
     # groups). The id stays the whole table's: a shard is part of a stage keyed on the whole input.
     rows: tuple[int, int] | None = None
+    # A table that stands for part of a bigger input (the rows a map stage still has to compute,
+    # irflow.row_reuse): the whole input's row count, which ``total_rows()`` then says.
+    total: int | None = field(default=None, compare=False)
 
     @property
     def parquet(self) -> str:
@@ -73,6 +76,8 @@ class DatasetRef:
     def total_rows(self) -> int:
         """Rows of the whole table, even for a shard's view (a stage whose output depends on the size of
         its whole input, e.g. generate_queries' ``queries_per_passage: auto``): the Parquet footer."""
+        if self.total is not None:
+            return self.total
         return pq.ParquetFile(self.parquet).metadata.num_rows
 
     @property

@@ -56,7 +56,7 @@ def data(tmp_path_factory):
 
 def t5_params(**kw) -> T5Source:
     return T5Source(**{"source": "t5", "queries_per_passage": N_QPP, "max_length": 8, "max_input_length": 64,
-                       "batch_size": 4, "seed": 7, **kw})
+                       "sampling": "batch", "batch_size": 4, "seed": 7, **kw})
 
 
 # One intra-op thread (on a busy shared CPU it avoids OpenMP spin-waiting) and a fixed device: the

@@ -134,7 +134,7 @@ def test_gpl_slice_on_ray_equals_the_local_run(data):
     t5 = make_tiny_t5(data["root"] / "t5")
     ce = make_tiny_cross_encoder(data["root"] / "ce", seed=0)
     cfg = {"flow": "gpl", "dataset": {"name": "slice", "source": str(data["slice"]), "split": "test"},
-           "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
+           "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1,
                         "max_length": 12},
            "mine": {"miners": [{"name": "bm25", "type": "bm25"},
                                {"name": "bi", "type": "dense", "model": str(data["bi"])}], "depth": 10},

@@ -1,7 +1,8 @@
 """A cron schedule starts real runs: a real Prefect server (not the test harness), its scheduler creating
-flow runs of a fully cached small config, both ways users schedule one -- `irflow serve --cron` and a
-deployment of prefect.yaml with its schedule switched on, served by a process worker -- and each run
-completing with every stage cached.
+flow runs of small configs, both ways users schedule one -- `irflow serve --cron` and a deployment of
+prefect.yaml with its schedule switched on, served by a process worker -- and each run completing with
+every stage cached. The served config reads a folder of the user's documents: documents added to it
+between two scheduled runs are the only passages the next run encodes (irflow.row_reuse).
 
 Why this test exists: with SQLAlchemy 2.1 in the lock, Prefect 3.8's scheduler service failed on every
 loop (`InvalidRequestError: Can't evaluate bulk DML statement`), so no schedule ever created a run while
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from irflow.testing import beir_slice, make_tiny_bi_encoder
+from irflow.catalog import Catalog
+from irflow.testing import beir_slice, make_tiny_bi_encoder, scifact_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -76,6 +78,19 @@ def test_a_cron_schedule_creates_runs_that_complete_cached(tmp_path, shared_data
     config.write_text(yaml.safe_dump({
         "flow": "baselines", "dataset": {"name": "slice", "source": str(data), "split": "test"},
         "bm25": {"variants": ["flat"]}, "dense": {"model": str(bi), "batch_size": 32}, "runtime": {"threads": 1}}))
+    # a folder of the user's own documents (no labels: a proxy evaluation), which gains documents later
+    docs, folder = scifact_docs(36), tmp_path / "my-docs"
+    folder.mkdir()
+
+    def write_docs(a: int, b: int) -> None:
+        for d, title, text in zip(*(docs.column(c).to_pylist()[a:b] for c in ("doc_id", "title", "text"))):
+            (folder / f"{d}.txt").write_text(f"{title}\n\n{text}\n")
+
+    write_docs(0, 30)
+    own, own_store = tmp_path / "own.yaml", tmp_path / "own-store"
+    own.write_text(yaml.safe_dump({
+        "flow": "baselines", "dataset": {"name": "my-docs", "source": str(folder), "proxy": {"documents": 6}},
+        "bm25": {"variants": ["flat"]}, "dense": {"model": str(bi), "batch_size": 32}, "runtime": {"threads": 1}}))
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -93,10 +108,11 @@ def test_a_cron_schedule_creates_runs_that_complete_cached(tmp_path, shared_data
     server = start("server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                    _env(PREFECT_HOME=str(tmp_path / "server-home"), PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
                         PREFECT_UI_ENABLED="true"))
-    first = subprocess.run([sys.executable, "-m", "irflow.cli", "run", str(config), "--store", str(store)],
-                           env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    first = [subprocess.run([sys.executable, "-m", "irflow.cli", "run", str(c), "--store", str(s)],
+                            env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+             for c, s in ((config, store), (own, own_store))]
     try:
-        assert first.returncode == 0, first.stderr[-3000:]
+        assert all(f.returncode == 0 for f in first), [f.stderr[-3000:] for f in first]
         for _ in range(120):
             try:
                 if _api(url, "/health") is True:
@@ -108,8 +124,8 @@ def test_a_cron_schedule_creates_runs_that_complete_cached(tmp_path, shared_data
         client_env = _env(PREFECT_API_URL=url, PREFECT_HOME=str(tmp_path / "client-home"))
 
         # 1. irflow serve --cron: a deployment served by this process
-        start("serve", [sys.executable, "-m", "irflow.cli", "serve", str(config), "--cron", CRON, "--store",
-                        str(store), "--name", "every-minute"], client_env, cwd=tmp_path)
+        start("serve", [sys.executable, "-m", "irflow.cli", "serve", str(own), "--cron", CRON, "--store",
+                        str(own_store), "--name", "every-minute"], client_env, cwd=tmp_path)
 
         # 2. one of prefect.yaml's deployments, its schedule switched on, deployed and run by a process worker
         spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
@@ -155,6 +171,27 @@ def test_a_cron_schedule_creates_runs_that_complete_cached(tmp_path, shared_data
         # a browser's request (Accept: text/html) for the run's page gets the UI's app
         page = _api(f"http://127.0.0.1:{port}", f"/runs/flow-run/{run['id']}", accept="text/html")
         assert "<html" in page.lower() and "prefect" in page.lower()
+
+        # 6 documents join the folder: the next scheduled run encodes those passages only
+        write_docs(30, 36)
+        changed_at = time.time()
+        served = deployments["every-minute"]
+        later = None
+        while later is None and time.time() - changed_at < DEADLINE_S:
+            for fr in _api(url, "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [served]}}}):
+                assert fr["state_type"] not in ("FAILED", "CRASHED"), (fr["name"], fr["state"], _tail(logs["serve"]))
+                started = fr["start_time"] and time.mktime(time.strptime(fr["start_time"][:19], "%Y-%m-%dT%H:%M:%S"))
+                if fr["state_type"] == "COMPLETED" and started and started - time.timezone > changed_at:
+                    later = fr
+            time.sleep(3)
+        assert later is not None, f"no scheduled run after the folder changed:\n{_tail(logs['serve'])}"
+        catalog = Catalog(own_store / "catalog.duckdb")
+        with catalog.connect() as con:
+            run_id = con.execute("SELECT run_id FROM runs WHERE prefect_flow_run_id = ?", [later["id"]]).fetchone()[0]
+        stages = {s["name"]: s for s in catalog.stage_runs(run_id)}
+        encoded = stages["encode_corpus[zero-shot]"]
+        assert encoded["status"] == "computed" and encoded["rows"]["computed"] == 6, encoded
+        assert encoded["rows"]["reused"] == 30
     finally:
         for p in reversed(procs):
             _stop(p)

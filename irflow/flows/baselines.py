@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from irflow.flows.common import (BM25Config, DatasetConfig, ZeroShotDense, bm25_runs, dense_run, evaluate_runs,
-                                 ingest, system_name)
+from irflow.flows.common import (BM25Config, DatasetConfig, ZeroShotDense, alias_runs, bm25_runs, dense_run,
+                                 evaluate_runs, ingest, system_name)
 from irflow.recipe import RecipeConfig, recipe
 from irflow.runner import Run
 from irflow.tasks.evaluate import EvaluationParams
@@ -41,5 +41,6 @@ def baselines(c: BaselinesConfig, run: Run) -> list[dict]:
         runs[system] = dense_run(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
                                  model=model)
         run.start_system, run.dense_models[system] = system, model
+        runs.update(alias_runs(run, c, data, runs, c.dense))
     return evaluate_runs(run, c.evaluate, data, runs)
 

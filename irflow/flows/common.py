@@ -9,6 +9,7 @@ building block wires stages together, and each stage is cached on its own inputs
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_
 
 from irflow.beir import IngestError, _relative_hint, dataset_splits, is_beir_source, is_url
 from irflow.dual_encoder import TrainDualEncoderParams
+from irflow.errors import ConfigError
 from irflow.follows import Follow
 from irflow.params import ModelName, Params
 from irflow.recipe import RecipeConfig
@@ -33,6 +35,7 @@ from irflow.tasks.ingest import (CorpusReadParams, HoldoutParams, IngestParams, 
                                  ingest_queries, select_queries, source_ref)
 from irflow.tasks.mine_negatives import MineParams
 
+log = logging.getLogger("irflow")
 
 # ---- sections ---------------------------------------------------------------------------------
 class ProxyT5(T5Source):
@@ -408,15 +411,88 @@ class SupervisedConfig(RecipeConfig):
 
 
 def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
-              models: dict[str, DatasetRef], base_model: str | None = None) -> dict[str, DatasetRef]:
+              models: dict[str, DatasetRef], base_model: str | None = None,
+              start: tuple[str, DatasetRef] | None = None) -> dict[str, DatasetRef]:
     """System name -> test run: BM25 (``c.bm25``), the zero-shot base model (``base_model``: its config
-    value, by default ``c.base_model``), and each trained model, encoded and searched as ``c.dense``."""
+    value, by default ``c.base_model``), and each trained model, encoded and searched as ``c.dense``.
+    ``start``: (system, model) where training continued from an alias's model (``start_model``): evaluated
+    too, and the model the trained ones are selected against. And the promotion's comparison
+    (``alias_runs``)."""
     runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
     zero_shot = system_name(base_model or c.base_model)
     runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
                                 tag="zero-shot")
     run.start_system, run.dense_models[zero_shot] = zero_shot, base
+    if start is not None:
+        name, model = start
+        if name in runs:
+            raise ConfigError(f"train.init: '{name}' is also the name of a system of this run; the alias's model is "
+                              "evaluated as a system of that name: choose another alias name")
+        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, tag=name)
+        run.start_system, run.dense_models[name] = name, model
     for name, model in models.items():
         runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, tag=name)
         run.dense_models[name] = model
+    runs.update(alias_runs(run, c, data, runs, c.dense))
     return runs
+
+
+# ---- promotion (irflow.promotion) and training continued from an alias's model -----------------------
+def alias_model(run: Run, model_id: str, where: str) -> DatasetRef | None:
+    """The model an alias holds, as an input ref (``Run.model``): a stored model by its id; a model no stage
+    made (a hub id, a local directory) by the name or path it was found at, if that still resolves to the
+    same id. None (and a warning) if it cannot be had here."""
+    from irflow.models import ModelNotAvailable, resolve
+
+    if run.store.object_dir(model_id).is_dir():
+        return run.model(model_id, where)
+    info = run.catalog.dataset(model_id) or {}
+    for name in (info.get("name"), info.get("path")):
+        if name and resolve(name, run.store_root).id == model_id:
+            try:
+                return run.model(name, where)
+            except ModelNotAvailable:
+                break
+    log.warning("%s: the alias's model %s cannot be had here (removed, moved or changed since it was promoted)",
+                where, model_id)
+    return None
+
+
+def alias_runs(run: Run, c: RecipeConfig, data: Dataset, runs: dict[str, DatasetRef],
+               dense: DenseRetrieval) -> dict[str, DatasetRef]:
+    """With ``promote.alias``: the alias's current model as a test run of system ``<alias>``, searched as
+    ``dense`` like the zero-shot model, so that the promotion compares it with the run's selected model on
+    the run's evaluation. Nothing if the alias has no model yet, or holds one of the run's dense models
+    (their own runs stand for it)."""
+    alias = c.promote.alias
+    current = run.catalog.alias(alias) if alias is not None else None
+    if current is None:
+        return {}
+    if any(isinstance(ref, DatasetRef) and ref.id == current["model_id"] for ref in run.dense_models.values()):
+        return {}
+    if alias in runs:
+        raise ConfigError(f"promote.alias: '{alias}' is also the name of a system of this run; the alias's model is "
+                          "evaluated as a system of that name: choose another alias name")
+    model = alias_model(run, current["model_id"], "promote.alias")
+    if model is None:
+        return {}
+    return {alias: dense_run(run, dense, data.corpus, data.test_queries, model=model, system=alias, tag=alias)}
+
+
+def start_model(run: Run, init: str, base: DatasetRef, base_name: str, where: str
+                ) -> tuple[DatasetRef, tuple[str, DatasetRef] | None]:
+    """Where training starts: (the model, and (system, model) to evaluate as the start, or None). ``init``
+    ``base``: ``base``. An alias name: the alias's current model (its id enters the trainers' keys), evaluated
+    as system ``<alias>``; ``base`` with a warning when the alias has no model yet (or it cannot be had)."""
+    if init == "base":
+        return base, None
+    current = run.catalog.alias(init)
+    model = alias_model(run, current["model_id"], where) if current else None
+    if model is None:
+        log.warning("%s: alias '%s' %s: training starts from %s (as with %s: base)", where, init,
+                    "has no model yet" if current is None else "holds a model that cannot be had here", base_name,
+                    where)
+        return base, None
+    if model.id == base.id:
+        return base, None
+    return model, (init, model)

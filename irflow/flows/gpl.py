@@ -20,6 +20,10 @@ miner on train.model is round r-1's student (so a fusion teacher fuses BM25 with
 round's student trains on from it (``round_init: previous``) or from train.model (``base``). Each round is
 keyed on the previous round's student: raising ``rounds`` computes only the new rounds.
 
+With ``train.init: <alias>`` (``promote.alias``, ``irflow.promotion``) the students start from the model
+that alias holds instead of train.model: training continues from the model in use, which is evaluated as
+system ``<alias>`` and is what the students are selected against.
+
 Each arrow is a stage cached on its inputs: change `train.*` and only training and evaluation
 recompute; change the teacher and labels, training, evaluation recompute while generation and
 mining are reused; change the generator and everything after ingest recomputes.
@@ -38,12 +42,13 @@ import json
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from irflow.flows.common import (BM25Config, Dataset, DatasetConfig, DenseConfig, HybridConfig, bm25_runs, dense_run,
-                                 evaluate_runs, hybrid_runs, ingest, system_name, test_runs)
+                                 evaluate_runs, hybrid_runs, ingest, start_model, system_name, test_runs)
 from irflow.follows import Follow
 from irflow.params import CrossEncoderName, ModelName, NoParams, Params
+from irflow.promotion import check_alias_name
 from irflow.recipe import RecipeConfig, recipe
 from irflow.runner import Run
 from irflow.store import DatasetRef
@@ -128,7 +133,18 @@ class QGenConfig(Params):
 
 class TrainConfig(TrainStudentParams):
     model: ModelName = Field("GPL/msmarco-distilbert-margin-mse", description="the student's starting point")
+    init: str = Field(
+        "base", description="where the students start: base (train.model) or an alias name (e.g. production: "
+                            "the model that alias holds, so training continues from the model in use; its id enters "
+                            "the trainers' keys). The alias's model is then evaluated as system <alias> and is what "
+                            "the trained models are selected against (train.model stays the zero-shot baseline); an "
+                            "alias with no model yet falls back to base with a warning")
     qgen: QGenConfig = Field(QGenConfig(), description="the QGen baseline (same settings unless given)")
+
+    @field_validator("init")
+    @classmethod
+    def _init(cls, v):
+        return v if v == "base" else check_alias_name(v)
 
     def gpl_params(self) -> TrainStudentParams:
         return self.to(TrainStudentParams)
@@ -208,7 +224,8 @@ class GPLConfig(RecipeConfig):
                        "`round_init`")
     round_init: Literal["previous", "base"] = Field(
         "previous", description="where round r > 1's student starts: previous (round r-1's student, trained on) or "
-                                "base (train.model again, on the new labels)")
+                                "base (the first round's starting point again, train.model or train.init's alias "
+                                "model, on the new labels)")
     doc2query: Doc2QueryConfig = Field(Doc2QueryConfig(), description="the docT5query baseline")
     evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
 
@@ -368,6 +385,8 @@ def teacher_runs(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined
 def gpl(c: GPLConfig, run: Run) -> list[dict]:
     data = ingest(run, c.dataset)
     base = run.model(c.train.model, "train.model")
+    # the students' starting point: train.model, or (train.init: an alias) the model in use, trained on
+    init, start = start_model(run, c.train.init, base, c.train.model, "train.init")
 
     # 1. Query generation (once: every round labels the same queries).
     gen = query_generation(run, c.generate, data)
@@ -383,23 +402,23 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
         mined = [miner_run(run, m, c, corpus, gen["queries"], student, suffix) for m in c.mine.miners]
         negatives = mine_negatives(run, c.mine.to(MineParams), tag=round_tag, rankings=mined,
                                    qrels=gen["qrels"], corpus=corpus)
-        start = base if student is None or c.round_init == "base" else student
+        start_from = init if student is None or c.round_init == "base" else student
         labels.append(labelling(run, c, gen, negatives,
                                 teacher_runs(run, c, gen, negatives, mined, corpus, student, suffix),
-                                start, corpus, round_tag))
+                                start_from, corpus, round_tag))
         # (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
         student = train_student(run, c.train.gpl_params(), tag=f"gpl{suffix}", queries=gen["queries"],
-                                corpus=corpus, base_model=start, pseudo_labels=labels[-1])["student"]
+                                corpus=corpus, base_model=start_from, pseudo_labels=labels[-1])["student"]
         students[f"gpl-student{suffix}"] = student
 
     # The QGen baseline: MNRL on (q, pos), the first round's positives.
     if c.train.qgen.enabled:
         positives = label_positives(run, NoParams(), pseudo_labels=labels[0])
         students["qgen-student"] = train_student(run, c.train.qgen_params(), tag="qgen", queries=gen["queries"],
-                                                 corpus=corpus, base_model=base, qrels=positives)["student"]
+                                                 corpus=corpus, base_model=init, qrels=positives)["student"]
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
-    runs = test_runs(run, c, data, base, students, base_model=c.train.model)
+    runs = test_runs(run, c, data, base, students, base_model=c.train.model, start=start)
     runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.train.model), students))
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,

@@ -79,9 +79,10 @@ class ReportData:
     systems: list[SystemSummary]
     baselines: list[str]
     comparisons: list[Comparison]
-    stages: list[dict]  # name, status, seconds
+    stages: list[dict]  # name, status, seconds, rows (a map stage's rows computed and reused, or None)
     notes: list[str]  # what the page must say about what is missing
     selection: dict | None = None  # the model the run selected (irflow.selection), and what it was measured on
+    promotion: dict | None = None  # with promote.alias: whether it took the alias (irflow.promotion), and why
 
     def system(self, name: str) -> SystemSummary:
         return next(s for s in self.systems if s.system == name)
@@ -100,7 +101,7 @@ def report_data(catalog: Catalog, run_id: str, baselines: list[str] | None = Non
     run = R.run_row(catalog, run_id)
     rows = R.metric_rows(catalog, run_id)
     evals = R.evaluations(catalog, run_id)
-    stages = [{k: s[k] for k in ("name", "status", "seconds")} for s in R.stage_runs(catalog, run_id)]
+    stages = [{k: s[k] for k in ("name", "status", "seconds", "rows")} for s in R.stage_runs(catalog, run_id)]
     notes = []
     if not rows:
         notes.append(f"no metrics: the run recorded none (status {run['status']}; a run records its metrics when "
@@ -144,7 +145,8 @@ def report_data(catalog: Catalog, run_id: str, baselines: list[str] | None = Non
         split = rows[0]["split"] if rows else run["config"].get("dataset", {}).get("split")
         _fill_texts(comparisons, ranking_of, _Texts(catalog, evals[0]), split)
     return ReportData(run=run, metric=metric, metric_rows=rows, systems=systems, baselines=chosen,
-                      comparisons=comparisons, stages=stages, notes=notes, selection=catalog.selection(run_id))
+                      comparisons=comparisons, stages=stages, notes=notes, selection=catalog.selection(run_id),
+                      promotion=catalog.promotion(run_id))
 
 
 def _baselines(asked: list[str] | None, made_by: dict[str, str], systems: list[str]) -> list[str]:

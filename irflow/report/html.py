@@ -60,13 +60,23 @@ def header(d: ReportData) -> str:
                                                      else ": a proxy, not relevance labels")),
                  ("selected model", f"{sel['system']} ({sel['model_id']}): {sel['reason']}"),
                  ("hand it out", f"irflow export {r['run_id']} --out DIR")]
+    if d.promotion:
+        p = d.promotion
+        rows.append((f"promotion ({p['decision']})", f"{p['reason']} (irflow export {p['alias']} --out DIR hands out "
+                                                     f"the model {p['alias']} holds)"))
     body = "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in rows)
     stages = "".join(f"<tr><td>{escape(s['name'])}</td><td>{escape(s['status'])}</td>"
-                     f"<td class=num>{s['seconds']:.1f} s</td></tr>" for s in d.stages)
+                     f"<td class=num>{s['seconds']:.1f} s</td><td class=num>{_rows(s.get('rows'))}</td></tr>"
+                     for s in d.stages)
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in d.notes)
     return (f"<h1>irflow run {escape(r['run_id'])}</h1><table class=meta>{body}</table>{notes}"
             f"<details><summary>stages ({len(d.stages)})</summary><table><tr><th>stage</th><th>status</th>"
-            f"<th>time</th></tr>{stages}</table></details>")
+            f"<th>time</th><th>rows computed / reused</th></tr>{stages}</table></details>")
+
+
+def _rows(rows: dict | None) -> str:
+    """A map stage's input rows computed and reused (irflow.row_reuse): "20 / 180"; '' for other stages."""
+    return f"{rows['computed']:,} / {rows['reused']:,}" if rows else ""
 
 
 def metrics_table(d: ReportData) -> str:

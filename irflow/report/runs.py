@@ -89,11 +89,13 @@ def metric_rows(catalog: Catalog, run_id: str) -> list[dict]:
 
 
 def stage_runs(catalog: Catalog, run_id: str) -> list[dict]:
-    """What each stage of the run did, in order: name, status (computed | cached), seconds, outputs, key."""
+    """What each stage of the run did, in order: name, status (computed | cached), seconds, outputs, key, and
+    for a computed map stage its input rows computed and reused (``rows``, irflow.row_reuse; else None)."""
     with catalog.connect() as con:
-        rows = con.execute("SELECT stage, status, seconds, outputs, cache_key FROM stage_runs WHERE run_id = ? "
-                           "ORDER BY position", [run_id]).fetchall()
-    return [{"name": r[0], "status": r[1], "seconds": r[2], "outputs": json.loads(r[3]), "cache_key": r[4]}
+        rows = con.execute("SELECT stage, status, seconds, outputs, cache_key, detail FROM stage_runs "
+                           "WHERE run_id = ? ORDER BY position", [run_id]).fetchall()
+    return [{"name": r[0], "status": r[1], "seconds": r[2], "outputs": json.loads(r[3]), "cache_key": r[4],
+             "rows": json.loads(r[5] or "{}").get("rows") if r[1] == "computed" else None}
             for r in rows]
 
 

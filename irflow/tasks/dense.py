@@ -28,6 +28,7 @@ from irflow.encoding import encode_texts
 from irflow.models import load_sentence_transformer
 from irflow.pairs import candidate_pairs, scored_run
 from irflow.params import QUANTIZATION_DOC, Params, Quantization
+from irflow.row_reuse import RowMap
 from irflow.runtime import StageRuntime
 from irflow.worker import per_worker
 from irflow.stage import Output, stage
@@ -100,7 +101,7 @@ def _bi_encoder(p: EncodeParams) -> dict:
 
 
 @stage("encode_corpus", version="3", outputs=Output("embeddings", "embeddings"), work="encode", shard="corpus",
-       onnx=_bi_encoder)
+       onnx=_bi_encoder, rows=RowMap(key="doc_id", owners={"embeddings": "doc_id"}))
 def encode_corpus(p: EncodeParams, rt: StageRuntime, *, corpus: DatasetRef, model: DatasetRef) -> pa.Table:
     """One embedding per passage of ``corpus`` with ``model``, in corpus order."""
     st = load_sentence_transformer(model.path, rt.device, p.max_seq_length, onnx=rt.onnx_model(model),

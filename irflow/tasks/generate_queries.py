@@ -21,9 +21,11 @@ have no known positive, so their qrels table is empty (but valid).
 Sharding (``irflow.shards``): t5, ict and crop are maps over the corpus, computed in shards of
 ``runtime.shard_rows`` passages (parts of both outputs in ``partial/<key>``, resumed after a kill, run on
 Ray workers with ``runtime.executor: ray``), and their outputs do not depend on the shards: ict and crop
-seed per passage; t5 samples in batches that start at multiples of ``batch_size`` in the whole corpus,
-each seeded from (seed, batch number), and the stage asks for shards that start on those batches (the
-runner rounds ``shard_rows`` up to a multiple of ``batch_size``). ``queries_per_passage: auto`` counts
+seed per passage; t5 samples passage by passage, each seeded from (seed, passage id) -- or, with
+``sampling: batch``, in batches that start at multiples of ``batch_size`` in the whole corpus, each seeded
+from (seed, batch number), and the stage asks for shards that start on those batches (the runner rounds
+``shard_rows`` up to a multiple of ``batch_size``). Seeded per passage, a passage's queries depend on it
+alone: a later run on a changed corpus generates only for new and edited passages (``irflow.row_reuse``). ``queries_per_passage: auto`` counts
 the whole corpus, not the shard. ``unlabelled`` is no map over the corpus (it reads the dataset's
 queries): it is computed whole, unsharded (``shard_when``).
 
@@ -41,12 +43,13 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 import pyarrow as pa
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from irflow import generation
 from irflow.errors import DataError
 from irflow.params import Params
+from irflow.row_reuse import RowMap
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
@@ -71,12 +74,32 @@ class T5Source(Params):
     max_length: PositiveInt = Field(64, description="most tokens per generated query")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
     sample_top_k: PositiveInt = Field(25, description="sample among the k most likely tokens")
-    batch_size: PositiveInt = Field(32, description="passages per generation batch (halved on out-of-memory); "
-                                                    "batches start at its multiples and are seeded one by one, "
-                                                    "so the draws depend on it")
+    sampling: Literal["passage", "batch"] = Field(
+        "passage", description="passage: each passage's queries are sampled on their own, seeded from the seed and "
+                               "its passage id, so they never depend on the other passages and a later run on a "
+                               "changed corpus generates only for new or edited passages (irflow.row_reuse); "
+                               "batch: batch_size passages at once, seeded per batch (faster on a GPU; every "
+                               "passage is generated again whenever the corpus changes)")
+    batch_size: PositiveInt | None = Field(None, description="sampling batch: passages per generation batch (halved "
+                                                             "on out-of-memory; null: 32); batches start at its "
+                                                             "multiples and are seeded one by one, so the draws "
+                                                             "depend on it")
     max_rounds: PositiveInt = Field(3, description="sampling rounds to replace empty or repeated queries (within "
-                                                   "a batch)")
-    seed: int = Field(42, description="sampling seed (re-seeded per batch, from the seed and the batch number)")
+                                                   "a passage, or a batch)")
+    seed: int = Field(42, description="sampling seed (re-seeded per passage from the seed and its id, or per batch "
+                                      "from the seed and the batch number)")
+
+    @model_validator(mode="after")
+    def _batch_size_for_batches(self):
+        if self.batch_size is not None and self.sampling == "passage":
+            raise ValueError("batch_size: only used with sampling batch (sampling passage generates passage by "
+                             "passage)")
+        return self
+
+    @property
+    def batch(self) -> int:
+        """Passages per generation call: batch_size (sampling batch), or 1."""
+        return (self.batch_size or 32) if self.sampling == "batch" else 1
 
 
 class ICTSource(Params):
@@ -206,11 +229,15 @@ def _t5(corpus_ref: DatasetRef, p: T5Source, model: DatasetRef, rt: StageRuntime
     # Loaded once per worker process (or once per stage when its shards run here), not once per shard.
     tokenizer, generator_model = per_worker(("t5", model.path, rt.device),
                                             lambda: generation.load_generator(model.path, rt.device, model.name))
-    generator = generation.BatchGenerator(generator_model, tokenizer, gen, rt.device, p.batch_size, rt.autocast)
-    rows = generation.generate_batches(
-        generator, corpus.column("doc_id").to_pylist(), corpus.column("title").to_pylist(),
-        corpus.column("text").to_pylist(), n, first_row=corpus_ref.row_offset, batch_size=p.batch_size,
-        seed=p.seed, max_rounds=p.max_rounds, id_tag=ID_TAGS["t5"])
+    generator = generation.BatchGenerator(generator_model, tokenizer, gen, rt.device, p.batch, rt.autocast)
+    columns = [corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")]
+    if p.sampling == "passage":
+        rows = generation.generate_each(generator, *columns, n, seed=p.seed, max_rounds=p.max_rounds,
+                                        id_tag=ID_TAGS["t5"])
+    else:
+        rows = generation.generate_batches(generator, *columns, n, first_row=corpus_ref.row_offset,
+                                           batch_size=p.batch, seed=p.seed, max_rounds=p.max_rounds,
+                                           id_tag=ID_TAGS["t5"])
     if not rows["query_id"]:
         _none_produced(corpus_ref, "the generator produced no (non-empty) query")
     return _outputs(rows, with_qrels=True)
@@ -224,13 +251,31 @@ def _maps_the_corpus(p) -> bool:
 
 
 def _batch_rows(p) -> int:
-    """Shards start at multiples of t5's batch size: a batch never straddles two shards (its draws
-    depend on its passages), so the output is the same for any ``shard_rows``."""
-    return p.batch_size if isinstance(p, T5Source) else 1
+    """Shards start at multiples of t5's batch size (sampling batch): a batch never straddles two shards
+    (its draws depend on its passages), so the output is the same for any ``shard_rows``."""
+    return p.batch if isinstance(p, T5Source) else 1
+
+
+def _per_passage(p) -> bool:
+    """Whether a passage's queries depend on that passage alone (ict, crop, t5 sampling passage by
+    passage): then a changed corpus generates only for its new and edited passages."""
+    return not isinstance(p, UnlabelledSource) and not (isinstance(p, T5Source) and p.sampling == "batch")
+
+
+def _generated_for(queries: pa.Table) -> list[str]:
+    """The passage each generated query came from: its id is ``<passage id>-<tag><j>``."""
+    return [q.rsplit("-", 1)[0] for q in queries.column("query_id").to_pylist()]
+
+
+def _row_context(p, passages: int) -> int:
+    """What a passage's queries depend on besides the passage: how many are drawn (auto: the corpus size)."""
+    return queries_per_passage(p.queries_per_passage, passages)
 
 
 @stage("generate_queries", version="3", outputs=[Output("queries", "queries"), Output("qrels", "qrels")],
-       work="generate", shard="corpus", shard_when=_maps_the_corpus, shard_align=_batch_rows)
+       work="generate", shard="corpus", shard_when=_maps_the_corpus, shard_align=_batch_rows,
+       rows=RowMap(key="doc_id", owners={"queries": _generated_for, "qrels": "doc_id"}, context=_row_context,
+                   when=_per_passage))
 def generate_queries(p: GenerateParams, rt: StageRuntime, *, corpus: DatasetRef, queries: DatasetRef | None = None,
                      qrels: DatasetRef | None = None, model: DatasetRef | None = None) -> dict[str, pa.Table]:
     """Pseudo-queries for the corpus (see the module doc for the sources and papers).
@@ -240,8 +285,8 @@ def generate_queries(p: GenerateParams, rt: StageRuntime, *, corpus: DatasetRef,
 
     t5, ict and crop are computed in shards of the corpus (``runtime.shard_rows`` passages; a shard
     finished before a run was killed is not computed again), with the same output for any shards. t5's
-    output is deterministic for a seed on a given device and batch size (sampling draws depend on both;
-    an out-of-memory halving of the batch changes the draws from the batch it happens in on).
+    output is deterministic for a seed on a given device (sampling batch: and batch size; an
+    out-of-memory halving of the batch changes the draws from the batch it happens in on).
     """
     if isinstance(p, UnlabelledSource):
         return _unlabelled(queries, qrels, p)

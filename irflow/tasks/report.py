@@ -81,9 +81,10 @@ def histogram_markdown(data: dict, png: str, dataset_id: str) -> str:
     return "\n".join(lines + ["", f"PNG: `{png}` (dataset {dataset_id})"])
 
 
-def summary_markdown(run: Run, rows: list[dict], selected: dict | None = None) -> str:
-    """The run in a few lines of markdown (Prefect's artifact): what its stages did, its metrics, and
-    the commands that show more (the HTML report, the graph)."""
+def summary_markdown(run: Run, rows: list[dict], selected: dict | None = None, promotion: dict | None = None) -> str:
+    """The run in a few lines of markdown (Prefect's artifact): what its stages did, its metrics, the
+    model it selected and whether it was promoted, and the commands that show more (the HTML report, the
+    graph)."""
     stages = run.catalog.stage_runs(run.run_id)
     counts = {st: sum(s["status"] == st for s in stages) for st in ("computed", "cached")}
     skipped = list(dict.fromkeys(s["name"] for s in run.skipped))
@@ -101,6 +102,9 @@ def summary_markdown(run: Run, rows: list[dict], selected: dict | None = None) -
         if selected["evaluation"] != "labelled":
             lines += ["", f"Evaluation: {selected['evaluation']} -- a proxy, not relevance labels."]
         lines += ["", f"Selected model: **{selected['system']}** (`{selected['model_id']}`): {selected['reason']}"]
+    if promotion:
+        lines += ["", f"Promotion (**{promotion['decision']}**): {promotion['reason']}; "
+                      f"`irflow export {promotion['alias']} --out DIR` hands out the model it holds"]
     store = run.store_root
     lines += ["", f"HTML report: `irflow report {run.run_id} --store {store} --out {store}/reports/{run.run_id}`",
               f"Graph: `irflow dag {run.run_id} --store {store} --out {run.run_id}.svg`"]
@@ -112,6 +116,17 @@ def _artifact_key(stage_label: str) -> str:
     from irflow.labels import stage_name, tag
 
     return "-".join(filter(None, (stage_name(stage_label), tag(stage_label)))).replace("_", "-")
+
+
+def publish_summary(run: Run, rows: list[dict], selected: dict | None, promotion: dict | None) -> None:
+    """The run-summary artifact again, with the promotion decided after ``report`` (a new version of it)."""
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(key="run-summary", markdown=summary_markdown(run, rows, selected, promotion),
+                                 description=f"irflow run {run.run_id}")
+    except Exception:  # noqa: BLE001 -- outside a Prefect run there is no artifact store
+        pass
 
 
 def report(run: Run, evals: list[dict], selected: dict | None = None) -> list[dict]:
