@@ -5,8 +5,9 @@ shards (irflow.shards) would differ from the same corpus encoded whole in the la
 another content id. Padding is what varies with the batch: a batch is padded to its longest text, and
 a matrix product over another length sums in another order (measured with MiniLM on this CPU: up to
 1.1e-7 apart). So texts are grouped by token length rounded up to a multiple of ``BUCKET`` tokens, and
-every batch of a group is padded to exactly that length: the same text always meets the same shapes
-(bitwise equal embeddings for any batching, checked on CPU; tests/test_shards.py). Sorting by length
+every batch of a group is padded to exactly that length; with ``full_batches`` every batch also has the
+same number of rows: the same text always meets the same shapes (bitwise equal embeddings for any
+batching and any other texts, checked on CPU; tests/test_shards.py, tests/test_row_reuse.py). Sorting by length
 also keeps padding low: at most BUCKET - 1 tokens per text.
 
 The model is a SentenceTransformer (torch), or an ``irflow.onnx_inference.OnnxBiEncoder`` (ONNX
@@ -62,10 +63,15 @@ def token_lengths(tokenizer, texts: list[str], text_pairs: list[str] | None = No
 
 
 def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, desc: str = "encode",
-                 autocast=None) -> np.ndarray:
+                 autocast=None, full_batches: bool = False) -> np.ndarray:
     """Embeddings of ``texts`` (see the module doc for the batching). ``st_model``: a SentenceTransformer
     or an OnnxBiEncoder (the backend); ``autocast``: a context manager factory for reduced precision
-    (None: fp32; torch only)."""
+    (None: fp32; torch only). ``full_batches``: every batch has exactly ``batch_size`` rows (a short one
+    is filled with copies of its first text, whose embeddings are dropped), so that a text's embedding
+    depends on nothing but the text: the number of rows also changes the sums (MiniLM on this CPU: rows
+    of batches of 2-4 texts at 48 tokens differ in fp32 from the same texts in a batch of 64; of 1-10 in
+    bf16). Costs at most ``batch_size - 1`` rows per length group; the corpus encoding uses it (its rows
+    are reused one by one, irflow.row_reuse), queries do not."""
     from irflow.onnx_inference import OnnxBiEncoder
 
     onnx = isinstance(st_model, OnnxBiEncoder)
@@ -76,14 +82,17 @@ def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, d
             (autocast() if autocast and not onnx else contextlib.nullcontext()):
         for padded, idx in length_batches(lengths, batch_size, max_length):
             check_interrupted()
+            batch = [texts[i] for i in idx]
+            if full_batches and not (onnx and st_model.row_wise):  # (row-wise: each text alone already)
+                batch += batch[:1] * (batch_size - len(batch))
             if onnx:
-                out[idx] = st_model.embed([texts[i] for i in idx], padded, normalize)
+                out[idx] = st_model.embed(batch, padded, normalize)[:len(idx)]
                 bar.update(len(idx))
                 continue
-            emb = st_model.encode([texts[i] for i in idx], batch_size=len(idx), convert_to_tensor=True,
+            emb = st_model.encode(batch, batch_size=len(batch), convert_to_tensor=True,
                                   normalize_embeddings=normalize, show_progress_bar=False,
                                   processing_kwargs={"text": {"padding": "max_length", "max_length": padded,
                                                               "truncation": True}})
-            out[idx] = emb.float().cpu().numpy()
+            out[idx] = emb[:len(idx)].float().cpu().numpy()
             bar.update(len(idx))
     return out

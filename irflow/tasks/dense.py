@@ -100,15 +100,17 @@ def _bi_encoder(p: EncodeParams) -> dict:
     return {"model": ("embed", p.quantization)}  # the model input runs on ONNX Runtime for onnx / int8
 
 
-@stage("encode_corpus", version="3", outputs=Output("embeddings", "embeddings"), work="encode", shard="corpus",
+@stage("encode_corpus", version="4", outputs=Output("embeddings", "embeddings"), work="encode", shard="corpus",
        onnx=_bi_encoder, rows=RowMap(key="doc_id", owners={"embeddings": "doc_id"}))
 def encode_corpus(p: EncodeParams, rt: StageRuntime, *, corpus: DatasetRef, model: DatasetRef) -> pa.Table:
     """One embedding per passage of ``corpus`` with ``model``, in corpus order."""
     st = load_sentence_transformer(model.path, rt.device, p.max_seq_length, onnx=rt.onnx_model(model),
                                    threads=rt.threads)
     c = corpus.table()
+    # full batches: a passage's embedding depends on the passage alone, so unchanged passages' rows are
+    # reused when the corpus changes (irflow.row_reuse) and equal a cold run's bit for bit
     emb = encode_texts(st, passage_texts(c), p.batch_size, p.similarity == "cos", desc="encode corpus",
-                       autocast=rt.autocast)
+                       autocast=rt.autocast, full_batches=True)
     values = pa.array(emb.ravel(), pa.float32())
     return pa.table({"doc_id": c.column("doc_id"),
                      "embedding": pa.FixedSizeListArray.from_arrays(values, emb.shape[1]).cast(pa.list_(pa.float32()))})
