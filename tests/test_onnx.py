@@ -119,7 +119,7 @@ def test_quantization_is_keyed_only_when_set():
     refs = {"corpus": DatasetRef("corpus-1", "corpus", "table", "corpus", "/x"),
             "model": DatasetRef("hub:m", "m", "model", None, "/m")}
     old_dump = {"similarity": "cos", "batch_size": 64, "max_seq_length": None}
-    assert encode_corpus.key(EncodeParams(), refs) == cache_key("encode_corpus", "3", old_dump,
+    assert encode_corpus.key(EncodeParams(), refs) == cache_key("encode_corpus", "4", old_dump,
                                                                 {k: [v] for k, v in refs.items()})
     assert encode_corpus.key(EncodeParams(quantization="int8"), refs) != encode_corpus.key(EncodeParams(), refs)
     # nested: a teacher's quantization in a stage's params
