@@ -8,7 +8,9 @@ each source is and where it comes from.
   a run of corpus rows in batches that start at multiples of the batch size in the whole corpus, each
   seeded from the seed and its batch number, so that a passage's queries do not depend on how the
   corpus was sharded.
-- Model-free: ``ict_queries`` (a random sentence) and ``crop_queries`` (a random span), seeded per passage.
+- Model-free: ``ict_queries`` (a random sentence) and ``crop_queries`` (a random span), seeded per passage;
+  ``spider_queries`` (a window around a span that recurs in another passage of the same document, that
+  passage the positive), seeded per passage, its draws depending on its own document's passages only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import logging
 import random
 import re
+import string
 
 from tqdm.auto import tqdm
 
@@ -74,6 +77,163 @@ def crop_queries(doc_id: str, text: str, n: int, seed: int, ratio=(0.1, 0.5), mi
         if span not in out:
             out.append(span)
     return out
+
+
+# ---- spider -----------------------------------------------------------------------------------
+# Function words that make no span worth recurring on their own ("of the", "in a"): a span begins and
+# ends with a word outside this list (so it is never stopwords only, and "in white matter in" counts as
+# "white matter", not as a longer span). Small on purpose: English function words only.
+STOPWORDS = frozenset("""
+a about above after again against all also am an and any are as at be because been before being below
+between both but by can could did do does doing down during each either few for from further had has have
+having he her here hers herself him himself his how i if in into is it its itself just may me might more
+most must my myself neither no nor not of off on once only or other our ours ourselves out over own same
+shall she should so some such than that the their theirs them themselves then there these they this those
+through to too under until up upon very via was we were what when where whether which while who whom whose
+why will with within without would yet you your yours yourself yourselves
+""".split())
+_EDGE = string.punctuation + "\u201c\u201d\u2018\u2019\u00ab\u00bb\u2026\u2013\u2014"
+
+
+def _word_key(word: str) -> str:
+    """What a word is matched on: lower case, without the punctuation around it ("Cancer," -> "cancer");
+    a word of punctuation only has an empty key and never belongs to a span."""
+    return word.strip(_EDGE).lower()
+
+
+def _shared_grams(keys: dict[int, list[str]], lo: int, hi: int
+                  ) -> tuple[dict[int, dict[tuple, list[int]]], dict[tuple, set[int]]]:
+    """Per passage, its n-grams of ``lo``..``hi`` words (as keys, none empty) that another passage of the
+    document also has, with their start positions; and per such n-gram, the passages that have it. An
+    n-gram two passages share starts with a ``lo``-gram they share, so longer ones are built only from
+    positions whose ``lo``-gram recurs."""
+    first: dict[tuple, set[int]] = {}
+    for i, k in keys.items():
+        for s in range(len(k) - lo + 1):
+            g = tuple(k[s:s + lo])
+            if all(g):
+                first.setdefault(g, set()).add(i)
+    grams: dict[int, dict[tuple, list[int]]] = {}
+    where: dict[tuple, set[int]] = {}
+    for i, k in keys.items():
+        mine: dict[tuple, list[int]] = {}
+        for s in range(len(k) - lo + 1):
+            if len(first.get(tuple(k[s:s + lo]), ())) < 2:
+                continue
+            for n in range(lo, min(hi, len(k) - s) + 1):
+                if not k[s + n - 1]:
+                    break
+                mine.setdefault(tuple(k[s:s + n]), []).append(s)
+        grams[i] = mine
+        for g in mine:
+            where.setdefault(g, set()).add(i)
+    return {i: {g: starts for g, starts in mine.items() if len(where[g]) > 1} for i, mine in grams.items()}, where
+
+
+def _without(words: list[str], keys: list[str], span: tuple) -> list[str]:
+    """``words`` with every occurrence of ``span`` (by keys) taken out, also one that taking out another
+    made."""
+    n = len(span)
+    while True:
+        at = next((s for s in range(len(keys) - n + 1) if tuple(keys[s:s + n]) == span), None)
+        if at is None:
+            return words
+        words, keys = words[:at] + words[at + n:], keys[:at] + keys[at + n:]
+
+
+def multi_passage_documents(document_ids: list[str]) -> int:
+    """How many documents have two passages or more (Spider pairs passages of one document only)."""
+    seen: dict[str, int] = {}
+    for d in document_ids:
+        seen[d] = seen.get(d, 0) + 1
+    return sum(1 for c in seen.values() if c > 1)
+
+
+def spider_queries(passage_ids: list[str], document_ids: list[str], texts: list[str], n: int, seed: int, *,
+                   min_span_words: int = 2, max_span_words: int = 10, window_words=(10, 30),
+                   keep_span_probability: float = 0.5, id_tag: str = "spider") -> dict[str, list]:
+    """Recurring-span queries (Spider, Ram et al., NAACL 2022): rows ``query_id``
+    (``<passage id>-<id_tag><j>``), ``doc_id`` (the positive: ANOTHER passage of the same document),
+    ``text``, ``source`` (the passage the query was cut from) and ``span`` (the recurring span, as it
+    reads in the source passage).
+
+    A recurring span is an n-gram of ``min_span_words``..``max_span_words`` words (matched on lower-cased
+    words without surrounding punctuation) that two passages of one document share, beginning and ending
+    with a word that is not a stopword (``STOPWORDS``; so never stopwords only). For each passage, each
+    other passage of its document sharing a span with it is a candidate positive, with their longest
+    shared span (ties: one drawn at random); up to ``n`` candidates are taken, those with the longest
+    spans first (ties in random order), one query each.
+    The query is a window of the source passage around one occurrence of the span: ``window_words`` words
+    of context (drawn uniformly from [lo, hi], fewer where the passage has fewer; split at random between
+    the two sides), with the span kept (probability ``keep_span_probability``) or taken out -- then every
+    occurrence of it is taken out, so the query does not contain it.
+
+    Each passage draws from ``random.Random`` seeded with (seed, passage id): its queries depend on the
+    passages of its own document only, not on the corpus order or the rest of the corpus. A passage whose
+    document has no other passage, or none sharing a span with it, gives none. The paper also takes a
+    passage of the document without the span as the query's negative; here only queries and positives are
+    made (the recipe mines negatives).
+    """
+    lo_w, hi_w = (window_words, window_words) if isinstance(window_words, int) else window_words
+    members: dict[str, list[int]] = {}
+    for i, d in enumerate(document_ids):
+        members.setdefault(d, []).append(i)
+    made: dict[int, list[tuple[str, int, str]]] = {}  # passage row -> [(query, positive row, span)]
+    for rows in members.values():
+        if len(rows) < 2:
+            continue
+        rows = sorted(rows, key=lambda i: passage_ids[i])  # independent of the corpus order
+        words = {i: texts[i].split() for i in rows}
+        keys = {i: [_word_key(w) for w in words[i]] for i in rows}
+        grams, where = _shared_grams(keys, min_span_words, max_span_words)
+        for i in rows:
+            longest: dict[int, list[tuple]] = {}  # other passage -> its longest shared spans, in order
+            for g in grams[i]:
+                if g[0] in STOPWORDS or g[-1] in STOPWORDS:
+                    continue
+                for j in where[g]:
+                    if j == i:
+                        continue
+                    have = longest.get(j)
+                    if have is None or len(g) > len(have[0]):
+                        longest[j] = [g]
+                    elif len(g) == len(have[0]):
+                        have.append(g)
+            if not longest:
+                continue
+            rng = _passage_rng(seed, passage_ids[i])
+            others = sorted(longest, key=lambda j: passage_ids[j])
+            rng.shuffle(others)
+            others.sort(key=lambda j: -len(longest[j][0]))  # the longest spans first; ties stay shuffled
+            out: list[tuple[str, int, str]] = []
+            for j in others:
+                if len(out) == n:
+                    break
+                span = rng.choice(longest[j])
+                start = rng.choice(grams[i][span])
+                end = start + len(span)
+                w, k = words[i], keys[i]
+                context = min(rng.randint(lo_w, hi_w), start + len(w) - end)
+                left = rng.randint(max(0, context - (len(w) - end)), min(context, start))
+                right = context - left
+                if rng.random() < keep_span_probability:
+                    q = w[start - left:end + right]
+                else:
+                    q = _without(w[start - left:start] + w[end:end + right], k[start - left:start] + k[end:end + right],
+                                 span)
+                text = " ".join(q)
+                if text and all(text != t for t, _, _ in out):
+                    out.append((text, j, " ".join(w[start:end])))
+            made[i] = out
+    rows_out: dict[str, list] = {"query_id": [], "doc_id": [], "text": [], "source": [], "span": []}
+    for i, pid in enumerate(passage_ids):  # in corpus order
+        for q_n, (text, j, span) in enumerate(made.get(i, ())):
+            rows_out["query_id"].append(f"{pid}-{id_tag}{q_n}")
+            rows_out["doc_id"].append(passage_ids[j])
+            rows_out["text"].append(text)
+            rows_out["source"].append(pid)
+            rows_out["span"].append(span)
+    return rows_out
 
 
 # ---- t5 ---------------------------------------------------------------------------------------

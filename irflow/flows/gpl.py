@@ -1,6 +1,6 @@
 """GPL: Generative Pseudo Labeling (Wang et al., NAACL 2022), as a declared, cached DAG.
 
-    corpus ──generate_queries──> queries', qrels'        (T5 / ICT / cropping / unlabelled real queries)
+    corpus ──generate_queries──> queries', qrels'        (T5 / ICT / cropping / Spider / unlabelled queries)
        │            │
        │     ┌──────┴───────────── miners (BM25, dense models) retrieve for queries'
        │     └─> mine_negatives ──> negatives              (positives excluded; miner + rank kept)
@@ -57,7 +57,8 @@ from irflow.tasks.bm25 import (BM25IndexParams, BM25ScoreParams, BM25SearchParam
 from irflow.tasks.dense import DenseRetrieval, DenseScoreParams, EncodeParams, dense_score, encode_corpus
 from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand
 from irflow.tasks.evaluate import EvaluationParams
-from irflow.tasks.generate_queries import CropSource, ICTSource, T5Source, UnlabelledSource, generate_queries
+from irflow.tasks.generate_queries import (CropSource, ICTSource, SpiderSource, T5Source, UnlabelledSource,
+                                           generate_queries)
 from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelScoresParams,
                                        LabelSettings, PseudoLabelParams, label_positives, label_scores,
@@ -70,7 +71,8 @@ class T5Generate(T5Source):
     model: ModelName = Field("BeIR/query-gen-msmarco-t5-base-v1", description="the seq2seq query generator")
 
 
-GenerateConfig = Annotated[Union[T5Generate, ICTSource, CropSource, UnlabelledSource], Field(discriminator="source")]
+GenerateConfig = Annotated[Union[T5Generate, ICTSource, CropSource, SpiderSource, UnlabelledSource],
+                          Field(discriminator="source")]
 
 
 class BM25Miner(BM25Weights):
@@ -302,8 +304,9 @@ class GPLConfig(RecipeConfig):
 
 # ---- building blocks ------------------------------------------------------------------------------
 def query_generation(run: Run, g, data: Dataset) -> dict[str, DatasetRef]:
-    """Generated (or unlabelled real) queries and their qrels (the source passage; none if unlabelled),
-    from the training corpus (without the passages a synthetic evaluation holds out)."""
+    """Generated (or unlabelled real) queries and their qrels (the source passage; spider: the other
+    passage of its document; none if unlabelled), from the training corpus (without the passages a
+    synthetic evaluation holds out)."""
     corpus = data.training_corpus
     if isinstance(g, T5Generate):
         return generate_queries(run, g.to(T5Source), tag="t5", corpus=corpus,

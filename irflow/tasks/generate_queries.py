@@ -1,6 +1,6 @@
 """Pseudo-queries for passages of the target corpus: the training signal of unsupervised domain adaptation.
 
-One stage, ``generate_queries``, with four sources (the params' ``source``):
+One stage, ``generate_queries``, with five sources (the params' ``source``):
 
 - ``t5`` -- a seq2seq query generator samples queries from each passage: docT5query (Nogueira & Lin,
   2019, "From doc2query to docTTTTTquery"), as BEIR's ``QueryGenerator`` (Thakur et al., 2021) and
@@ -11,12 +11,17 @@ One stage, ``generate_queries``, with four sources (the params' ``source``):
   Open Domain Question Answering"): a random sentence of the passage is the query.
 - ``crop`` -- independent cropping (Izacard et al., 2021, "Unsupervised Dense Information Retrieval
   with Contrastive Learning", Contriever): a random contiguous span of 10-50% of the passage words.
+- ``spider`` -- recurring spans (Ram et al., NAACL 2022, "Learning to Retrieve Passages without
+  Supervision", Spider): an n-gram that two passages of the same document share (passages ``<doc>#<n>``
+  of a document that ``dataset.passages`` cut); a window of words around it in one passage, the span
+  kept or taken out at random, is the query, and the OTHER passage its positive (``generation.spider_queries``).
 - ``unlabelled`` -- the dataset's own query texts of one split, without their judgements, as a query
   log would give them.
 
-Outputs: ``queries`` and ``qrels``. For the three generating sources each query has one qrels row
-(``split="generated"``, ``score=1``) pointing to the passage it came from. ``unlabelled`` queries
-have no known positive, so their qrels table is empty (but valid).
+Outputs: ``queries`` and ``qrels``. For the four generating sources each query has one qrels row
+(``split="generated"``, ``score=1``): t5, ict and crop point to the passage the query came from, spider
+to the other passage of its document. ``unlabelled`` queries have no known positive, so their qrels
+table is empty (but valid).
 
 Sharding (``irflow.shards``): t5, ict and crop are maps over the corpus, computed in shards of
 ``runtime.shard_rows`` passages (parts of both outputs in ``partial/<key>``, resumed after a kill, run on
@@ -27,7 +32,9 @@ from (seed, batch number), and the stage asks for shards that start on those bat
 ``shard_rows`` up to a multiple of ``batch_size``). Seeded per passage, a passage's queries depend on it
 alone: a later run on a changed corpus generates only for new and edited passages (``irflow.row_reuse``). ``queries_per_passage: auto`` counts
 the whole corpus, not the shard. ``unlabelled`` is no map over the corpus (it reads the dataset's
-queries): it is computed whole, unsharded (``shard_when``).
+queries): it is computed whole, unsharded (``shard_when``). Nor is ``spider``: a passage's queries depend
+on the other passages of its document (the spans it shares with them, the positives), which a shard of
+rows need not hold; it is computed whole, and a changed corpus generates all its queries again.
 
 Measured on SciFact: ICT and cropping queries are too easy -- the source passage is BM25's top-1 for
 99.5% (ICT) and 97.4% (cropping) of them -- and GPL trained on them (388 steps) scored *below* the
@@ -54,14 +61,14 @@ from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
 
-SOURCES = ("t5", "ict", "crop", "unlabelled")
+SOURCES = ("t5", "ict", "crop", "spider", "unlabelled")
 GENERATED_SPLIT = "generated"
 # GPL's rule for the number of queries per passage: about 250K generated queries in all (Wang et
 # al., 2022, section 4), at least 1 and at most 50 per passage.
 GPL_TOTAL_QUERIES = 250_000
 MAX_AUTO_QPP = 50
 # Query-id tag per source, so queries from several sources can be concatenated without id clashes.
-ID_TAGS = {"t5": "q", "ict": "ict", "crop": "crop"}
+ID_TAGS = {"t5": "q", "ict": "ict", "crop": "crop", "spider": "spider"}
 
 QueriesPerPassage = Union[PositiveInt, Literal["auto"]]
 
@@ -125,6 +132,54 @@ class CropSource(Params):
         return v
 
 
+class SpiderSource(Params):
+    """Recurring spans (Spider; ``generation.spider_queries``). Spider pairs passages of one document, so it
+    needs documents cut into passages (``<doc>#<n>`` ids: ``dataset.passages``). A corpus with no document
+    of two passages -- a BEIR corpus, a passage per document -- is refused (a ``DataError`` when the stage
+    runs), not given a stand-in: pairing the halves of one passage, the positive being the whole passage,
+    would make queries contained in their positive (crop's near-copies, measured too easy), not Spider's
+    pairs of different passages. Passages that overlap (``dataset.passages.stride`` below ``max_words``)
+    share their overlap word for word: its spans recur trivially and such queries are near-copies of the
+    positive; cut without overlap for Spider."""
+
+    source: Literal["spider"] = Field(description="recurring spans (Spider): a window around an n-gram that recurs "
+                                                  "in another passage of the same document is the query, that "
+                                                  "other passage its positive; needs documents cut into passages "
+                                                  "(dataset.passages)")
+    queries_per_passage: QueriesPerPassage = Field(1, description="queries per passage (or auto), each with a "
+                                                                  "different other passage of its document as "
+                                                                  "positive, those sharing the longest span "
+                                                                  "first; fewer where fewer share a span")
+    min_span_words: PositiveInt = Field(2, description="shortest recurring span, in words")
+    max_span_words: PositiveInt = Field(10, description="longest recurring span, in words (the longest shared "
+                                                        "span up to this is taken)")
+    window_words: tuple[PositiveInt, PositiveInt] = Field(
+        (10, 30), description="words of the passage around the span in the query (the span not counted), drawn "
+                              "uniformly from [lo, hi] (a single number: always that many); fewer where the "
+                              "passage has fewer")
+    keep_span_probability: float = Field(0.5, ge=0, le=1, description="probability that the query keeps the span "
+                                                                      "(else every occurrence of it is taken out)")
+    seed: int = Field(42, description="sampling seed (re-seeded per passage from the seed and its id)")
+
+    @field_validator("window_words", mode="before")
+    @classmethod
+    def _window(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = (v, v)
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) for x in v) \
+                and not 1 <= v[0] <= v[1]:
+            raise ValueError(f"window_words must be a number of words >= 1 or [lo, hi] with 1 <= lo <= hi, got "
+                             f"{list(v) if v[0] != v[1] else v[0]}")
+        return v
+
+    @model_validator(mode="after")
+    def _spans(self):
+        if self.max_span_words < self.min_span_words:
+            raise ValueError(f"max_span_words: {self.max_span_words} is below min_span_words "
+                             f"({self.min_span_words})")
+        return self
+
+
 class UnlabelledSource(Params):
     source: Literal["unlabelled"] = Field(description="the dataset's own query texts of one split, labels unused "
                                                       "(what a query log gives)")
@@ -139,7 +194,8 @@ class UnlabelledSource(Params):
         return v
 
 
-GenerateParams = Annotated[Union[T5Source, ICTSource, CropSource, UnlabelledSource], Field(discriminator="source")]
+GenerateParams = Annotated[Union[T5Source, ICTSource, CropSource, SpiderSource, UnlabelledSource],
+                          Field(discriminator="source")]
 
 
 # ---- shared helpers ---------------------------------------------------------------------------
@@ -190,6 +246,32 @@ def _model_free(corpus_ref: DatasetRef, p: ICTSource | CropSource) -> dict[str, 
     if not out["query_id"]:
         _none_produced(corpus_ref, f"source '{source}' produced no query from {corpus.num_rows} passages")
     return _outputs(out, with_qrels=True)
+
+
+# ---- spider -----------------------------------------------------------------------------------
+def _spider(corpus_ref: DatasetRef, p: SpiderSource) -> dict[str, pa.Table]:
+    from irflow.corpus_sources import document_id
+
+    corpus = corpus_ref.table(columns=["doc_id", "text"])  # the whole corpus: spider is not sharded
+    passage_ids = corpus.column("doc_id").to_pylist()
+    documents = [document_id(i) for i in passage_ids]
+    if not generation.multi_passage_documents(documents):
+        raise DataError(f"source 'spider' pairs passages of the same document (ids <document>#<n>), and no "
+                        f"document of the corpus has two ({len(passage_ids)} passages, one per document): for "
+                        f"your own documents cut them into passages with dataset.passages (max_words, no "
+                        f"overlapping stride); a corpus of single passages (BEIR) cannot give Spider's pairs: use "
+                        f"source t5, ict or crop")
+    n = queries_per_passage(p.queries_per_passage, len(passage_ids))
+    rows = generation.spider_queries(passage_ids, documents, corpus.column("text").to_pylist(), n, p.seed,
+                                     min_span_words=p.min_span_words, max_span_words=p.max_span_words,
+                                     window_words=p.window_words, keep_span_probability=p.keep_span_probability,
+                                     id_tag=ID_TAGS["spider"])
+    if not rows["query_id"]:
+        raise DataError(f"source 'spider' found no recurring span of {p.min_span_words}-{p.max_span_words} words "
+                        f"(beginning and ending with a word that is not a stopword) shared by two passages of a "
+                        f"document ({generation.multi_passage_documents(documents)} documents of two passages or "
+                        f"more): lower min_span_words, or cut documents into more passages")
+    return _outputs(rows, with_qrels=True)
 
 
 # ---- unlabelled -------------------------------------------------------------------------------
@@ -245,9 +327,12 @@ def _t5(corpus_ref: DatasetRef, p: T5Source, model: DatasetRef, rt: StageRuntime
 
 # ---- the stage --------------------------------------------------------------------------------
 def _maps_the_corpus(p) -> bool:
-    """Sharded by corpus unless the source is ``unlabelled``: it reads the dataset's queries, not the
-    corpus, so it is computed whole (one call; shards of the corpus would have nothing to split)."""
-    return not isinstance(p, UnlabelledSource)
+    """Sharded by corpus unless the source is ``unlabelled`` or ``spider``, each computed whole (one call).
+    ``unlabelled`` reads the dataset's queries, not the corpus: shards of the corpus would have nothing to
+    split. ``spider``'s queries for a passage depend on the other passages of its document (the spans they
+    share, the positive), which a shard of rows may not hold: a shard would miss pairs, or point at
+    passages it never read."""
+    return not isinstance(p, (UnlabelledSource, SpiderSource))
 
 
 def _batch_rows(p) -> int:
@@ -258,8 +343,10 @@ def _batch_rows(p) -> int:
 
 def _per_passage(p) -> bool:
     """Whether a passage's queries depend on that passage alone (ict, crop, t5 sampling passage by
-    passage): then a changed corpus generates only for its new and edited passages."""
-    return not isinstance(p, UnlabelledSource) and not (isinstance(p, T5Source) and p.sampling == "batch")
+    passage): then a changed corpus generates only for its new and edited passages. Not spider's: an
+    edited passage changes the queries of its document's other passages (and their positives)."""
+    return not isinstance(p, (UnlabelledSource, SpiderSource)) and not (isinstance(p, T5Source)
+                                                                        and p.sampling == "batch")
 
 
 def _generated_for(queries: pa.Table) -> list[str]:
@@ -284,12 +371,15 @@ def generate_queries(p: GenerateParams, rt: StageRuntime, *, corpus: DatasetRef,
     the dataset's own, to pick the split's query texts).
 
     t5, ict and crop are computed in shards of the corpus (``runtime.shard_rows`` passages; a shard
-    finished before a run was killed is not computed again), with the same output for any shards. t5's
+    finished before a run was killed is not computed again), with the same output for any shards; spider
+    and unlabelled are computed whole. t5's
     output is deterministic for a seed on a given device (sampling batch: and batch size; an
     out-of-memory halving of the batch changes the draws from the batch it happens in on).
     """
     if isinstance(p, UnlabelledSource):
         return _unlabelled(queries, qrels, p)
+    if isinstance(p, SpiderSource):
+        return _spider(corpus, p)
     if isinstance(p, T5Source):
         if model is None:
             raise ValueError("generate_queries: source 't5' needs the model input (the query generator)")
