@@ -155,12 +155,14 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.01, head_lr: float 
 
 def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: BatchPlan, p: LoopParams,
                warmup_steps: int, rt, desc: str, *, step_info: Callable[[], dict] | None = None,
-               show_progress: bool = True, head_lr: float | None = None) -> list[dict]:
+               show_progress: bool = True, head_lr: float | None = None,
+               after_step: Callable[[], None] | None = None) -> list[dict]:
     """Run ``plan.total_steps(p)`` optimizer steps of ``compute_loss(batch indices)`` on ``rt.device``
     under ``rt.autocast()``; checkpoint into and resume from ``rt.resume_dir``.
 
     A loss returned without a graph has already been back-propagated (GradCache does its own
-    backward). ``step_info`` adds fields to each history entry.
+    backward). ``step_info`` adds fields to each history entry. ``after_step`` runs after each
+    optimizer step, before its checkpoint (MoCo's momentum update of its key encoder).
 
     Under torchrun (``irflow.distributed``) ``compute_loss`` gets this process's share of each batch,
     gradients are averaged over processes before clipping, the history holds the whole batch's loss,
@@ -211,6 +213,8 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
         value = distributed.mean_over_processes(loss.detach(), world)
         history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0], **(step_info() if step_info else {})})
         # refresh=False: the bar's own refresh (every 2 s) shows it. A refresh here would redraw the bar with the
@@ -240,6 +244,8 @@ def checkpoint_activations(model, on: bool) -> None:
 
     for m in model.modules():
         if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing:
+            if on and not any(p.requires_grad for p in m.parameters()):
+                continue  # a frozen model (MoCo's key encoder) builds no graph: nothing to recompute
             # transformers < 5.2x names it gradient_checkpointing (seen: 5.17 on a lent H100)
             kind = "activation" if hasattr(m, "activation_checkpointing_enable") else "gradient"
             if on:

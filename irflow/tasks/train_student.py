@@ -1,5 +1,7 @@
 """Train a bi-encoder student: Margin-MSE on pseudo labels (GPL), listwise KL on the same pseudo labels
-grouped per query, or MNRL on (query, positive) pairs (QGen).
+grouped per query, or MNRL on (query, positive) pairs (QGen), optionally with Contriever's MoCo
+(``moco.enabled``: a momentum key encoder embeds the passages and a queue of earlier batches' keys adds
+negatives; ``irflow.moco``).
 
 The loop, optimizer, schedule, precision and checkpoints are ``irflow.training``'s; the losses are
 ``irflow.losses``'s. For MNRL no two examples in a batch share a query or a passage (in-batch
@@ -22,12 +24,13 @@ from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from irflow import distributed
 from irflow.errors import DataError
 from irflow.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, MarginMSELoss
-from irflow.params import KEYED_WHEN_SET
+from irflow.moco import MoCo
+from irflow.params import KEYED_WHEN_SET, Params
 from irflow.qrels import group, judged_positives, positive_pairs
 from irflow.runtime import StageRuntime
 from irflow.sampling import sample
@@ -37,6 +40,25 @@ from irflow.text import doc_texts, query_texts
 from irflow.training import TRAINING_LOG, BatchPlan, LoopParams, seed_everything, train_loop, training_losses
 
 log = logging.getLogger("irflow.train")
+
+
+class MoCoParams(Params):
+    """Contriever's MoCo for the mnrl loss (Izacard et al., 2022; ``irflow.moco``)."""
+
+    enabled: bool = Field(False, description="mnrl: the passages are embedded by a momentum key encoder (an "
+                                             "exponential moving average of the trained encoder, no gradient) "
+                                             "and a queue of earlier batches' passage embeddings adds "
+                                             "negatives (Contriever); the saved model is the trained encoder. "
+                                             "Other losses ignore it (in GPL it trains the QGen student only)")
+    queue_size: PositiveInt = Field(4096, description="passage embeddings of earlier batches kept as extra "
+                                                      "negatives (FIFO); a multiple of batch_size (Contriever: "
+                                                      "65536)")
+    momentum: float = Field(0.999, gt=0, lt=1, description="m in theta_k <- m * theta_k + (1 - m) * theta_q after "
+                                                           "each step; closer to 1: a slower key encoder (Contriever: "
+                                                           "0.999 or 0.9995)")
+    temperature: float | None = Field(None, gt=0, description="tau: scores are similarity / tau before the softmax "
+                                                              "(null: 1 / the mnrl scale -- 0.05 for cos, "
+                                                              "Contriever's; 1 for dot)")
 
 
 class TrainStudentParams(LoopParams):
@@ -59,6 +81,28 @@ class TrainStudentParams(LoopParams):
         20.0, gt=0, description="listwise_kl: the factor on both the student's similarities and the teacher's "
                                 "scores (already in the student's units, pseudo_label's scale) before each "
                                 "softmax; larger is sharper")
+    moco: MoCoParams = Field(MoCoParams(), description="Contriever's MoCo for loss mnrl: momentum key encoder and "
+                                                       "queue of negatives (keyed only when enabled with loss mnrl)")
+
+    @model_validator(mode="after")
+    def _moco(self):
+        # checked whatever the loss: GPL's train section (loss margin_mse) hands its moco to the QGen student
+        if self.moco.enabled and self.moco.queue_size % self.batch_size:
+            raise ValueError(f"moco.queue_size: {self.moco.queue_size} is not a multiple of batch_size "
+                             f"{self.batch_size}: the queue holds whole batches")
+        return self
+
+    @property
+    def uses_moco(self) -> bool:
+        return self.moco.enabled and self.loss == "mnrl"
+
+    def key_dump(self) -> dict:
+        """The key leaves ``moco`` out unless MoCo runs (enabled, loss mnrl): keys made before it existed
+        stay, and a GPL student (margin_mse) is not recomputed when train.moco is set for the QGen one."""
+        dumped = super().key_dump()
+        if not self.uses_moco:
+            dumped.pop("moco")
+        return dumped
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -197,9 +241,22 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
     seed_everything(p.seed)  # same initial weights in every process
     model = load_sentence_transformer(job["base_model"], device, p.max_seq_length)
     plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed, keys)
+    moco = None
+    if p.uses_moco:
+        scale = p.mnrl_scale or (20.0 if p.similarity == "cos" else 1.0)
+        moco = MoCo(model, p.moco.queue_size, p.moco.momentum, p.similarity, p.moco.temperature or 1.0 / scale)
+        number = {d: k for k, d in enumerate(sorted(dtext))}  # passage numbers: the queue's ids
+
+    def moco_loss(idx: list[int], q):
+        with torch.no_grad():
+            k = _embed(moco.key_encoder, [dtext[ex["p"][i]] for i in idx], device)
+            n = _embed(moco.key_encoder, [dtext[ex["n"][i]] for i in idx], device) if "n" in ex else None
+        return moco.loss(q, k, torch.tensor([number[ex["p"][i]] for i in idx]), n)
 
     def compute_loss(idx: list[int]):
         q = _embed(model, [qtext[ex["q"][i]] for i in idx], device)
+        if moco is not None:
+            return moco_loss(idx, q)
         pos = _embed(model, [dtext[ex["p"][i]] for i in idx], device)
         if p.loss == "margin_mse":
             n = _embed(model, [dtext[ex["n"][i]] for i in idx], device)
@@ -221,9 +278,17 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
 
     rank, world = distributed.rank_and_world()
     if rank == 0:
-        log.info("train_student: %s/%s on %d examples, %d steps of %d on %d process(es) (%s, %s)", p.loss,
-                 p.similarity, len(ex["q"]), plan.total_steps(p), p.batch_size, world, device, rt.precision)
-    history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]")
+        log.info("train_student: %s/%s%s on %d examples, %d steps of %d on %d process(es) (%s, %s)", p.loss,
+                 p.similarity, f" with MoCo (queue {p.moco.queue_size}, momentum {p.moco.momentum})" if moco else "",
+                 len(ex["q"]), plan.total_steps(p), p.batch_size, world, device, rt.precision)
+        if p.moco.enabled and not moco:
+            log.info("train_student: moco applies to loss mnrl only; %s trains without it", p.loss)
+    if moco is None:
+        history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]")
+    else:  # the loop trains the query encoder inside MoCo; `model` is that encoder, saved below
+        history = train_loop(moco, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]",
+                             step_info=lambda: {"candidates": moco.loss_fn.last_candidates},
+                             after_step=moco.momentum_update)
     if rank > 0:
         return
     out = Path(job["out"])
@@ -231,4 +296,4 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
     model.save(str(out), create_model_card=False)
     (out / TRAINING_LOG).write_text(json.dumps(
         {"loss": p.loss, "similarity": p.similarity, "examples": len(ex["q"]), "processes": world,
-         "steps": len(history), "history": history}, indent=1))
+         "steps": len(history), **({"moco": p.moco.model_dump()} if moco else {}), "history": history}, indent=1))
