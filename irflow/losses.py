@@ -74,6 +74,54 @@ class MarginMSELoss(nn.Module):
         return self.from_embeddings(q, p, n, labels)
 
 
+class InBatchMarginMSELoss(nn.Module):
+    """In-batch Margin-MSE: each query's margin between its positive and every *other* passage of the batch,
+    regressed on a second teacher's margin for the same pair.
+
+    Hofstätter, Lin, Yang, Lin, Hanbury (SIGIR 2021): "Efficiently Teaching an Effective Dense Retriever
+    with Balanced Topic Aware Sampling" (TAS-B), dual-teacher supervision: the pairwise Margin-MSE on a
+    cross-encoder's margins plus this loss on a second teacher's (ColBERT there) scores of the in-batch
+    pairs, ``L = L_pair + L_inbatch``. For query ``q_i`` with positive ``p_i`` and the candidates ``d_j``
+    (every positive and every negative of the batch, but ``q_i``'s own two):
+
+        loss = mean_{i, j} ((s(q_i, p_i) - s(q_i, d_j)) - t_ij)^2,   t_ij = t(q_i, p_i) - t(q_i, d_j)
+
+    ``from_embeddings(q, p, n, teacher_margins)``: ``q, p, n`` (B, d) this process's queries, positives and
+    negatives; ``teacher_margins`` (B, 2 W B) the teacher's t_ij over the candidates
+    ``[every process's positives; every process's negatives]`` in rank order (W = 1 without torchrun).
+    Candidates are gathered like ``CrossBatchInfoNCE``'s (gradients flow back to their process), so W
+    processes with equal shares take the step of one process with the whole batch. ``s`` is the student's
+    ``similarity``; the teacher's margins come in the student's units (scaled by the caller).
+    """
+
+    def __init__(self, similarity: str = "dot"):
+        super().__init__()
+        self.similarity = _check_similarity(similarity)
+
+    def own_mask(self, b: int, world: int, rank: int, device=None) -> Tensor:
+        """(B, 2 W B) True where candidate j counts for query i: all but i's own positive and negative."""
+        keep = torch.ones(b, 2 * world * b, dtype=torch.bool, device=device)
+        rows = torch.arange(b, device=device)
+        keep[rows, rank * b + rows] = False
+        keep[rows, world * b + rank * b + rows] = False
+        return keep
+
+    def from_embeddings(self, q: Tensor, p: Tensor, n: Tensor, teacher_margins: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        q, p = q.float(), p.float()
+        candidates = torch.cat([gather_across_processes(p), gather_across_processes(n.float())], dim=0)
+        student = pairwise_similarity(q, p, self.similarity)[:, None] - similarity_matrix(q, candidates,
+                                                                                           self.similarity)
+        keep = self.own_mask(q.shape[0], world, rank, device=student.device)
+        if not bool(keep.any()):  # one query in the whole batch: no other passage
+            return student.sum() * 0.0
+        diff = student - teacher_margins.to(student.device, student.dtype)
+        return (diff[keep] ** 2).mean()
+
+
 class MultipleNegativesRankingLoss(nn.Module):
     """In-batch negatives softmax loss (InfoNCE) for (query, positive[, hard negative]) examples.
 

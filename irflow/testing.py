@@ -174,7 +174,7 @@ def gpl_sample_config(root: str | Path, scifact_zip: str | Path) -> Path:
     cfg = {
         "flow": "gpl",
         "dataset": {"name": "slice", "source": str(data), "split": "test"},
-        "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1, "batch_size": 16,
+        "generate": {"source": "t5", "model": str(t5), "queries_per_passage": 1,
                      "max_length": 12},
         "mine": {"miners": [{"name": "bm25", "type": "bm25"}, {"name": "bi", "type": "dense", "model": str(bi)}],
                  "depth": 10},

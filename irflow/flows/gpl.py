@@ -20,6 +20,10 @@ miner on train.model is round r-1's student (so a fusion teacher fuses BM25 with
 round's student trains on from it (``round_init: previous``) or from train.model (``base``). Each round is
 keyed on the previous round's student: raising ``rounds`` computes only the new rounds.
 
+With ``train.tas.enabled`` the GPL student trains on TAS-B's batches (Hofstätter et al., SIGIR 2021:
+topic clusters of the generated queries, balanced margin sampling; ``irflow.tas``) and, with
+``train.tas.teacher``, also on that bi-encoder's in-batch margins; the QGen baseline never does.
+
 With ``train.init: <alias>`` (``promote.alias``, ``irflow.promotion``) the students start from the model
 that alias holds instead of train.model: training continues from the model in use, which is evaluated as
 system ``<alias>`` and is what the students are selected against.
@@ -63,7 +67,7 @@ from irflow.tasks.mine_negatives import MineParams, mine_negatives
 from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelScoresParams,
                                        LabelSettings, PseudoLabelParams, label_positives, label_scores,
                                        pseudo_label)
-from irflow.tasks.train_student import TrainStudentParams, train_student
+from irflow.tasks.train_student import TASParams, TrainStudentParams, train_student
 
 
 # ---- config -------------------------------------------------------------------------------------
@@ -133,6 +137,14 @@ class QGenConfig(Params):
     warmup_steps: int | None = Field(None, ge=0, description="its warm-up (null: train.warmup_steps)")
 
 
+class TASConfig(TASParams):
+    teacher: ModelName | None = Field(
+        None, description="TAS-B's second teacher: a bi-encoder (hub id, local directory, stored model id) whose "
+                          "scores of every in-batch (query, other passage) pair the GPL student also learns, "
+                          "an in-batch Margin-MSE added to the pairwise one (TAS-B: ColBERT; offline e.g. "
+                          "all-MiniLM-L6-v2); null: no in-batch loss (topic-aware and balanced sampling only)")
+
+
 class TrainConfig(TrainStudentParams):
     model: ModelName = Field("GPL/msmarco-distilbert-margin-mse", description="the student's starting point")
     init: str = Field(
@@ -142,6 +154,9 @@ class TrainConfig(TrainStudentParams):
                             "the trained models are selected against (train.model stays the zero-shot baseline); an "
                             "alias with no model yet falls back to base with a warning")
     qgen: QGenConfig = Field(QGenConfig(), description="the QGen baseline (same settings unless given)")
+    tas: TASConfig = Field(TASConfig(), description="TAS-B for the GPL student: topic-aware batches, balanced "
+                                                    "margin sampling, an in-batch teacher (the QGen baseline "
+                                                    "trains without it; keyed only when enabled)")
 
     @field_validator("init")
     @classmethod
@@ -149,11 +164,11 @@ class TrainConfig(TrainStudentParams):
         return v if v == "base" else check_alias_name(v)
 
     def gpl_params(self) -> TrainStudentParams:
-        return self.to(TrainStudentParams)
+        return self.to(TrainStudentParams, tas=self.tas.to(TASParams))
 
     def qgen_params(self) -> TrainStudentParams:
         given = {k: v for k, v in self.qgen.model_dump().items() if k != "enabled" and v is not None}
-        return self.to(TrainStudentParams, loss="mnrl", **given)
+        return self.to(TrainStudentParams, loss="mnrl", tas=TASParams(), **given)
 
 
 class Doc2QueryConfig(Doc2QueryParams):
@@ -244,6 +259,9 @@ class GPLConfig(RecipeConfig):
         if self.train.loss == "mnrl":
             raise ValueError("train.loss: the GPL student learns the teacher's labels (margin_mse or "
                              "listwise_kl); the MNRL baseline is train.qgen")
+        if self.train.tas.teacher is not None and not self.train.tas.enabled:
+            raise ValueError("train.tas.teacher: the in-batch teacher is part of TAS-B; set train.tas.enabled: true "
+                             "(or leave the teacher out)")
         if self.train.loss == "listwise_kl" and self.label.scale is None:
             raise ValueError("train.loss: listwise_kl puts the teacher's scores and the student's similarities "
                              "under one softmax scale, so label.scale must bring the scores to the student's "
@@ -399,6 +417,9 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
     # the last round's student, so the mining and a fusion teacher see it (self-training).
     corpus = data.training_corpus  # the corpus itself, unless a synthetic evaluation holds passages out
     students, student, labels = {}, None, []
+    # TAS-B's second teacher (train.tas.teacher): the bi-encoder that scores the student's in-batch pairs
+    tas_teacher = run.model(c.train.tas.teacher, "train.tas.teacher") if c.train.tas.enabled and c.train.tas.teacher \
+        else None
     for r in range(1, c.rounds + 1):
         round_tag = None if r == 1 else f"r{r}"  # stage tags of round r > 1: mine_negatives[r2], miner-bi-r2
         suffix = f"-{round_tag}" if round_tag else ""
@@ -411,7 +432,8 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
                                 start_from, corpus, round_tag))
         # (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
         student = train_student(run, c.train.gpl_params(), tag=f"gpl{suffix}", queries=gen["queries"],
-                                corpus=corpus, base_model=start_from, pseudo_labels=labels[-1])["student"]
+                                corpus=corpus, base_model=start_from, pseudo_labels=labels[-1],
+                                inbatch_teacher=tas_teacher)["student"]
         students[f"gpl-student{suffix}"] = student
 
     # The QGen baseline: MNRL on (q, pos), the first round's positives.

@@ -1,7 +1,10 @@
 """Train a bi-encoder student: Margin-MSE on pseudo labels (GPL), listwise KL on the same pseudo labels
 grouped per query, or MNRL on (query, positive) pairs (QGen), optionally with Contriever's MoCo
 (``moco.enabled``: a momentum key encoder embeds the passages and a queue of earlier batches' keys adds
-negatives; ``irflow.moco``).
+negatives; ``irflow.moco``), or, for Margin-MSE, with TAS-B's batches and second teacher (``tas.enabled``;
+``irflow.tas``): topic-aware batches from k-means clusters of the training queries, balanced margin
+sampling of each query's pairs, and (with the ``inbatch_teacher`` input) an in-batch Margin-MSE against a
+bi-encoder teacher's scores added to the pairwise one.
 
 The loop, optimizer, schedule, precision and checkpoints are ``irflow.training``'s; the losses are
 ``irflow.losses``'s. For MNRL no two examples in a batch share a query or a passage (in-batch
@@ -24,11 +27,12 @@ from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from irflow import distributed
 from irflow.errors import DataError
-from irflow.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, MarginMSELoss
+from irflow.losses import (CrossBatchInfoNCE, InBatchMarginMSELoss, ListwiseDistillationLoss, MarginMSELoss,
+                           gather_ids)
 from irflow.moco import MoCo
 from irflow.params import KEYED_WHEN_SET, Params
 from irflow.qrels import group, judged_positives, positive_pairs
@@ -36,6 +40,7 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
+from irflow.tas import TASPlan, default_clusters, fit_scale, kmeans_clusters
 from irflow.text import doc_texts, query_texts
 from irflow.training import TRAINING_LOG, BatchPlan, LoopParams, seed_everything, train_loop, training_losses
 
@@ -61,6 +66,41 @@ class MoCoParams(Params):
                                                               "Contriever's; 1 for dot)")
 
 
+class TASParams(Params):
+    """TAS-B for the margin_mse loss (Hofstätter et al., SIGIR 2021; ``irflow.tas``)."""
+
+    enabled: bool = Field(False, description="margin_mse: TAS-B's batches -- the training queries are clustered "
+                                             "(k-means on the starting model's query embeddings, once before "
+                                             "training), each batch is drawn from clusters_per_batch clusters, "
+                                             "and each query's pair is drawn by balanced margin sampling; with "
+                                             "an in-batch teacher (GPL: train.tas.teacher) its in-batch "
+                                             "Margin-MSE is added to the pairwise one. Needs loss margin_mse")
+    clusters: PositiveInt | None = Field(None, description="k of the k-means over the training queries (null: "
+                                                           "max(2, queries // 200): about TAS-B's ratio, 2000 "
+                                                           "clusters of MS MARCO's some 0.4-0.5M training queries)")
+    clusters_per_batch: PositiveInt = Field(1, description="n: clusters each batch is drawn from, batch_size / n "
+                                                           "rows from each; must divide batch_size (TAS-B: 1)")
+    margin_bins: PositiveInt = Field(10, description="h: each query's pairs are cut into h equal-width bins of "
+                                                     "their teacher margin; a draw picks a non-empty bin "
+                                                     "uniformly, then a pair in it (1: a uniform draw over the "
+                                                     "query's pairs; TAS-B: 10)")
+    seed: int | None = Field(None, description="seed of the k-means and of the batches (null: the training seed)")
+    kmeans_iterations: PositiveInt = Field(20, description="k-means iterations (faiss)")
+    teacher_similarity: Literal["cos", "dot"] = Field(
+        "cos", description="the in-batch teacher's similarity (a bi-encoder; MiniLM: cos)")
+    teacher_scale: Literal["auto"] | float = Field(
+        "auto", description="factor on the in-batch teacher's margins before the MSE (auto: the least-squares "
+                            "factor from its margins on the training rows to their pseudo-label margins, so "
+                            "both losses regress on margins in the same units)")
+
+    @field_validator("teacher_scale")
+    @classmethod
+    def _scale(cls, v):
+        if v != "auto" and not v > 0:
+            raise ValueError(f"auto or a positive factor, got {v}")
+        return v
+
+
 class TrainStudentParams(LoopParams):
     loss: Literal["margin_mse", "listwise_kl", "mnrl"] = Field(
         "margin_mse", description="margin_mse: match the teacher's margins, one (query, positive, negative) "
@@ -83,6 +123,24 @@ class TrainStudentParams(LoopParams):
                                 "softmax; larger is sharper")
     moco: MoCoParams = Field(MoCoParams(), description="Contriever's MoCo for loss mnrl: momentum key encoder and "
                                                        "queue of negatives (keyed only when enabled with loss mnrl)")
+    tas: TASParams = Field(TASParams(), description="TAS-B for loss margin_mse: topic-aware batches, balanced "
+                                                    "margin sampling, in-batch teacher (keyed only when enabled)")
+
+    @model_validator(mode="after")
+    def _tas(self):
+        t = self.tas
+        if not t.enabled:
+            return self
+        if self.loss != "margin_mse":
+            raise ValueError(f"tas.enabled: TAS-B samples (query, positive, negative) rows for Margin-MSE: "
+                             f"loss margin_mse, not {self.loss}")
+        if self.batch_size % t.clusters_per_batch:
+            raise ValueError(f"tas.clusters_per_batch: {t.clusters_per_batch} does not divide batch_size "
+                             f"{self.batch_size} (each cluster gives batch_size / clusters_per_batch rows)")
+        if t.clusters is not None and t.clusters_per_batch > t.clusters:
+            raise ValueError(f"tas.clusters_per_batch: {t.clusters_per_batch} is more than the {t.clusters} "
+                             f"clusters (tas.clusters)")
+        return self
 
     @model_validator(mode="after")
     def _moco(self):
@@ -97,11 +155,14 @@ class TrainStudentParams(LoopParams):
         return self.moco.enabled and self.loss == "mnrl"
 
     def key_dump(self) -> dict:
-        """The key leaves ``moco`` out unless MoCo runs (enabled, loss mnrl): keys made before it existed
-        stay, and a GPL student (margin_mse) is not recomputed when train.moco is set for the QGen one."""
+        """The key leaves ``moco`` out unless MoCo runs (enabled, loss mnrl), and ``tas`` unless TAS-B runs:
+        keys made before they existed stay, and a GPL student (margin_mse) is not recomputed when train.moco
+        is set for the QGen one."""
         dumped = super().key_dump()
         if not self.uses_moco:
             dumped.pop("moco")
+        if not self.tas.enabled:
+            dumped.pop("tas")
         return dumped
 
 
@@ -173,9 +234,12 @@ def _check_student(path: Path) -> None:
        work="train", resumable=True)
 def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
                   base_model: DatasetRef, pseudo_labels: DatasetRef | None = None, qrels: DatasetRef | None = None,
-                  negatives: DatasetRef | None = None) -> dict:
+                  negatives: DatasetRef | None = None, inbatch_teacher: DatasetRef | None = None) -> dict:
     """A student trained from ``base_model``: on ``pseudo_labels`` (loss margin_mse) or on ``qrels``
-    [+ ``negatives``] (loss mnrl); and its loss per step (``training_losses``)."""
+    [+ ``negatives``] (loss mnrl); and its loss per step (``training_losses``). ``inbatch_teacher`` (with
+    ``tas.enabled``): the bi-encoder whose scores of the in-batch pairs TAS-B's in-batch Margin-MSE reads."""
+    if inbatch_teacher is not None and not p.tas.enabled:
+        raise ValueError("train_student: the inbatch_teacher input is TAS-B's second teacher; set tas.enabled")
     corpus_t = corpus.table()
     if p.loss == "margin_mse":
         if pseudo_labels is None:
@@ -208,8 +272,97 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
     out = Path(rt.workdir) / "student"
     job = {"ex": {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in ex.items()}, "qtext": qtext,
            "dtext": dtext, "base_model": base_model.path, "out": str(out), "params": p.model_dump(mode="json")}
+    if p.tas.enabled:
+        job["tas"] = tas_setup(p, rt, ex, qtext, dtext, base_model.path,
+                               inbatch_teacher.path if inbatch_teacher is not None else None)
     distributed.run(fit_and_save, job, rt, rt.train_processes)
     return {"student": out, "training_losses": training_losses(out)}
+
+
+# ---- TAS-B --------------------------------------------------------------------------------------------
+TAS_CLUSTERS = "tas_clusters.json"  # in the resume dir: a resumed training draws the same batches
+
+
+def _free_gpu_cache(device: str) -> None:
+    """After a model used before training is dropped: its GPU memory goes back before the student loads."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def tas_setup(p: TrainStudentParams, rt: StageRuntime, ex: dict, qtext: dict, dtext: dict, base_model: str,
+              teacher: str | None) -> dict:
+    """What TAS-B needs before training, computed once (not per torchrun process), JSON for the job:
+    each training query's cluster (k-means on ``base_model``'s embeddings of the queries, kept in the resume
+    dir) and, with an in-batch ``teacher``, its embeddings of every training query and passage (``.npy``
+    files in the workdir, rows in sorted id order) and the factor on its margins."""
+    from irflow.encoding import encode_texts
+    from irflow.models import load_sentence_transformer
+
+    t = p.tas
+    seed = p.seed if t.seed is None else t.seed
+    qids = sorted(set(ex["q"]))
+    k = t.clusters or default_clusters(len(qids))
+    if k > len(qids):
+        raise DataError(f"tas.clusters: {k} clusters for {len(qids)} training queries (at most one per query)")
+    saved = Path(rt.resume_dir) / TAS_CLUSTERS if rt.resume_dir else None
+    if saved is not None and saved.exists():
+        cluster = json.loads(saved.read_text())
+    else:
+        model = load_sentence_transformer(base_model, rt.device, p.max_seq_length)
+        emb = encode_texts(model, [qtext[q] for q in qids], 64, normalize=True, desc="tas: queries")
+        del model
+        _free_gpu_cache(rt.device)
+        cluster = dict(zip(qids, kmeans_clusters(emb, k, seed, t.kmeans_iterations).tolist()))
+        if saved is not None:
+            saved.write_text(json.dumps(cluster))
+    TASPlan(ex["q"], ex["margin"], cluster, p.batch_size, t.clusters_per_batch, t.margin_bins, seed)  # refuses no batch
+    sizes = np.bincount(list(cluster.values()), minlength=k)
+    out = {"cluster": cluster, "clusters": k, "seed": seed,
+           "cluster_sizes": {"min": int(sizes.min()), "median": float(np.median(sizes)), "max": int(sizes.max()),
+                             "empty": int((sizes == 0).sum())}}
+    log.info("train_student: TAS-B: %d training queries in %d clusters (sizes %s)", len(qids), k,
+             out["cluster_sizes"])
+    if teacher is None:
+        return out
+
+    model = load_sentence_transformer(teacher, rt.device)
+    normalize = t.teacher_similarity == "cos"
+    all_q, all_d = sorted(qtext), sorted(dtext)
+    qe = encode_texts(model, [qtext[q] for q in all_q], 64, normalize=normalize, desc="tas: teacher queries")
+    de = encode_texts(model, [dtext[d] for d in all_d], 64, normalize=normalize, desc="tas: teacher passages")
+    del model
+    _free_gpu_cache(rt.device)
+    paths = {"teacher_q": str(Path(rt.workdir) / "tas_teacher_queries.npy"),
+             "teacher_d": str(Path(rt.workdir) / "tas_teacher_passages.npy")}
+    np.save(paths["teacher_q"], qe)
+    np.save(paths["teacher_d"], de)
+    qi, di = {q: i for i, q in enumerate(all_q)}, {d: i for i, d in enumerate(all_d)}
+    q_rows = qe[[qi[q] for q in ex["q"]]]
+    margins = ((q_rows * de[[di[d] for d in ex["p"]]]).sum(1) - (q_rows * de[[di[d] for d in ex["n"]]]).sum(1))
+    scale = fit_scale(margins, np.asarray(ex["margin"])) if t.teacher_scale == "auto" else float(t.teacher_scale)
+    log.info("train_student: TAS-B in-batch teacher (%s), its margins x %.4g", t.teacher_similarity, scale)
+    return {**out, **paths, "teacher_scale": scale}
+
+
+class InBatchTeacher:
+    """The in-batch teacher's margins t(q_i, p_i) - t(q_i, d_j) of a batch, from its embeddings (computed
+    once, ``tas_setup``), already scaled: (B, 2 W B) over every process's positives then negatives."""
+
+    def __init__(self, tas: dict, ex: dict, qtext: dict, dtext: dict):
+        self.qe, self.de = np.load(tas["teacher_q"]), np.load(tas["teacher_d"])
+        qi, di = {q: i for i, q in enumerate(sorted(qtext))}, {d: i for i, d in enumerate(sorted(dtext))}
+        self.q = np.array([qi[q] for q in ex["q"]])
+        self.p = np.array([di[d] for d in ex["p"]])
+        self.n = np.array([di[d] for d in ex["n"]])
+        self.scale = float(tas["teacher_scale"])
+
+    def margins(self, share: list[int], batch: list[int]) -> np.ndarray:
+        q = self.qe[self.q[share]]
+        cands = self.de[np.concatenate([self.p[batch], self.n[batch]])]
+        pos = (q * self.de[self.p[share]]).sum(1)
+        return (self.scale * (pos[:, None] - q @ cands.T)).astype(np.float32)
 
 
 def fit_and_save(job: dict, rt: StageRuntime) -> None:
@@ -240,7 +393,14 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
     device = rt.device
     seed_everything(p.seed)  # same initial weights in every process
     model = load_sentence_transformer(job["base_model"], device, p.max_seq_length)
-    plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed, keys)
+    tas, inbatch, teacher = job.get("tas"), None, None
+    if tas is not None:
+        plan = TASPlan(ex["q"], ex["margin"], tas["cluster"], p.batch_size, p.tas.clusters_per_batch,
+                       p.tas.margin_bins, tas["seed"])
+        if "teacher_q" in tas:
+            inbatch, teacher = InBatchMarginMSELoss(similarity=p.similarity), InBatchTeacher(tas, ex, qtext, dtext)
+    else:
+        plan = BatchPlan(len(ex["q"]), p.batch_size, p.seed, keys)
     moco = None
     if p.uses_moco:
         scale = p.mnrl_scale or (20.0 if p.similarity == "cos" else 1.0)
@@ -260,7 +420,12 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
         pos = _embed(model, [dtext[ex["p"][i]] for i in idx], device)
         if p.loss == "margin_mse":
             n = _embed(model, [dtext[ex["n"][i]] for i in idx], device)
-            return loss_fn.from_embeddings(q, pos, n, margins[idx].to(device))
+            loss = loss_fn.from_embeddings(q, pos, n, margins[idx].to(device))
+            if inbatch is not None:  # TAS-B's dual teacher: L = L_pair + L_inbatch
+                batch = gather_ids(torch.tensor(idx, device=device)).tolist()  # every process's share, in order
+                t = torch.from_numpy(teacher.margins(idx, batch)).to(device)
+                loss = loss + inbatch.from_embeddings(q, pos, n, t)
+            return loss
         if p.loss == "listwise_kl":
             # one forward pass for every negative of the batch; lists may differ in length, so each
             # query's KL is taken on its own and averaged
@@ -278,8 +443,12 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
 
     rank, world = distributed.rank_and_world()
     if rank == 0:
+        extra = f" with MoCo (queue {p.moco.queue_size}, momentum {p.moco.momentum})" if moco else ""
+        if tas is not None:
+            extra = (f" with TAS-B ({tas['clusters']} clusters, {p.tas.clusters_per_batch} a batch, "
+                     f"{p.tas.margin_bins} margin bins{', in-batch teacher' if inbatch else ''})")
         log.info("train_student: %s/%s%s on %d examples, %d steps of %d on %d process(es) (%s, %s)", p.loss,
-                 p.similarity, f" with MoCo (queue {p.moco.queue_size}, momentum {p.moco.momentum})" if moco else "",
+                 p.similarity, extra,
                  len(ex["q"]), plan.total_steps(p), p.batch_size, world, device, rt.precision)
         if p.moco.enabled and not moco:
             log.info("train_student: moco applies to loss mnrl only; %s trains without it", p.loss)
@@ -296,4 +465,8 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
     model.save(str(out), create_model_card=False)
     (out / TRAINING_LOG).write_text(json.dumps(
         {"loss": p.loss, "similarity": p.similarity, "examples": len(ex["q"]), "processes": world,
-         "steps": len(history), **({"moco": p.moco.model_dump()} if moco else {}), "history": history}, indent=1))
+         "steps": len(history), **({"moco": p.moco.model_dump()} if moco else {}),
+         **({"tas": {**p.tas.model_dump(), "clusters": tas["clusters"], "seed": tas["seed"],
+                     "cluster_sizes": tas["cluster_sizes"], "inbatch_teacher": inbatch is not None,
+                     "teacher_scale": tas.get("teacher_scale")}} if tas else {}),
+         "history": history}, indent=1))
