@@ -10,12 +10,15 @@ is the probability RocketQA thresholds.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from irflow.cross_encoders import NotACrossEncoder, check_cross_encoder, load_cross_encoder  # noqa: F401
+
+log = logging.getLogger("irflow.pseudo_label")  # the labelling stage's logger: its warning reads as before
 
 
 def relevance(logits):
@@ -71,3 +74,23 @@ def cross_encoder_scores(model_path: str, pairs: Sequence[tuple[str, str]], *, b
                       truncation="longest_first", max_length=padded, return_tensors="pt").to(device)
             out[idx] = relevance(model(**enc).logits.float()).cpu().numpy()[:len(idx)]
     return out
+
+
+def least_squares_scale(teacher_margins: np.ndarray, student_margins: np.ndarray) -> float:
+    """argmin_a sum (a * t - s)^2 = <t, s> / <t, t>: the factor that puts a teacher's margins ``t`` in the
+    units of the margins ``s`` a student regresses on (pseudo-labels, TAS-B's second teacher).
+
+    If teacher and student disagree on the sample (a <= 0), falls back to the ratio of RMS values
+    so the scaled margins still have the student's magnitude (with a warning).
+    """
+    t = np.asarray(teacher_margins, dtype=np.float64)
+    s = np.asarray(student_margins, dtype=np.float64)
+    tt = float(t @ t)
+    if tt == 0.0:
+        return 1.0
+    a = float(t @ s) / tt
+    if a <= 0:
+        a = float(np.sqrt((s @ s) / tt)) or 1.0
+        log.warning("scale: teacher and student margins are not positively related on the sample; "
+                    "using the RMS ratio %.4g instead of least squares", a)
+    return a

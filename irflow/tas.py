@@ -182,18 +182,3 @@ class TASPlan:
         """The batches of one epoch as row indices: each slot resolved by a balanced margin draw."""
         batches, rng = self.epoch_queries(epoch)
         return [[self.balanced.draw(q, rng) for q in batch] for batch in batches]
-
-
-def fit_scale(teacher_margins: np.ndarray, target_margins: np.ndarray) -> float:
-    """argmin_a sum (a * t - m)^2 = <t, m> / <t, t>: the factor that puts a second teacher's margins ``t``
-    in the units of the margins ``m`` the student already regresses on. Where they disagree (a <= 0), the
-    ratio of RMS values (the magnitude, not the direction); 1 where t is all zero."""
-    t = np.asarray(teacher_margins, dtype=np.float64)
-    m = np.asarray(target_margins, dtype=np.float64)
-    tt = float(t @ t)
-    if tt == 0.0:
-        return 1.0
-    a = float(t @ m) / tt
-    if a <= 0:
-        a = float(np.sqrt((m @ m) / tt)) or 1.0
-    return a

@@ -59,6 +59,7 @@ from irflow.params import NoParams, Params
 from irflow.qrels import group, judged_positives, positives
 from irflow.runtime import StageRuntime
 from irflow.sampling import rng, sample
+from irflow.scoring import least_squares_scale  # noqa: F401 -- also where callers have found it
 from irflow.stage import Output, stage
 from irflow.teachers import (CrossEncoderTeacher, FusionTeacher, Teacher, fusion_scores, teacher_model,  # noqa: F401
                              teacher_scores)
@@ -123,25 +124,7 @@ class LabelParams(LabelSettings):
 
 
 # ---- margin scale ---------------------------------------------------------------------------------
-def least_squares_scale(teacher_margins: np.ndarray, student_margins: np.ndarray) -> float:
-    """argmin_a sum (a * t - s)^2 = <t, s> / <t, t>.
-
-    If teacher and student disagree on the sample (a <= 0), falls back to the ratio of RMS values
-    so the scaled margins still have the student's magnitude (with a warning).
-    """
-    t = np.asarray(teacher_margins, dtype=np.float64)
-    s = np.asarray(student_margins, dtype=np.float64)
-    tt = float(t @ t)
-    if tt == 0.0:
-        return 1.0
-    a = float(t @ s) / tt
-    if a <= 0:
-        a = float(np.sqrt((s @ s) / tt)) or 1.0
-        log.warning("scale: teacher and student margins are not positively related on the sample; "
-                    "using the RMS ratio %.4g instead of least squares", a)
-    return a
-
-
+# (least_squares_scale: irflow.scoring, shared with TAS-B's second teacher)
 def student_margins(model_path: str, similarity: str, triples: Sequence[tuple[str, str, str]], *,
                     batch_size: int = 64, max_seq_length: int | None = None, device: str = "cpu") -> np.ndarray:
     """sim(q, p) - sim(q, n) under the student model, for (query text, pos text, neg text) triples."""

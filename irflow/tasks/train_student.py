@@ -40,7 +40,8 @@ from irflow.runtime import StageRuntime
 from irflow.sampling import sample
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef
-from irflow.tas import TASPlan, default_clusters, fit_scale, kmeans_clusters
+from irflow.scoring import least_squares_scale
+from irflow.tas import TASPlan, default_clusters, kmeans_clusters
 from irflow.text import doc_texts, query_texts
 from irflow.training import TRAINING_LOG, BatchPlan, LoopParams, seed_everything, train_loop, training_losses
 
@@ -341,7 +342,7 @@ def tas_setup(p: TrainStudentParams, rt: StageRuntime, ex: dict, qtext: dict, dt
     qi, di = {q: i for i, q in enumerate(all_q)}, {d: i for i, d in enumerate(all_d)}
     q_rows = qe[[qi[q] for q in ex["q"]]]
     margins = ((q_rows * de[[di[d] for d in ex["p"]]]).sum(1) - (q_rows * de[[di[d] for d in ex["n"]]]).sum(1))
-    scale = fit_scale(margins, np.asarray(ex["margin"])) if t.teacher_scale == "auto" else float(t.teacher_scale)
+    scale = least_squares_scale(margins, np.asarray(ex["margin"])) if t.teacher_scale == "auto" else float(t.teacher_scale)
     log.info("train_student: TAS-B in-batch teacher (%s), its margins x %.4g", t.teacher_similarity, scale)
     return {**out, **paths, "teacher_scale": scale}
 
