@@ -361,7 +361,7 @@ def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict 
     per_query = {s: v for s, v in _per_query(evaluations, metric).items() if s in run.dense_models}
     if run.start_system not in per_query:
         return None
-    sel = selection.select(per_query, run.start_system, run.evaluation, metric)
+    sel = selection.select(per_query, run.start_system, run.evaluation, metric, caveat=run.selection_caveat)
     out = {**sel.to_dict(), "model_id": run.dense_models[sel.system].id,
            "models": {s: run.dense_models[s].id for s in per_query}}
     run.catalog.record_selection(run.run_id, out)

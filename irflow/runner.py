@@ -85,6 +85,9 @@ class Run:
         self.dense_models: dict[str, DatasetRef] = {}
         self.start_system: str | None = None
         self.evaluation: str = "labelled"
+        # why this run's evaluation cannot tell a trained model from the one it started from (None: it can):
+        # the selection then keeps the starting model and says this
+        self.selection_caveat: str | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:

@@ -36,9 +36,11 @@ class Selection:
 
 
 def select(per_query: Mapping[str, Mapping[str, float]], start: str, evaluation: str, metric: str = "ndcg@10",
-           alpha: float = ALPHA) -> Selection:
+           alpha: float = ALPHA, caveat: str | None = None) -> Selection:
     """``per_query``: system -> {query id: value} of ``metric`` for every dense model evaluated (the start
-    among them). Returns the selection and why."""
+    among them). Returns the selection and why. ``caveat``: why this evaluation cannot be trusted to prefer a
+    trained model (a proxy asking the kind of query the model trained on): a trained model that would have
+    been selected is not, and the reason says why."""
     if start not in per_query:
         raise ValueError(f"the starting model's system {start!r} was not evaluated (evaluated: {sorted(per_query)})")
     mean = {s: (sum(v.values()) / len(v) if v else 0.0) for s, v in per_query.items()}
@@ -52,6 +54,10 @@ def select(per_query: Mapping[str, Mapping[str, float]], start: str, evaluation:
     p = test.t_pvalue
     common = dict(start=start, metric=metric, start_value=mean[start], best_trained=best,
                   best_trained_value=mean[best], p_value=p, evaluation=evaluation)
+    if mean[best] > mean[start] and p == p and p < alpha and caveat:
+        return Selection(start, value=mean[start], reason=(
+            f"{start} kept: {best} scored {mean[best]:.4f} vs {mean[start]:.4f} ({where}; p = {p:.3g}), but {caveat}"),
+            **common)
     if mean[best] > mean[start] and p == p and p < alpha:  # p == p: not NaN
         return Selection(best, value=mean[best], reason=(
             f"{best} {mean[best]:.4f} vs {start} {mean[start]:.4f} ({where}; +{mean[best] - mean[start]:.4f}, "

@@ -35,3 +35,27 @@ def test_nothing_trained_selects_the_start():
     start, _ = _scores(3, 10, 0, 0)
     s = select({"zero": start}, "zero", "labelled")
     assert s.system == "zero" and s.best_trained is None
+
+
+def test_a_proxy_from_the_training_queries_generator_never_selects_a_trained_model(tmp_path):
+    """GPL on ICT queries with an ICT proxy (own documents, no labels): the proxy favours the student, so
+    the run keeps the starting model however clear the proxy's gain (measured: below zero-shot on the real
+    qrels of SciFact and NFCorpus); with a query log it may select the student."""
+    from irflow import api
+    from irflow.flows.gpl import same_generator
+
+    start, trained = _scores(0, 200, 0.05, 0.02)
+    s = select({"zero": start, "gpl": trained}, "zero", "proxy", caveat="the proxy's queries come from ict")
+    assert s.system == "zero" and s.best_trained == "gpl" and s.p_value < 0.05
+    assert s.reason.startswith("zero kept: gpl scored") and "the proxy's queries come from ict" in s.reason
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"_id": "a", "text": "one"}\n')
+    (tmp_path / "log.txt").write_text("a query\n")
+    base = {"flow": "gpl", "train": {"model": "all-MiniLM-L6-v2"}}
+    own = {"name": "mine", "source": str(docs)}
+    assert same_generator(api.load_config({**base, "dataset": own, "generate": {"source": "ict"}}))
+    assert not same_generator(api.load_config({**base, "dataset": {**own, "query_log": str(tmp_path / "log.txt")},
+                                               "generate": {"source": "unlabelled"}}))
+    assert not same_generator(api.load_config({**base, "dataset": {**own, "proxy": {"queries": {"source": "crop"}}},
+                                               "generate": {"source": "ict"}}))
