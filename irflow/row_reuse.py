@@ -34,7 +34,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from irflow.cache import hash_payload
+from irflow.cache import hash_payload, key_payload
 from irflow.store import TABLE_FILE, DatasetRef
 
 log = logging.getLogger("irflow.rows")
@@ -70,11 +70,9 @@ def family(stage, params, inputs: dict, role: str, num_rows: int) -> str:
     """The row family of a stage call: everything in its cache key except the mapped input's id, plus the
     stage's row context."""
     rows: RowMap = stage.rows
-    return hash_payload({
-        "stage": stage.name, "version": stage.version, "cfg": params.key_dump(),
-        "inputs": {k: [r.id for r in (v if isinstance(v, (list, tuple)) else [v])]
-                   for k, v in sorted(inputs.items()) if k != role},
-        "context": rows.context(params, num_rows) if rows.context else None})
+    payload = key_payload(stage.name, stage.version, params.key_dump(),
+                          {k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in inputs.items() if k != role})
+    return hash_payload({**payload, "context": rows.context(params, num_rows) if rows.context else None})
 
 
 def row_digests(ref: DatasetRef, key: str) -> tuple[list, list[str]]:
