@@ -1,0 +1,117 @@
+"""The other training strategies against their closest relative, on one dataset, one store, one budget.
+
+Each arm is a config run with overrides; its systems are scored on the dataset's test queries by the run
+itself (nDCG@10, R@100, per-query nDCG@10). Then each new system is paired (irflow.stats.paired) against
+zero-shot, BM25 and its closest existing relative:
+
+    tas-b        GPL's Margin-MSE student on TAS-B batches   vs  gpl-margin-mse (the same labels and steps)
+    qgen-moco    the QGen (MNRL) student with Contriever's MoCo  vs  qgen-mnrl (the same pairs and steps)
+    bm25-deepct  BM25 over DeepCT's term weights (MiniLM's encoder: no BERT offline)  vs  bm25 (plain)
+    star, star-adore  STAR, then ADORE's query encoder over STAR's index  vs  ance-round1 (the same labels)
+
+The arms share a store, so what they share (ingest, BM25, mining, teacher labels, the zero-shot encoding)
+is computed once. ``--budget`` sets the GPL / QGen steps; every row records its arm's settings.
+
+    python bench/strategies.py --dataset scifact --store /work/bench-strat/scifact --steps 120 \\
+        --out bench/results/strategies_scifact.json [--arms gpl tasb moco deepct star ance]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (sets the offline environment first)
+
+
+def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
+    """arm -> {config, overrides, systems: {run's system: table name}, relative: {table name: relative}}."""
+    gpl = [f"train.steps={steps}", "train.qgen.enabled=true", f"train.qgen.steps={steps}",
+           f"runtime.threads={threads}"]
+    both = {"bm25-flat": "bm25", "dense-all-MiniLM-L6-v2": "zero-shot"}
+    return {
+        "gpl": {"config": f"configs/gpl_{dataset}_offline.yaml", "overrides": gpl,
+                "systems": {**both, "gpl-student": "gpl-margin-mse", "qgen-student": "qgen-mnrl"}, "relative": {}},
+        "tasb": {"config": f"configs/gpl_{dataset}_offline.yaml", "overrides": gpl + ["train.tas.enabled=true"],
+                 "systems": {"gpl-student": "tas-b"}, "relative": {"tas-b": "gpl-margin-mse"}},
+        "moco": {"config": f"configs/gpl_{dataset}_offline.yaml",
+                 "overrides": gpl + ["train.moco.enabled=true", "train.moco.queue_size=1024"],
+                 "systems": {"qgen-student": "qgen-moco"}, "relative": {"qgen-moco": "qgen-mnrl"}},
+        "deepct": {"config": f"configs/baselines_{dataset}.yaml",
+                   "overrides": ["deepct.enabled=true", "deepct.model=all-MiniLM-L6-v2", "bm25.variants=[flat]",
+                                 f"runtime.threads={threads}"],
+                   "systems": {"bm25-deepct": "bm25-deepct"}, "relative": {"bm25-deepct": "bm25"}},
+        "star": {"config": f"configs/star_{dataset}.yaml", "overrides": [f"runtime.threads={threads}"],
+                 "systems": {"star": "star", "star-adore": "star-adore"},
+                 "relative": {"star": "ance-round1", "star-adore": "ance-round1"}},
+        "ance": {"config": f"configs/ance_{dataset}_offline.yaml",
+                 "overrides": ["rounds=1", "hybrid.enabled=false", f"runtime.threads={threads}"],
+                 "systems": {"ance-round1": "ance-round1"}, "relative": {}},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
+    ap.add_argument("--store", required=True, help="one store for every arm (kept: a second call reuses stages)")
+    ap.add_argument("--steps", type=int, default=120, help="GPL and QGen training steps")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arms", nargs="+", default=["gpl", "tasb", "moco", "deepct", "ance", "star"])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from irflow import api
+    from irflow.report.runs import per_query_values
+    from irflow.stats import paired
+
+    out: dict = {"dataset": args.dataset, "steps": args.steps, "arms": {}, "table": {}}
+    if Path(args.out).exists():  # arms run before into the same file
+        old = json.loads(Path(args.out).read_text())
+        out["arms"], out["table"] = old.get("arms", {}), old.get("table", {})
+    per_query: dict[str, dict[str, float]] = {}
+    every = arms(args.dataset, args.steps, args.threads)
+    for name in args.arms:
+        arm = every[name]
+        t = harness.run(harness.ROOT / arm["config"], overrides=arm["overrides"], store=args.store)
+        r, catalog = t.result, api.catalog(args.store)
+        metrics = {m["system"]: m for m in r.metrics}
+        pq = {}
+        for s in r.stages:
+            if s.name.startswith("evaluate[") and "per_query" in s.outputs:
+                pq.update(per_query_values(catalog, s.outputs["per_query"], "ndcg@10"))
+        for system, label in arm["systems"].items():
+            out["table"][label] = {"arm": name, "system": system, "ndcg@10": round(metrics[system]["ndcg@10"], 4),
+                                   "recall@100": round(metrics[system]["recall@100"], 4),
+                                   "config": arm["config"], "overrides": arm["overrides"], "run_id": r.run_id}
+            per_query[label] = pq[system]
+        out["arms"][name] = {"run_id": r.run_id, "wall_seconds": round(t.wall_seconds, 1),
+                             "load": [t.load_before[0], t.load_after[0]],
+                             "stage_seconds": {s.name: s.seconds for s in r.stages if s.status == "computed"}}
+        out.setdefault("per_query", {}).update(per_query)
+        harness.write_json(args.out, out)
+
+    per_query = out.get("per_query", {})
+    relatives = {label: rel for a in every.values() for label, rel in a["relative"].items()}
+    out["paired"] = {}
+    for label in out["table"]:
+        for against in ("zero-shot", "bm25", relatives.get(label)):
+            if against and against != label and against in per_query and label in per_query:
+                p = paired(per_query[against], per_query[label])
+                out["paired"][f"{label} vs {against}"] = {"mean_diff": round(p.mean_diff, 4), "wins": p.wins,
+                                                          "losses": p.losses, "t_pvalue": round(p.t_pvalue, 4)}
+    out["machine"] = harness.machine()
+    harness.write_json(args.out, out)
+    rows = []
+    for label, row in out["table"].items():
+        rel = relatives.get(label)
+        cell = out["paired"].get(f"{label} vs {rel}") if rel else None
+        rows.append([label, f"{row['ndcg@10']:.4f}", f"{row['recall@100']:.4f}", rel or "-",
+                     f"{cell['mean_diff']:+.4f} ({cell['wins']}/{cell['losses']}, p {cell['t_pvalue']})" if cell else "-"])
+    harness.table(["system", "nDCG@10", "R@100", "relative", "vs relative"], rows)
+
+
+if __name__ == "__main__":
+    main()
