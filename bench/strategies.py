@@ -8,6 +8,8 @@ zero-shot, BM25 and its closest existing relative:
     qgen-moco    the QGen (MNRL) student with Contriever's MoCo  vs  qgen-mnrl (the same pairs and steps)
     bm25-deepct  BM25 over DeepCT's term weights (MiniLM's encoder: no BERT offline)  vs  bm25 (plain)
     star, star-adore  STAR, then ADORE's query encoder over STAR's index  vs  ance-round1 (the same labels)
+    contriever-moco   Contriever on the corpus alone (crop pairs, MoCo)  vs  crop-infonce (the same pairs and
+                      steps, in-batch negatives only)
 
 The arms share a store, so what they share (ingest, BM25, mining, teacher labels, the zero-shot encoding)
 is computed once. ``--budget`` sets the GPL / QGen steps; every row records its arm's settings.
@@ -47,6 +49,11 @@ def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
         "star": {"config": f"configs/star_{dataset}.yaml", "overrides": [f"runtime.threads={threads}"],
                  "systems": {"star": "star", "star-adore": "star-adore"},
                  "relative": {"star": "ance-round1", "star-adore": "ance-round1"}},
+        "contriever": {"config": f"configs/contriever_{dataset}.yaml", "overrides": [f"runtime.threads={threads}"],
+                       "systems": {"contriever": "contriever-moco"}, "relative": {"contriever-moco": "crop-infonce"}},
+        "crop": {"config": f"configs/contriever_{dataset}.yaml",
+                 "overrides": ["train.moco.enabled=false", f"runtime.threads={threads}"],
+                 "systems": {"contriever": "crop-infonce"}, "relative": {}},
         "ance": {"config": f"configs/ance_{dataset}_offline.yaml",
                  "overrides": ["rounds=1", "hybrid.enabled=false", f"runtime.threads={threads}"],
                  "systems": {"ance-round1": "ance-round1"}, "relative": {}},
@@ -59,7 +66,7 @@ def main() -> None:
     ap.add_argument("--store", required=True, help="one store for every arm (kept: a second call reuses stages)")
     ap.add_argument("--steps", type=int, default=120, help="GPL and QGen training steps")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--arms", nargs="+", default=["gpl", "tasb", "moco", "deepct", "ance", "star"])
+    ap.add_argument("--arms", nargs="+", default=["gpl", "tasb", "moco", "contriever", "crop", "deepct", "ance", "star"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
