@@ -1,5 +1,6 @@
 """Dual-encoder training in one process or many: InfoNCE with in-batch / cross-batch negatives,
-GradCache, or listwise distillation. No refs, no store: texts and examples in, a saved model out.
+GradCache, listwise distillation, or STAR's pairwise loss. No refs, no store: texts and examples in, a
+saved model out.
 
 ``train(job, rt)`` is what each process runs: the stage calls it through ``irflow.distributed.run``,
 in this process or in torchrun workers (gloo on CPU, nccl on CUDA); every process trains on its share
@@ -32,10 +33,15 @@ log = logging.getLogger("irflow.train")
 class TrainDualEncoderParams(LoopParams):
     """How a dual encoder (bi-encoder) is trained on (query, positive[, negatives]) examples."""
 
-    loss: Literal["infonce", "listwise_kl"] = Field(
+    loss: Literal["infonce", "listwise_kl", "star"] = Field(
         "infonce", description="infonce: softmax over the positive, the other queries' passages and the hard "
                                "negatives (in-batch; cross-batch with processes > 1); listwise_kl: KL from a "
-                               "frozen re-ranker's distribution over each query's candidate list (RocketQAv2)")
+                               "frozen re-ranker's distribution over each query's candidate list (RocketQAv2); "
+                               "star: RankNet on the hard negatives plus alpha x RankNet on the batch's other "
+                               "passages (STAR, irflow.losses.StarLoss)")
+    alpha: Annotated[float, KEYED_WHEN_SET] = Field(
+        0.1, gt=0, le=1, description="star: the weight of the random (in-batch) negatives' loss beside the hard "
+                                     "negatives' (STAR: small, 0 < alpha << 1)")
     similarity: Literal["cos", "dot"] = Field("cos", description="cos (MiniLM's) or dot")
     scale: float | None = Field(None, gt=0, description="similarity scale before the softmax (null: 20 for cos, "
                                                         "1 for dot)")
@@ -87,6 +93,10 @@ class TrainDualEncoderParams(LoopParams):
             if self.false_negatives == "mask":
                 raise ValueError("false_negatives: mask applies to infonce's in-batch negatives; listwise_kl's "
                                  "lists hold no judged passage")
+        if self.loss == "star" and self.negatives_per_line < 1:
+            raise ValueError("negatives_per_line: star trains on static hard negatives: at least 1 per line")
+        if self.loss != "star" and self.alpha != type(self).model_fields["alpha"].default:
+            raise ValueError(f"alpha: weighs star's random negatives; loss is {self.loss}")
         if self.negative_lines > 1 and self.negatives_per_line == 0:
             raise ValueError("negative_lines: more than one line per positive needs negatives_per_line >= 1")
         return self
@@ -123,7 +133,7 @@ def train(job: Job, rt) -> list[dict]:
     import torch
 
     from irflow.distributed import rank_and_world
-    from irflow.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, gather_ids, grad_cache_step
+    from irflow.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, StarLoss, gather_ids, grad_cache_step
     from irflow.models import load_sentence_transformer
     from irflow.training import BatchPlan, seed_everything, train_loop
 
@@ -143,8 +153,9 @@ def train(job: Job, rt) -> list[dict]:
         f = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in f.items()}
         return model(f)["sentence_embedding"]
 
-    if p.loss == "infonce":
-        loss_fn = CrossBatchInfoNCE(similarity=p.similarity, scale=p.scale)
+    if p.loss in ("infonce", "star"):
+        loss_fn = (CrossBatchInfoNCE(similarity=p.similarity, scale=p.scale) if p.loss == "infonce" else
+                   StarLoss(similarity=p.similarity, scale=p.scale, alpha=p.alpha))
         n_neg = p.negatives_per_line
 
         def texts_of(idx):

@@ -62,8 +62,16 @@ def token_lengths(tokenizer, texts: list[str], text_pairs: list[str] | None = No
     return lengths
 
 
+def asymmetric(st_model) -> bool:
+    """Whether ``st_model`` encodes queries and documents apart: a SentenceTransformer whose first module is
+    a ``Router`` (a query route beside a document route, e.g. ADORE's query encoder beside STAR's frozen
+    document encoder)."""
+    first = next(iter(st_model), None) if hasattr(st_model, "__iter__") else None
+    return type(first).__name__ == "Router"
+
+
 def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, desc: str = "encode",
-                 autocast=None, full_batches: bool = False) -> np.ndarray:
+                 autocast=None, full_batches: bool = False, task: str | None = None) -> np.ndarray:
     """Embeddings of ``texts`` (see the module doc for the batching). ``st_model``: a SentenceTransformer
     or an OnnxBiEncoder (the backend); ``autocast``: a context manager factory for reduced precision
     (None: fp32; torch only). ``full_batches``: every batch has exactly ``batch_size`` rows (a short one
@@ -71,10 +79,18 @@ def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, d
     depends on nothing but the text: the number of rows also changes the sums (MiniLM on this CPU: rows
     of batches of 2-4 texts at 48 tokens differ in fp32 from the same texts in a batch of 64; of 1-10 in
     bf16). Costs at most ``batch_size - 1`` rows per length group; the corpus encoding uses it (its rows
-    are reused one by one, irflow.row_reuse), queries do not."""
+    are reused one by one, irflow.row_reuse), queries do not. ``task``: "query" or "document", the side the
+    texts are on: an asymmetric model (``asymmetric``) encodes them with that route (``encode_query`` /
+    ``encode_document``); any other model encodes both sides alike."""
     from irflow.onnx_inference import OnnxBiEncoder
 
     onnx = isinstance(st_model, OnnxBiEncoder)
+    encode = None if onnx else st_model.encode
+    if not onnx and asymmetric(st_model):
+        if task not in ("query", "document"):
+            raise ValueError(f"{desc}: an asymmetric model (query and document routes) needs task query or "
+                             f"document, not {task!r}")
+        encode = st_model.encode_query if task == "query" else st_model.encode_document
     max_length = int(st_model.max_seq_length)
     lengths = token_lengths(st_model.tokenizer, texts, max_length=max_length)
     out = np.zeros((len(texts), embedding_dim(st_model)), dtype=np.float32)
@@ -89,10 +105,10 @@ def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, d
                 out[idx] = st_model.embed(batch, padded, normalize)[:len(idx)]
                 bar.update(len(idx))
                 continue
-            emb = st_model.encode(batch, batch_size=len(batch), convert_to_tensor=True,
-                                  normalize_embeddings=normalize, show_progress_bar=False,
-                                  processing_kwargs={"text": {"padding": "max_length", "max_length": padded,
-                                                              "truncation": True}})
+            emb = encode(batch, batch_size=len(batch), convert_to_tensor=True, normalize_embeddings=normalize,
+                         show_progress_bar=False, processing_kwargs={"text": {"padding": "max_length",
+                                                                             "max_length": padded,
+                                                                             "truncation": True}})
             out[idx] = emb[:len(idx)].float().cpu().numpy()
             bar.update(len(idx))
     return out

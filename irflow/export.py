@@ -22,6 +22,8 @@ from irflow.catalog import Catalog
 from irflow.errors import UserError
 from irflow.labels import stage_name
 
+ROUTER_CONFIG = "router_config.json"  # a sentence-transformers Router's: an asymmetric model (irflow.adore)
+
 
 @dataclass
 class Exported:
@@ -104,6 +106,11 @@ def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: d
         lines.append(f"- training: {train['stage']}, {steps}{took} (run {train['run_id']})")
     else:
         lines.append("- training: none here: this is the model the run started from")
+    info = catalog.dataset(model_id) or {}
+    if info.get("path") and (Path(info["path"]) / ROUTER_CONFIG).is_file():
+        lines += ["", "An asymmetric model: a query encoder beside a frozen document encoder (a sentence-transformers "
+                  "`Router`). Encode queries with `model.encode_query(...)` and passages with "
+                  "`model.encode_document(...)` (plain `encode` takes the document route)."]
     lines += ["", "## Why this model", "", sel["reason"] if sel["system"] == system else
               f"Exported by name (--system); the run selected {sel['system']}: {sel['reason']}", ""]
     for a in catalog.aliases():
@@ -158,6 +165,9 @@ def _write(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict,
     if path is None or not (path / "modules.json").is_file():
         raise UserError(f"model {model_id} ({system}) is not a sentence-transformers folder in this store "
                         f"({path}); was it removed by irflow gc?")
+    if fmt == "onnx" and (path / ROUTER_CONFIG).is_file():
+        raise UserError(f"--format onnx: {system} is an asymmetric model (a query and a document encoder); irflow's "
+                        "ONNX export takes one encoder: export it with --format st")
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(path, staging, ignore=shutil.ignore_patterns("checkpoints", "irflow_*.json", "README.md"))

@@ -331,6 +331,128 @@ class ListwiseDistillationLoss(nn.Module):
         return F.kl_div(F.log_softmax(student, dim=-1), teacher, log_target=True, reduction="batchmean")
 
 
+# ---- pairwise ranking losses: STAR and ADORE ----------------------------------------------------------
+class StarLoss(nn.Module):
+    """STAR: RankNet on static hard negatives, plus a small weight of the batch's other passages as random
+    negatives, which keep training on static negatives stable.
+
+    Zhan, Mao, Liu, Guo, Zhang, Ma (SIGIR 2021), "Optimizing Dense Retrieval Model Training with Hard
+    Negatives", section 5. With ``s = scale * sim``, query ``q_i``, its positive ``p_i``, its hard negatives
+    ``N_i`` and ``R_i`` the batch's other passages (every process's positives and negatives, gathered as
+    ``CrossBatchInfoNCE`` gathers them, but ``p_i``, ``N_i`` and masked ones):
+
+        l(q, d+, d-) = log(1 + exp(s(q, d-) - s(q, d+)))        (RankNet)
+        L_static = mean_i mean_{n in N_i} l(q_i, p_i, n)
+        L_random = mean_i mean_{d in R_i} l(q_i, p_i, d)
+        loss = alpha * L_random + L_static                       (0 < alpha << 1)
+
+    ``from_embeddings(q, p, n, mask)``: ``q, p`` (B, d); ``n`` (B * k, d), line i's k negatives at rows
+    ``i*k .. i*k+k-1``; ``mask`` as ``CrossBatchInfoNCE``'s (True: left out of ``R_i``).
+    """
+
+    def __init__(self, similarity: str = "cos", scale: float | None = None, alpha: float = 0.1):
+        super().__init__()
+        self.similarity = _check_similarity(similarity)
+        self.scale = float(scale) if scale is not None else (20.0 if similarity == "cos" else 1.0)
+        self.alpha = float(alpha)
+        self.last_candidates = 0
+
+    def from_embeddings(self, q: Tensor, p: Tensor, n: Tensor, mask: Tensor | None = None) -> Tensor:
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        b = q.shape[0]
+        k = n.shape[0] // b
+        if k < 1 or n.shape[0] != b * k:
+            raise ValueError(f"StarLoss: {n.shape[0]} negatives for {b} queries; it needs k >= 1 per query")
+        all_p = gather_across_processes(p.float())
+        candidates = torch.cat([all_p, gather_across_processes(n.float())], dim=0)
+        self.last_candidates = int(candidates.shape[0])
+        scores = similarity_matrix(q.float(), candidates, self.similarity) * self.scale
+        rows = torch.arange(b, device=scores.device)
+        line = rank * b + rows  # this process's lines among every process's
+        own_pos = line
+        own_neg = world * b + line[:, None] * k + torch.arange(k, device=scores.device)
+        pos = scores[rows, own_pos]
+        static = F.softplus(scores.gather(1, own_neg) - pos[:, None]).mean()
+        others = torch.ones_like(scores, dtype=torch.bool)
+        others[rows, own_pos] = False
+        others[rows[:, None], own_neg] = False
+        if mask is not None:
+            others &= ~mask.to(scores.device)
+        pairs = F.softplus(scores - pos[:, None]) * others
+        random = (pairs.sum(1) / others.sum(1).clamp(min=1)).mean()
+        return self.alpha * random + static
+
+
+class LambdaLoss(nn.Module):
+    """ADORE's LambdaLoss: RankNet over a query's (better, worse) candidate pairs, each weighted by how much
+    swapping the two would change nDCG in the current ranking.
+
+    Zhan et al. (SIGIR 2021), "Optimizing Dense Retrieval Model Training with Hard Negatives", section 6
+    (ADORE); Burges (2010), "From RankNet to LambdaRank to LambdaMART". For a query's candidates with
+    scores ``s`` (``scale * sim``), relevance ``y`` (the qrels grade; 0 for a negative), gain
+    ``g = 2^y - 1`` and rank ``r`` in the current ranking of the whole corpus (1 = top):
+
+        |dNDCG_ij| = |g_i - g_j| * |1 / log2(1 + r_i) - 1 / log2(1 + r_j)| / IDCG
+        loss = mean_q 1/|P_q| sum_{(i, j) in P_q} |dNDCG_ij| * log(1 + exp(s_j - s_i)),   P_q = {(i, j): y_i > y_j}
+
+    IDCG is the DCG of the query's candidates sorted by gain (every judged positive must be a candidate).
+    The weights are constants (no gradient). ``forward(scores, labels, ranks, valid)``: (B, m) each;
+    ``valid`` False marks padding. ``from_embeddings(q, candidates, labels, ranks, valid)``: ``q`` (B, d),
+    ``candidates`` (B, m, d).
+    """
+
+    def __init__(self, similarity: str = "cos", scale: float | None = None):
+        super().__init__()
+        self.similarity = _check_similarity(similarity)
+        self.scale = float(scale) if scale is not None else (20.0 if similarity == "cos" else 1.0)
+
+    @staticmethod
+    def weights(labels: Tensor, ranks: Tensor, valid: Tensor | None = None, head: int | None = None) -> Tensor:
+        """(B, head, m): |dNDCG_ij| where y_i > y_j (both valid), else 0; ``i`` over the first ``head``
+        columns only (default: all m). Only a relevant candidate can be the better one of a pair, so where
+        the positives come first, the columns up to the last positive hold every pair."""
+        labels, ranks = labels.float(), ranks.float()
+        valid = torch.ones_like(labels, dtype=torch.bool) if valid is None else valid.bool()
+        head = labels.shape[1] if head is None else head
+        gain = torch.where(valid, torch.exp2(labels) - 1, torch.zeros_like(labels))
+        discount = 1.0 / torch.log2(1.0 + ranks)
+        ideal = gain.sort(dim=1, descending=True).values
+        positions = torch.arange(1, labels.shape[1] + 1, device=labels.device, dtype=torch.float32)
+        idcg = (ideal / torch.log2(1.0 + positions)).sum(1).clamp(min=1e-12)
+        delta = ((gain[:, :head, None] - gain[:, None, :]).abs()
+                 * (discount[:, :head, None] - discount[:, None, :]).abs())
+        better = (labels[:, :head, None] > labels[:, None, :]) & valid[:, :head, None] & valid[:, None, :]
+        return torch.where(better, delta / idcg[:, None, None], torch.zeros_like(delta))
+
+    def forward(self, scores: Tensor, labels: Tensor, ranks: Tensor, valid: Tensor | None = None) -> Tensor:
+        scores = scores.float()
+        valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.bool()
+        relevant = (labels > 0) & valid
+        if not bool(relevant.any()):
+            return scores.sum() * 0.0
+        head = int(relevant.nonzero()[:, 1].max()) + 1
+        with torch.no_grad():
+            w = self.weights(labels, ranks, valid, head)
+            n_pairs = ((labels[:, :head, None] > labels[:, None, :]) & valid[:, :head, None]
+                       & valid[:, None, :]).sum((1, 2))
+        ranknet = F.softplus(scores[:, None, :] - scores[:, :head, None])  # [q, i, j]: log(1 + exp(s_j - s_i))
+        per_query = (w * ranknet).sum((1, 2)) / n_pairs.clamp(min=1)
+        has = n_pairs > 0
+        if not bool(has.any()):
+            return scores.sum() * 0.0
+        return per_query[has].mean()
+
+    def from_embeddings(self, q: Tensor, candidates: Tensor, labels: Tensor, ranks: Tensor,
+                        valid: Tensor | None = None) -> Tensor:
+        q, candidates = q.float(), candidates.float()
+        if self.similarity == "cos":
+            q, candidates = F.normalize(q, dim=-1), F.normalize(candidates, dim=-1)
+        return self.forward(torch.einsum("bd,bmd->bm", q, candidates) * self.scale, labels, ranks, valid)
+
+
 # ---- cross-encoders --------------------------------------------------------------------------------
 class LocalizedContrastiveLoss(nn.Module):
     """Softmax cross-entropy over groups of a cross-encoder's logits, each group one positive (first)

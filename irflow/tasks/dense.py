@@ -110,7 +110,7 @@ def encode_corpus(p: EncodeParams, rt: StageRuntime, *, corpus: DatasetRef, mode
     # full batches: a passage's embedding depends on the passage alone, so unchanged passages' rows are
     # reused when the corpus changes (irflow.row_reuse) and equal a cold run's bit for bit
     emb = encode_texts(st, passage_texts(c), p.batch_size, p.similarity == "cos", desc="encode corpus",
-                       autocast=rt.autocast, full_batches=True)
+                       autocast=rt.autocast, full_batches=True, task="document")
     values = pa.array(emb.ravel(), pa.float32())
     return pa.table({"doc_id": c.column("doc_id"),
                      "embedding": pa.FixedSizeListArray.from_arrays(values, emb.shape[1]).cast(pa.list_(pa.float32()))})
@@ -162,7 +162,7 @@ def dense_search(p: DenseSearchParams, rt: StageRuntime, *, embeddings: DatasetR
     q = queries.table()
     qids = q.column("query_id").to_pylist()
     q_emb = encode_texts(st, q.column("text").to_pylist(), p.batch_size, p.similarity == "cos",
-                         desc="encode queries", autocast=rt.autocast)
+                         desc="encode queries", autocast=rt.autocast, task="query")
     # Built once per worker process (and once per stage in this one): every query shard searches it.
     doc_ids, index = per_worker(("dense_index", embeddings.id, p.index, p.hnsw_m, p.nlist, p.pq_m, p.train_size),
                                 lambda: _index(embeddings, p, rt))
@@ -206,7 +206,7 @@ def dense_score(p: DenseScoreParams, rt: StageRuntime, *, embeddings: DatasetRef
     asked = sorted({x for x, _ in pairs})
     text = dict(zip(qids, q.column("text").to_pylist()))
     q_emb = encode_texts(st, [text[x] for x in asked], p.batch_size, p.similarity == "cos",
-                         desc="encode queries", autocast=rt.autocast)
+                         desc="encode queries", autocast=rt.autocast, task="query")
     doc_ids = embeddings.table(columns=["doc_id"]).column("doc_id").to_pylist()
     row = {d: i for i, d in enumerate(doc_ids)}
     unknown = sorted({d for _, d in pairs if d not in row})

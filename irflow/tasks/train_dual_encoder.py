@@ -13,6 +13,10 @@ judged passages: NFCorpus); ``false_negatives: mask`` leaves such passages out o
 ``positives_per_query`` keeps a seeded sample of each query's positives, so that queries with hundreds
 of judgements do not take most of the batches.
 
+``loss: star`` takes the same lines as infonce (hard negatives from ``negatives``) and scores them with
+STAR's pairwise loss (``irflow.losses.StarLoss``): the hard negatives, plus ``alpha`` x the batch's other
+passages as random negatives.
+
 ``loss: listwise_kl`` reads ``teacher_scores`` (query, doc, score: a re-ranker's scores, as the
 ``denoise`` stage writes them): each example's list is its positive plus ``list_size - 1`` scored
 candidates that are not positives.
@@ -62,7 +66,7 @@ def training_examples(p: TrainDualEncoderParams, qrels: list[pa.Table], corpus_i
             judged[q] |= ds
     ex: dict = {"q": [q for q, _ in pairs], "p": [d for _, d in pairs], "n": [], "cand": [], "teacher": [],
                 "judged": judged}
-    if p.loss == "infonce" and p.negatives_per_line:
+    if p.loss in ("infonce", "star") and p.negatives_per_line:
         # Each (query, positive) becomes `negative_lines` lines with `negatives_per_line` negatives each,
         # drawn without replacement from the query's pool; no negatives input: random passages (DPR).
         pools: dict[str, set[str]] = defaultdict(set)
