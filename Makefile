@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench bench-baselines bench-gpl prefect-server deploy worker clean
+.PHONY: install demo test docs bench bench-baselines bench-gpl prefect-server deploy worker clean
 
 # torch is installed first and pinned (2.13.0, the CPU wheel): otherwise a dependency pulls
 # the newest CUDA build (gigabytes). requirements/lock.txt pins everything else.
@@ -32,6 +32,13 @@ demo: install
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+
+# The documentation site: the reference pages regenerated from the code (irflow.docs_gen), then site/ built
+# offline with --strict (a broken link, a missing anchor or a page left out of the nav fails the build).
+docs: install
+	$(PY) -m irflow.docs_gen
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+	@echo "open site/index.html"
 
 bench: bench-baselines
 
