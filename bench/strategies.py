@@ -12,7 +12,7 @@ zero-shot, BM25 and its closest existing relative:
                       steps, in-batch negatives only)
 
 The arms share a store, so what they share (ingest, BM25, mining, teacher labels, the zero-shot encoding)
-is computed once. ``--budget`` sets the GPL / QGen steps; every row records its arm's settings.
+is computed once. ``--steps`` sets the GPL, QGen and Contriever training steps; every row records its arm's settings.
 
     python bench/strategies.py --dataset scifact --store /work/bench-strat/scifact --steps 120 \\
         --out bench/results/strategies_scifact.json [--arms gpl tasb moco deepct star ance]
@@ -49,11 +49,12 @@ def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
         "star": {"config": f"configs/star_{dataset}.yaml", "overrides": [f"runtime.threads={threads}"],
                  "systems": {"star": "star", "star-adore": "star-adore"},
                  "relative": {"star": "ance-round1", "star-adore": "ance-round1"}},
-        "contriever": {"config": f"configs/contriever_{dataset}.yaml", "overrides": [f"runtime.threads={threads}"],
+        "contriever": {"config": f"configs/contriever_{dataset}.yaml",
+                       "overrides": [f"train.steps={steps}", f"runtime.threads={threads}"],
                        "systems": {**both, "contriever": "contriever-moco"},
                        "relative": {"contriever-moco": "crop-infonce"}},
         "crop": {"config": f"configs/contriever_{dataset}.yaml",
-                 "overrides": ["train.moco.enabled=false", f"runtime.threads={threads}"],
+                 "overrides": [f"train.steps={steps}", "train.moco.enabled=false", f"runtime.threads={threads}"],
                  "systems": {"contriever": "crop-infonce"}, "relative": {}},
         "ance": {"config": f"configs/ance_{dataset}_offline.yaml",
                  "overrides": ["rounds=1", "hybrid.enabled=false", f"runtime.threads={threads}"],
