@@ -66,20 +66,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
     ap.add_argument("--store", required=True, help="one store for every arm (kept: a second call reuses stages)")
-    ap.add_argument("--steps", type=int, default=120, help="GPL and QGen training steps")
+    ap.add_argument("--steps", type=int, default=120, help="GPL, QGen and Contriever training steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", nargs="+", default=["gpl", "tasb", "moco", "contriever", "crop", "deepct", "ance", "star"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--summarize", action="store_true", help="only the paired tests and table of --out's arms")
     args = ap.parse_args()
+    if args.summarize:
+        out = json.loads(Path(args.out).read_text())
+        summarize(out, arms(args.dataset, args.steps, args.threads))
+        harness.write_json(args.out, out)
+        return
 
     from irflow import api
     from irflow.report.runs import per_query_values
-    from irflow.stats import paired
 
     out: dict = {"dataset": args.dataset, "steps": args.steps, "arms": {}, "table": {}}
     if Path(args.out).exists():  # arms run before into the same file
         old = json.loads(Path(args.out).read_text())
-        out["arms"], out["table"] = old.get("arms", {}), old.get("table", {})
+        out["arms"], out["table"], out["per_query"] = old.get("arms", {}), old.get("table", {}), old.get("per_query", {})
     per_query: dict[str, dict[str, float]] = {}
     every = arms(args.dataset, args.steps, args.threads)
     for name in args.arms:
@@ -102,6 +107,15 @@ def main() -> None:
         out.setdefault("per_query", {}).update(per_query)
         harness.write_json(args.out, out)
 
+    summarize(out, every)
+    harness.write_json(args.out, out)
+
+
+def summarize(out: dict, every: dict[str, dict]) -> None:
+    """Paired tests of each system against zero-shot, BM25 and its relative (from the per-query values the
+    arms left in ``out``), the machine, and the table."""
+    from irflow.stats import paired
+
     per_query = out.get("per_query", {})
     relatives = {label: rel for a in every.values() for label, rel in a["relative"].items()}
     out["paired"] = {}
@@ -112,7 +126,6 @@ def main() -> None:
                 out["paired"][f"{label} vs {against}"] = {"mean_diff": round(p.mean_diff, 4), "wins": p.wins,
                                                           "losses": p.losses, "t_pvalue": round(p.t_pvalue, 4)}
     out["machine"] = harness.machine()
-    harness.write_json(args.out, out)
     rows = []
     for label, row in out["table"].items():
         rel = relatives.get(label)
