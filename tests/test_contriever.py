@@ -44,7 +44,7 @@ def test_defaults_are_contriever_s_and_bad_settings_are_refused_by_key(data):
     # a proxy of crop queries would judge a model trained on crop pairs: refused
     own = {**config(data), "dataset": {"name": "docs", "source": str(data["folder"] / "corpus.jsonl"),
                                        "proxy": {"documents": 10, "queries": {"source": "crop"}}}}
-    with pytest.raises(ConfigError, match=r"dataset.proxy.queries: crop is also generate.source"):
+    with pytest.raises(ConfigError, match=r"dataset.proxy.queries: crop queries are of the kind of generate.source \(crop\)"):
         api.load_config(own)
 
 

@@ -57,5 +57,9 @@ def test_a_proxy_from_the_training_queries_generator_never_selects_a_trained_mod
     assert same_generator(api.load_config({**base, "dataset": own, "generate": {"source": "ict"}}))
     assert not same_generator(api.load_config({**base, "dataset": {**own, "query_log": str(tmp_path / "log.txt")},
                                                "generate": {"source": "unlabelled"}}))
-    assert not same_generator(api.load_config({**base, "dataset": {**own, "proxy": {"queries": {"source": "crop"}}},
-                                               "generate": {"source": "ict"}}))
+    # crop's span and ICT's sentence are one kind of query (measured: the crop student led an ICT proxy on SciFact,
+    # p 0.043, and was below zero-shot on the real qrels)
+    assert same_generator(api.load_config({**base, "dataset": {**own, "proxy": {"queries": {"source": "crop"}}},
+                                           "generate": {"source": "ict"}}))
+    assert not same_generator(api.load_config({**base, "dataset": {**own, "proxy": {"queries": {"source": "t5",
+                                               "model": str(tmp_path)}}}, "generate": {"source": "ict"}}))

@@ -42,6 +42,17 @@ class ProxyT5(T5Source):
     model: ModelName = Field(description="the seq2seq query generator (a hub id or local directory)")
 
 
+# ICT's sentence and crop's span are both cut out of the passage they point to: one kind of query
+SPAN_SOURCES = frozenset({"ict", "crop"})
+
+
+def same_kind(proxy_source: str, training_source: str) -> bool:
+    """Whether a proxy's queries are of the kind a model trained on: one generator, or two that cut their
+    queries out of the passage alike (ict, crop). Such a proxy favours the model (measured:
+    bench/results/own_corpus_*.json)."""
+    return proxy_source == training_source or {proxy_source, training_source} <= SPAN_SOURCES
+
+
 class ProxyConfig(Params):
     documents: PositiveInt = Field(200, description="documents held out for the synthetic evaluation")
     seed: int = Field(0, description="which documents are held out (a hash of seed and document id)")

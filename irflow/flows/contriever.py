@@ -27,7 +27,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, model_validator
 
 from irflow.flows.common import (BM25Config, DatasetConfig, DenseConfig, HybridConfig, evaluate_runs, hybrid_runs,
-                                 ingest, system_name, test_runs)
+                                 ingest, same_kind, system_name, test_runs)
 from irflow.params import ModelName
 from irflow.recipe import RecipeConfig, recipe
 from irflow.runner import Run
@@ -75,10 +75,11 @@ class ContrieverConfig(RecipeConfig):
             raise ValueError(f"dense.similarity: the evaluated model uses train.similarity ({self.train.similarity}); "
                              f"got {self.dense.similarity}")
         d = self.dataset
-        if d.own and not d.labelled and d.proxy.queries.source == self.generate.source:
-            raise ValueError(f"dataset.proxy.queries: {self.generate.source} is also generate.source; a proxy of the "
-                             f"training pairs' own kind favours the trained model whether or not it retrieves "
-                             f"better (bench/results/own_corpus_*.json): choose another proxy source")
+        if d.own and not d.labelled and same_kind(d.proxy.queries.source, self.generate.source):
+            raise ValueError(f"dataset.proxy.queries: {d.proxy.queries.source} queries are of the kind of "
+                             f"generate.source ({self.generate.source}); a proxy of the training pairs' own kind "
+                             f"favours the trained model whether or not it retrieves better "
+                             f"(bench/results/own_corpus_*.json): choose another proxy source (t5)")
         return self
 
 
