@@ -41,6 +41,10 @@ def test_defaults_are_contriever_s_and_bad_settings_are_refused_by_key(data):
         api.load_config(config(data, batch_size=12))
     with pytest.raises(ConfigError, match=r"dense.similarity"):
         api.load_config({**config(data), "dense": {"similarity": "dot"}})
+    # the evaluation follows the trained similarity unless set
+    dot = config(data)
+    dot["train"] = {**dot["train"], "similarity": "dot"}
+    assert api.load_config(dot).dense.similarity == "dot"
     # a proxy of crop queries would judge a model trained on crop pairs: refused
     own = {**config(data), "dataset": {"name": "docs", "source": str(data["folder"] / "corpus.jsonl"),
                                        "proxy": {"documents": 10, "queries": {"source": "crop"}}}}

@@ -22,12 +22,13 @@ proxy from the generator the model trained on is refused as the judge of its own
 
 # No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
 # is not in sys.modules, where pydantic could not resolve string annotations of the config models.
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
 from irflow.flows.common import (BM25Config, DatasetConfig, DenseConfig, HybridConfig, evaluate_runs, hybrid_runs,
                                  ingest, same_kind, system_name, test_runs)
+from irflow.follows import Follow
 from irflow.params import ModelName
 from irflow.recipe import RecipeConfig, recipe
 from irflow.runner import Run
@@ -58,6 +59,8 @@ class ContrieverTrain(TrainStudentParams):
 
 
 class ContrieverConfig(RecipeConfig):
+    follows: ClassVar = (Follow("dense.similarity", "train.similarity"),)
+
     flow: Literal["contriever"] = Field(description="this recipe: contriever")
     dataset: DatasetConfig = Field(description="the corpus, and the split (or the proxy) to evaluate")
     generate: PairSource = Field(CropSource(source="crop"), description="where the training pairs come from: crop "
@@ -65,7 +68,8 @@ class ContrieverConfig(RecipeConfig):
                                                                         "or ict")
     train: ContrieverTrain = Field(ContrieverTrain(), description="the contrastive training")
     bm25: BM25Config = Field(BM25Config(), description="BM25 systems")
-    dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search")
+    dense: DenseConfig = Field(DenseConfig(), description="how dense systems encode and search (similarity "
+                                                          "follows train.similarity)")
     hybrid: HybridConfig = Field(HybridConfig(), description="BM25 + each dense model")
     evaluate: EvaluationParams = Field(EvaluationParams(), description="metrics")
 
