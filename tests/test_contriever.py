@@ -7,6 +7,8 @@ import pytest
 
 from irflow import api
 from irflow.errors import ConfigError
+from irflow.generation import crop_queries
+from irflow.tasks.train_student import TrainStudentParams, positive_texts
 from irflow.testing import SHARED_DATASETS, beir_slice, make_tiny_bi_encoder
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
@@ -68,6 +70,11 @@ def test_contriever_trains_with_moco_evaluates_and_pretrains_gpl(data, prefect_h
 
     again = api.run(cfg, store=store)
     assert again.computed == set()  # nothing changed: nothing computed
+    # cropped keys are another training: keyed once set (left out of the key at their default)
+    cropped = {s.name: s for s in api.status({**cfg, "train": {**cfg["train"], "crop_positives": [0.1, 0.5]}},
+                                             store=store)}
+    assert cropped["train_student[contriever]"].status != "cached"
+    assert cropped["generate_queries[crop]"].status == "cached"
 
     # pre-training before GPL: a GPL config whose students start from an alias's model. The run promoted
     # what it selected (4 steps of a tiny model may not beat its start); the trained model itself is put
@@ -84,3 +91,21 @@ def test_contriever_trains_with_moco_evaluates_and_pretrains_gpl(data, prefect_h
     plan = {s.name: s for s in api.status(gpl, store=store)}
     assert "encode_corpus[pretrained]" in plan, sorted(plan)  # the alias's model evaluated as the start
     assert plan["train_student[gpl]"].inputs["base_model"] == [student]
+
+
+def test_cropped_positives_are_spans_of_their_passage_other_than_the_query():
+    passage = " ".join(f"w{i}" for i in range(100))
+    ex = {"q": ["crop-1", "crop-2"], "p": ["d1", "d1"]}
+    whole = positive_texts(ex, {"d1": passage}, None, seed=3)
+    assert whole == [passage, passage]
+    spans = positive_texts(ex, {"d1": passage}, (0.1, 0.5), seed=3)
+    assert spans == positive_texts(ex, {"d1": passage}, (0.1, 0.5), seed=3)  # drawn from seed and pair
+    for span in spans:
+        assert span in passage and 10 <= len(span.split()) <= 50
+    assert spans[0] != spans[1]  # the two pairs of one passage get their own spans
+    query = crop_queries("d1", passage, 1, 3)[0]  # the crop source's span of the passage, same seed
+    assert query not in spans
+    with pytest.raises(ValueError, match="crop_positives: crops the positives"):
+        TrainStudentParams(loss="margin_mse", crop_positives=(0.1, 0.5))
+    with pytest.raises(ValueError, match=r"crop_positives: \[0.6, 0.2\]"):
+        TrainStudentParams(loss="mnrl", crop_positives=(0.6, 0.2))

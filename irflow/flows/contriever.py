@@ -52,6 +52,10 @@ class ContrieverTrain(TrainStudentParams):
     similarity: Literal["cos", "dot"] = Field("cos", description="the model's similarity (Contriever: dot over "
                                                                  "mean-pooled embeddings; cos keeps a cos starting "
                                                                  "model's scale)")
+    crop_positives: tuple[float, float] | None = Field(
+        None, description="each pair's positive is a random span of its passage, this fraction range of its words: "
+                          "[0.1, 0.5] is Contriever's independent cropping (query and key both crops); null: the "
+                          "whole passage (a span as query, its passage as key: what bench/strategies.py measured)")
     moco: ContrieverMoCo = Field(ContrieverMoCo(), description="Contriever's MoCo: momentum key encoder and queue "
                                                                "of negatives (on unless moco.enabled: false)")
     warmup_steps: int = Field(100, ge=0, description="linear warm-up steps, then linear decay to 0")

@@ -31,6 +31,7 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from irflow import distributed
 from irflow.errors import DataError
+from irflow.generation import crop_queries
 from irflow.losses import (CrossBatchInfoNCE, InBatchMarginMSELoss, ListwiseDistillationLoss, MarginMSELoss,
                            gather_ids)
 from irflow.moco import MoCo
@@ -122,6 +123,10 @@ class TrainStudentParams(LoopParams):
         20.0, gt=0, description="listwise_kl: the factor on both the student's similarities and the teacher's "
                                 "scores (already in the student's units, pseudo_label's scale) before each "
                                 "softmax; larger is sharper")
+    crop_positives: Annotated[tuple[float, float] | None, KEYED_WHEN_SET] = Field(
+        None, description="mnrl: each pair's positive is a random span of its passage, this fraction range of its "
+                          "words (Contriever's independent cropping: [0.1, 0.5]), drawn once per pair from seed, "
+                          "query and passage; null: the whole passage")
     moco: MoCoParams = Field(MoCoParams(), description="Contriever's MoCo for loss mnrl: momentum key encoder and "
                                                        "queue of negatives (keyed only when enabled with loss mnrl)")
     tas: TASParams = Field(TASParams(), description="TAS-B for loss margin_mse: topic-aware batches, balanced "
@@ -141,6 +146,18 @@ class TrainStudentParams(LoopParams):
         if t.clusters is not None and t.clusters_per_batch > t.clusters:
             raise ValueError(f"tas.clusters_per_batch: {t.clusters_per_batch} is more than the {t.clusters} "
                              f"clusters (tas.clusters)")
+        return self
+
+    @model_validator(mode="after")
+    def _crop_positives(self):
+        if self.crop_positives is None:
+            return self
+        lo, hi = self.crop_positives
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"crop_positives: [{lo}, {hi}] is not a range of fractions 0 < low <= high <= 1")
+        if self.loss != "mnrl":
+            raise ValueError(f"crop_positives: crops the positives of (query, positive) pairs: loss mnrl, not "
+                             f"{self.loss}")
         return self
 
     @model_validator(mode="after")
@@ -220,6 +237,18 @@ def mnrl_examples(qrels: pa.Table, negatives: pa.Table | None, corpus_ids: list[
         if fallback:
             log.warning("train_student: %d pair(s) had no mined negative; a random passage is used", fallback)
     return ex
+
+
+def positive_texts(ex: dict, dtext: dict[str, str], crop: tuple[float, float] | None, seed: int) -> list[str]:
+    """Each pair's positive text: its passage, or with ``crop`` a random span of it (Contriever's independent
+    cropping: the span is drawn from the pair, not the passage alone, so it is not the query's own crop)."""
+    if crop is None:
+        return [dtext[d] for d in ex["p"]]
+    out = []
+    for q, d in zip(ex["q"], ex["p"]):
+        span = crop_queries(f"{q}>{d}", dtext[d], 1, seed, ratio=crop)
+        out.append(span[0] if span else dtext[d])
+    return out
 
 
 def _check_student(path: Path) -> None:
@@ -408,9 +437,11 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
         moco = MoCo(model, p.moco.queue_size, p.moco.momentum, p.similarity, p.moco.temperature or 1.0 / scale)
         number = {d: k for k, d in enumerate(sorted(dtext))}  # passage numbers: the queue's ids
 
+    positives = positive_texts(ex, dtext, p.crop_positives, p.seed) if "p" in ex and p.loss == "mnrl" else None
+
     def moco_loss(idx: list[int], q):
         with torch.no_grad():
-            k = _embed(moco.key_encoder, [dtext[ex["p"][i]] for i in idx], device)
+            k = _embed(moco.key_encoder, [positives[i] for i in idx], device)
             n = _embed(moco.key_encoder, [dtext[ex["n"][i]] for i in idx], device) if "n" in ex else None
         return moco.loss(q, k, torch.tensor([number[ex["p"][i]] for i in idx]), n)
 
@@ -418,6 +449,8 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
         q = _embed(model, [qtext[ex["q"][i]] for i in idx], device)
         if moco is not None:
             return moco_loss(idx, q)
+        if p.loss == "mnrl":
+            return mnrl_loss(idx, q)
         pos = _embed(model, [dtext[ex["p"][i]] for i in idx], device)
         if p.loss == "margin_mse":
             n = _embed(model, [dtext[ex["n"][i]] for i in idx], device)
@@ -439,6 +472,10 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
                 scores = torch.tensor(ex["scores"][i], dtype=torch.float32, device=device)
                 losses.append(loss_fn.from_embeddings(q[row:row + 1], cands.unsqueeze(0), scores.unsqueeze(0)))
             return torch.stack(losses).mean()
+        raise AssertionError(p.loss)
+
+    def mnrl_loss(idx: list[int], q):
+        pos = _embed(model, [positives[i] for i in idx], device)
         n = _embed(model, [dtext[ex["n"][i]] for i in idx], device) if "n" in ex else None
         return loss_fn.from_embeddings(q, pos, n)
 
