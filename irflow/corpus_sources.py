@@ -349,7 +349,8 @@ def _folder_records(root: Path, files: list[Path]) -> Iterator[Record]:
 
 
 # ---- corpus ---------------------------------------------------------------------------------
-def _passages(doc_id: str, text: str, max_words: int | None, stride: int) -> list[tuple[str, str]]:
+def cut_passages(doc_id: str, text: str, max_words: int | None, stride: int) -> list[tuple[str, str]]:
+    """A document's (passage id, text) pairs, cut as the module doc says (the document itself if not cut)."""
     words = text.split() if max_words else []
     if len(words) <= (max_words or 0):
         return [(doc_id, text)]
@@ -450,7 +451,7 @@ def read_corpus(path: Path, out: Path, *, format: str = "auto", fields: dict[str
                                       f"(max_words is set); rename it")
                 seen[did] = loc
                 docs += 1
-                cut = _passages(did, text, max_words, stride)
+                cut = cut_passages(did, text, max_words, stride)
                 split += len(cut) > 1
                 for pid, ptext in cut:
                     batch["doc_id"].append(pid)

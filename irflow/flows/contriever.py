@@ -10,9 +10,9 @@
 
 The pairs are the GPL recipe's model-free query sources (``generate.source``), trained with the QGen
 student's InfoNCE (``loss: mnrl``) and, by default, Contriever's MoCo (``train.moco``: queue size and
-momentum keyed; ``irflow.moco`` has the formulas). Contriever crops both sides of a pair; here the query is
-the crop and the key is its whole passage (the pair the query sources make), so a query is contained in its
-key. As pre-training before GPL: ``promote: {alias: contriever}`` here, then ``train.init: contriever`` in a
+momentum keyed; ``irflow.moco`` has the formulas). Contriever crops both sides of a pair: with
+``train.crop_positives: [0.1, 0.5]`` the key is a span of the passage too, drawn apart from the query's;
+by default the key is the whole passage (the pair the query sources make). As pre-training before GPL: ``promote: {alias: contriever}`` here, then ``train.init: contriever`` in a
 GPL config (the GPL students start from this run's selected model).
 
 Without labels (your own documents) the evaluation is the synthetic held-out set (``dataset.proxy``), and a
