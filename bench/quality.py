@@ -260,6 +260,7 @@ def rows_for(ds: str) -> list[dict]:
         if f.exists():
             rows += train_dev_rows(f, recipe, lambda system: what, "", what=what, prefix="budget-",
                                    other_budget=True)
+    rows += strategy_rows(ds)
     mf = RESULTS / "model_free.json"
     if mf.exists():
         d = json.loads(mf.read_text())
@@ -269,6 +270,73 @@ def rows_for(ds: str) -> list[dict]:
                     ds, f"gpl-student-{r['source']}-{r['teacher']}",
                     f"GPL student, {dict(ict='ICT', crop='cropping')[r['source']]} queries (no query log), "
                     f"{TEACHER[r['teacher']]}", r["metrics"], d.get("machine"), mf.name, model_free=True))
+    return rows
+
+
+# bench/strategies.py's and bench/spider.py's systems: label -> (recipe, what it is)
+STRATEGIES = {"gpl-margin-mse": ("GPL", "GPL student, plain Margin-MSE batches (TAS-B's relative)"),
+              "qgen-mnrl": ("GPL", "QGen student, in-batch negatives (MoCo's relative)"),
+              "tas-b": ("GPL + TAS-B", "GPL student on TAS-B batches (topic-aware, balanced margins) with the "
+                                       "fusion as in-batch teacher"),
+              "qgen-moco": ("GPL + MoCo", "QGen student with Contriever's MoCo (queue 1,024, momentum 0.999)"),
+              "contriever-moco": ("Contriever", "Contriever: crop pairs from the corpus alone, MoCo (queue 1,024, "
+                                                "momentum 0.999)"),
+              "crop-infonce": ("Contriever", "crop pairs, in-batch negatives only (Contriever's relative)"),
+              "bm25-deepct": ("DeepCT", "BM25 over DeepCT term weights (MiniLM's encoder with a regression head, "
+                                        "trained on the train qrels' query term recall)"),
+              "ance-round1": ("ANCE", "ANCE warm-up + round 1 (STAR's relative)"),
+              "star": ("STAR", "STAR: static hard negatives from zero-shot MiniLM + random in-batch (alpha 0.1)"),
+              "star-adore": ("STAR + ADORE", "STAR, then ADORE: the query encoder on its own ranking over STAR's "
+                                             "frozen embeddings (LambdaLoss)")}
+
+
+def strategy_budget(d: dict, r: dict) -> str:
+    """A bench/strategies.py row's training budget: --steps for the arms it sets, else the config's (with the
+    arm's overrides other than threads)."""
+    if r["arm"] in ("gpl", "tasb", "moco", "contriever", "crop"):
+        return f"{d['steps']} steps ({r['config']})"
+    sets = [o for o in r["overrides"] if not o.startswith("runtime.")]
+    return r["config"] + (f" with {', '.join(sets)}" if sets else "")
+
+
+def strategy_rows(ds: str) -> list[dict]:
+    """The other strategies against zero-shot (bench/strategies.py), each row with its paired test against
+    zero-shot and BM25; and Spider against crop and ICT pairs on the corpus cut into passages (bench/spider.py:
+    another corpus and task, so its own zero-shot)."""
+    rows = []
+    f = RESULTS / f"strategies_{ds}.json"
+    if f.exists():
+        d = json.loads(f.read_text())
+        paired = d.get("paired", {})
+        zero = d["table"].get("zero-shot", {}).get("ndcg@10")
+        for label, r in d["table"].items():
+            if label not in STRATEGIES or zero is None:
+                continue
+            recipe, what = STRATEGIES[label]
+            arm = d["arms"][r["arm"]]
+            trained = [k for k in arm["stage_seconds"] if k.startswith(("train_", "deepct"))]
+            rows.append({"recipe": recipe, "system": f"strategy:{label}", "label": what, "ndcg@10": r["ndcg@10"],
+                         "recall@100": r["recall@100"], "zero_shot": zero, "strategy": True,
+                         "vs_zero_shot": paired.get(f"{label} vs zero-shot"), "vs_bm25": paired.get(f"{label} vs bm25"),
+                         "budget": strategy_budget(d, r),
+                         "machine": machine(d.get("machine")), "file": f.name + (f" ({', '.join(trained)})" if trained else "")})
+    f = RESULTS / f"spider_{ds}.json"
+    if f.exists():
+        d = json.loads(f.read_text())
+        zero = d["table"]["zero-shot"]["ndcg@10"]
+        corpus = d["corpus"]
+        for label, r in d["table"].items():
+            if not label.endswith("-moco"):
+                continue
+            source = label.removesuffix("-moco")
+            rows.append({"recipe": "Contriever", "system": f"passages:{label}",
+                         "label": f"{dict(spider='Spider (recurring spans)', crop='crop', ict='ICT')[source]} pairs, "
+                                  f"MoCo, on {corpus['documents']} documents cut into {corpus['passages']} passages of "
+                                  f"{d['max_words']} words (passage-level qrels; zero-shot there {zero:.4f})",
+                         "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": zero, "strategy": True,
+                         "vs_zero_shot": d["paired"].get(f"{label} vs zero-shot"),
+                         "budget": f"{d['steps']} steps x {d['batch_size']}", "machine": machine(d.get("machine")),
+                         "file": f.name})
     return rows
 
 
@@ -409,6 +477,13 @@ def goals(ds: str, rows: list[dict]) -> list[str]:
             f"seed {r['system'].rsplit('-s', 1)[1]} {r['ndcg@10']:.4f} ({r['ndcg@10'] - r['zero_shot']:+.4f}, "
             f"{r['vs_zero_shot']['wins']} / {r['vs_zero_shot']['losses']} queries, {p_text(r['vs_zero_shot']['t_pvalue'])})"
             for r in gpl_seeds) + gpl_seed_mean(ds))
+    strategies = [r for r in rows if r.get("strategy") and r.get("vs_zero_shot")]
+    if strategies:  # bench/strategies.py, bench/spider.py: short budgets, one seed
+        out.append("the other strategies against their zero-shot (bench/strategies.py, bench/spider.py; short "
+                   "budgets, one seed): " + "; ".join(
+                       f"{r['recipe']} {r['system'].split(':', 1)[1]} {r['ndcg@10']:.4f} "
+                       f"({r['ndcg@10'] - r['zero_shot']:+.4f}, {r['vs_zero_shot']['wins']} / {r['vs_zero_shot']['losses']}, "
+                       f"{p_text(r['vs_zero_shot']['t_pvalue'])})" for r in strategies))
     other = [r for r in rows if r.get("other_budget")]
     if other:  # bench/gpu_lease.py: the same training code at GPU budgets, step counts chosen on a train-side dev cut
         line = ("at GPU budgets (not the configs'; bench/gpu_lease.py, and a GPU budget run here), against zero-shot: "
