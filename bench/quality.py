@@ -276,8 +276,8 @@ def rows_for(ds: str) -> list[dict]:
 # bench/strategies.py's and bench/spider.py's systems: label -> (recipe, what it is)
 STRATEGIES = {"gpl-margin-mse": ("GPL", "GPL student, plain Margin-MSE batches (TAS-B's relative)"),
               "qgen-mnrl": ("GPL", "QGen student, in-batch negatives (MoCo's relative)"),
-              "tas-b": ("GPL + TAS-B", "GPL student on TAS-B batches (topic-aware, balanced margins) with the "
-                                       "fusion as in-batch teacher"),
+              "tas-b": ("GPL + TAS-B", "GPL student on TAS-B batches (topic-aware, balanced margins), the "
+                                       "fusion's pairwise Margin-MSE plus zero-shot MiniLM's in-batch one"),
               "qgen-moco": ("GPL + MoCo", "QGen student with Contriever's MoCo (queue 1,024, momentum 0.999)"),
               "contriever-moco": ("Contriever", "Contriever: crop pairs from the corpus alone, MoCo (queue 1,024, "
                                                 "momentum 0.999)"),
