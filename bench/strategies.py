@@ -71,7 +71,8 @@ def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
-    ap.add_argument("--store", required=True, help="one store for every arm (kept: a second call reuses stages)")
+    ap.add_argument("--store", help="one store for every arm (kept: a second call reuses stages); not with "
+                                    "--summarize")
     ap.add_argument("--steps", type=int, default=120, help="GPL, QGen and Contriever training steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", nargs="+", default=["gpl", "tasb", "moco", "contriever", "crop", "deepct", "ance", "star"])
@@ -83,6 +84,8 @@ def main() -> None:
         summarize(out, arms(args.dataset, args.steps, args.threads))
         harness.write_json(args.out, out)
         return
+    if not args.store:
+        ap.error("--store is required (except with --summarize)")
 
     from irflow import api
     from irflow.report.runs import per_query_values
