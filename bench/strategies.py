@@ -130,18 +130,23 @@ def summarize(out: dict, every: dict[str, dict]) -> None:
     out["paired"] = {}
     for label in out["table"]:
         for against in ("zero-shot", "bm25", relatives.get(label)):
+            if label == "zero-shot" and against == "bm25":
+                continue  # bm25 vs zero-shot says it
             if against and against != label and against in per_query and label in per_query:
                 p = paired(per_query[against], per_query[label])
                 out["paired"][f"{label} vs {against}"] = {"mean_diff": round(p.mean_diff, 4), "wins": p.wins,
                                                           "losses": p.losses, "t_pvalue": round(p.t_pvalue, 4)}
     out["machine"] = harness.machine()
+    def cell(label: str, against: str | None) -> str:
+        t = out["paired"].get(f"{label} vs {against}") if against else None
+        return f"{t['mean_diff']:+.4f} ({t['wins']} / {t['losses']}, p {t['t_pvalue']})" if t else ""
+
     rows = []
     for label, row in out["table"].items():
         rel = relatives.get(label)
-        cell = out["paired"].get(f"{label} vs {rel}") if rel else None
-        rows.append([label, f"{row['ndcg@10']:.4f}", f"{row['recall@100']:.4f}", rel or "-",
-                     f"{cell['mean_diff']:+.4f} ({cell['wins']}/{cell['losses']}, p {cell['t_pvalue']})" if cell else "-"])
-    harness.table(["system", "nDCG@10", "R@100", "relative", "vs relative"], rows)
+        rows.append([label, f"{row['ndcg@10']:.4f}", f"{row['recall@100']:.4f}", cell(label, "zero-shot"),
+                     cell(label, "bm25"), f"{rel}: {cell(label, rel)}" if rel and cell(label, rel) else ""])
+    harness.table(["system", "nDCG@10", "R@100", "vs zero-shot", "vs BM25", "vs its relative"], rows)
 
 
 if __name__ == "__main__":
