@@ -120,6 +120,9 @@ def main() -> None:
     harness.write_json(args.out, out)
 
 
+ALSO = {"star-adore": "star"}  # pairs besides the relative: what ADORE adds to STAR
+
+
 def summarize(out: dict, every: dict[str, dict]) -> None:
     """Paired tests of each system against zero-shot, BM25 and its relative (from the per-query values the
     arms left in ``out``), the machine, and the table."""
@@ -129,7 +132,7 @@ def summarize(out: dict, every: dict[str, dict]) -> None:
     relatives = {label: rel for a in every.values() for label, rel in a["relative"].items()}
     out["paired"] = {}
     for label in out["table"]:
-        for against in ("zero-shot", "bm25", relatives.get(label)):
+        for against in ("zero-shot", "bm25", relatives.get(label), ALSO.get(label)):
             if label == "zero-shot" and against == "bm25":
                 continue  # bm25 vs zero-shot says it
             if against and against != label and against in per_query and label in per_query:
