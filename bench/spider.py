@@ -26,6 +26,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (sets the offline environment first)
+from train_dev import per_query_ndcg  # noqa: E402
 
 
 def prepare(dataset: str, work: Path, docs: int, max_words: int, seed: int, queries_limit: int | None) -> dict:
@@ -87,7 +88,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from irflow import api
-    from irflow.report.runs import per_query_values
     from irflow.stats import paired
 
     work = Path(args.store) / "user-files"
@@ -100,11 +100,8 @@ def main() -> None:
         cfg = work / f"contriever_{source}.yaml"
         cfg.write_text(yaml.safe_dump(config(args.dataset, work, source, args.steps, args.max_words, args.threads)))
         t = harness.run(cfg, store=args.store)
-        r, catalog = t.result, api.catalog(args.store)
-        pq = {}
-        for s in r.stages:
-            if s.name.startswith("evaluate[") and "per_query" in s.outputs:
-                pq.update(per_query_values(catalog, s.outputs["per_query"], "ndcg@10"))
+        r = t.result
+        pq = per_query_ndcg(args.store, r.run_id)
         labels = {"bm25-flat": "bm25", "dense-all-MiniLM-L6-v2": "zero-shot", "contriever": f"{source}-moco"}
         for m in r.metrics:
             label = labels[m["system"]]

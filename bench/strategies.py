@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (sets the offline environment first)
+from train_dev import per_query_ndcg  # noqa: E402
 
 
 def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
@@ -87,9 +88,6 @@ def main() -> None:
     if not args.store:
         ap.error("--store is required (except with --summarize)")
 
-    from irflow import api
-    from irflow.report.runs import per_query_values
-
     out: dict = {"dataset": args.dataset, "steps": args.steps, "arms": {}, "table": {}}
     if Path(args.out).exists():  # arms run before into the same file
         old = json.loads(Path(args.out).read_text())
@@ -99,12 +97,9 @@ def main() -> None:
     for name in args.arms:
         arm = every[name]
         t = harness.run(harness.ROOT / arm["config"], overrides=arm["overrides"], store=args.store)
-        r, catalog = t.result, api.catalog(args.store)
+        r = t.result
         metrics = {m["system"]: m for m in r.metrics}
-        pq = {}
-        for s in r.stages:
-            if s.name.startswith("evaluate[") and "per_query" in s.outputs:
-                pq.update(per_query_values(catalog, s.outputs["per_query"], "ndcg@10"))
+        pq = per_query_ndcg(args.store, r.run_id)
         for system, label in arm["systems"].items():
             out["table"][label] = {"arm": name, "system": system, "ndcg@10": round(metrics[system]["ndcg@10"], 4),
                                    "recall@100": round(metrics[system]["recall@100"], 4),

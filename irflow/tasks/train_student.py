@@ -437,7 +437,7 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
         moco = MoCo(model, p.moco.queue_size, p.moco.momentum, p.similarity, p.moco.temperature or 1.0 / scale)
         number = {d: k for k, d in enumerate(sorted(dtext))}  # passage numbers: the queue's ids
 
-    positives = positive_texts(ex, dtext, p.crop_positives, p.seed) if "p" in ex and p.loss == "mnrl" else None
+    positives = positive_texts(ex, dtext, p.crop_positives, p.seed) if p.loss == "mnrl" else None
 
     def moco_loss(idx: list[int], q):
         with torch.no_grad():
