@@ -1,0 +1,112 @@
+"""Why STAR collapsed on NFCorpus, and which setting keeps it from collapsing.
+
+Each variant is configs/star_{dataset}.yaml at bench/strategies.py's budget (NFCorpus: 120 steps of 32),
+ADORE off, with its overrides. For each it reports what the run measured (test nDCG@10, R@100) and what
+tells a collapse from a poor model:
+
+    spread     mean pairwise cosine of the trained model's corpus embeddings (|mean unit vector|^2;
+               zero-shot MiniLM: about 0.18): near 1, every passage points one way
+    top10      distinct passages in the test queries' top 10s, and the most frequent one's count (hubs)
+    loss       the first and last 10 steps' mean loss; STAR's loss when every score ties is
+               (1 + alpha) log 2, so a run that ends there has learnt nothing but the tie
+    beyond     of the training lines, the share whose positive the negatives' ranking leaves out of its
+               top ``depth`` (every static negative then outscores it at the start)
+
+    python bench/star_collapse.py --dataset nfcorpus --store /work/bench-strat/nfcorpus \\
+        --variants base alpha1 skip100 --out bench/results/star_collapse_nfcorpus.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (sets the offline environment first)
+
+VARIANTS = {
+    "base": [],
+    "alpha1": ["star.alpha=1.0"],
+    "skip100": ["star.skip_top=100"],
+    "scale5": ["star.scale=5.0"],
+}
+
+
+def dataset_path(catalog, dataset_id: str) -> Path:
+    return Path(catalog.dataset(dataset_id)["path"])
+
+
+def describe(store: str, result, alpha: float, depth: int) -> dict:
+    """The collapse signs of a STAR run's model (see the module docstring)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from irflow.catalog import Catalog
+    from irflow.qrels import cap_per_query, positive_pairs
+    from irflow.collapse import spread
+
+    cat = Catalog(Path(store) / "catalog.duckdb")
+    out = {s.name: s.outputs for s in result.stages}
+    emb = pq.read_table(dataset_path(cat, out["encode_corpus[star]"]["embeddings"]) / "data.parquet")
+    vectors = np.stack(emb.column("embedding").to_numpy(zero_copy_only=False))
+    run = pq.read_table(dataset_path(cat, out["dense_search[star]"]["run"]) / "data.parquet").to_pandas()
+    top = run.sort_values(["query_id", "score"], ascending=[True, False]).groupby("query_id").head(10)
+    hubs = Counter(top.doc_id)
+    losses = pq.read_table(dataset_path(cat, out["train_dual_encoder[star]"]["training_losses"]) / "data.parquet")
+    loss = losses.column("loss").to_pylist()
+    qrels = pq.read_table(dataset_path(cat, out["ingest"]["qrels"]) / "data.parquet")
+    ranking = pq.read_table(dataset_path(cat, out["dense_search[star-negatives]"]["run"]) / "data.parquet")
+    within = {(q, d) for q, d, r in zip(*(ranking.column(c).to_pylist() for c in ("query_id", "doc_id", "rank")))
+              if r <= depth}
+    params = cat.dataset(out["train_dual_encoder[star]"]["model"])["params"]
+    params = json.loads(params) if isinstance(params, str) else params
+    pairs = cap_per_query(sorted(positive_pairs(qrels, "train")), params.get("positives_per_query"), params["seed"])
+    metrics = {m["system"]: m for m in result.metrics}
+    return {"ndcg@10": round(metrics["star"]["ndcg@10"], 4), "recall@100": round(metrics["star"]["recall@100"], 4),
+            "spread": round(spread(vectors), 4),
+            "top10_distinct": len(hubs), "top10_most_frequent": hubs.most_common(1)[0][1],
+            "loss_first10": round(sum(loss[:10]) / 10, 4), "loss_last10": round(sum(loss[-10:]) / 10, 4),
+            "loss_at_tie": round((1 + alpha) * math.log(2), 4),
+            "beyond_depth": round(sum(p not in within for p in pairs) / len(pairs), 4), "lines": len(pairs),
+            "zero_shot_ndcg@10": round(metrics["dense-all-MiniLM-L6-v2"]["ndcg@10"], 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="nfcorpus", choices=("scifact", "nfcorpus"))
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--steps", type=int, default=120, help="STAR's steps (bench/strategies.py: 2 x its --steps)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    out.update(dataset=args.dataset, steps=args.steps)
+    out.setdefault("variants", {})
+    for name in args.variants:
+        overrides = [f"star.steps={args.steps}", "adore.enabled=false", f"runtime.threads={args.threads}",
+                     *VARIANTS[name]]
+        t = harness.run(harness.ROOT / f"configs/star_{args.dataset}.yaml", overrides=overrides, store=args.store)
+        from irflow.config import read
+
+        star = read(harness.ROOT / f"configs/star_{args.dataset}.yaml", overrides)[0]["star"]
+        row = describe(args.store, t.result, float(star.get("alpha", 0.1)), int(star.get("depth", 200)))
+        row.update(overrides=overrides, run_id=t.result.run_id, wall_seconds=round(t.wall_seconds, 1),
+                   star_seconds=next((s.seconds for s in t.result.stages if s.name == "train_dual_encoder[star]"), None))
+        out["variants"][name] = row
+        out["machine"] = harness.machine()
+        harness.write_json(args.out, out)
+        harness.log(f"{name}: {json.dumps(row)}")
+    harness.table(["variant", "nDCG@10", "R@100", "spread", "top10 distinct", "max", "loss first/last", "tie",
+                   "beyond depth"],
+                  [[k, v["ndcg@10"], v["recall@100"], v["spread"], v["top10_distinct"], v["top10_most_frequent"],
+                    f"{v['loss_first10']} / {v['loss_last10']}", v["loss_at_tie"], v["beyond_depth"]]
+                   for k, v in out["variants"].items()])
+
+
+if __name__ == "__main__":
+    main()
