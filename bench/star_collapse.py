@@ -4,7 +4,7 @@ Each variant is configs/star_{dataset}.yaml at bench/strategies.py's budget (NFC
 ADORE off, with its overrides. For each it reports what the run measured (test nDCG@10, R@100) and what
 tells a collapse from a poor model:
 
-    spread     mean pairwise cosine of the trained model's corpus embeddings (|mean unit vector|^2;
+    mean_cosine  mean cosine between two of the trained model's corpus embeddings (irflow.collapse;
                zero-shot MiniLM: about 0.18): near 1, every passage points one way
     top10      distinct passages in the test queries' top 10s, and the most frequent one's count (hubs)
     loss       the first and last 10 steps' mean loss; STAR's loss when every score ties is
@@ -47,7 +47,7 @@ def describe(store: str, result, alpha: float, depth: int) -> dict:
 
     from irflow.catalog import Catalog
     from irflow.qrels import cap_per_query, positive_pairs
-    from irflow.collapse import spread
+    from irflow.collapse import mean_cosine
 
     cat = Catalog(Path(store) / "catalog.duckdb")
     out = {s.name: s.outputs for s in result.stages}
@@ -67,7 +67,7 @@ def describe(store: str, result, alpha: float, depth: int) -> dict:
     pairs = cap_per_query(sorted(positive_pairs(qrels, "train")), params.get("positives_per_query"), params["seed"])
     metrics = {m["system"]: m for m in result.metrics}
     return {"ndcg@10": round(metrics["star"]["ndcg@10"], 4), "recall@100": round(metrics["star"]["recall@100"], 4),
-            "spread": round(spread(vectors), 4),
+            "mean_cosine": round(mean_cosine(vectors), 4),
             "top10_distinct": len(hubs), "top10_most_frequent": hubs.most_common(1)[0][1],
             "loss_first10": round(sum(loss[:10]) / 10, 4), "loss_last10": round(sum(loss[-10:]) / 10, 4),
             "loss_at_tie": round((1 + alpha) * math.log(2), 4),
@@ -101,9 +101,9 @@ def main() -> None:
         out["machine"] = harness.machine()
         harness.write_json(args.out, out)
         harness.log(f"{name}: {json.dumps(row)}")
-    harness.table(["variant", "nDCG@10", "R@100", "spread", "top10 distinct", "max", "loss first/last", "tie",
+    harness.table(["variant", "nDCG@10", "R@100", "mean_cosine", "top10 distinct", "max", "loss first/last", "tie",
                    "beyond depth"],
-                  [[k, v["ndcg@10"], v["recall@100"], v["spread"], v["top10_distinct"], v["top10_most_frequent"],
+                  [[k, v["ndcg@10"], v["recall@100"], v["mean_cosine"], v["top10_distinct"], v["top10_most_frequent"],
                     f"{v['loss_first10']} / {v['loss_last10']}", v["loss_at_tie"], v["beyond_depth"]]
                    for k, v in out["variants"].items()])
 
