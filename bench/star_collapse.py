@@ -32,7 +32,7 @@ VARIANTS = {
     "base": [],
     "alpha1": ["star.alpha=1.0"],
     "skip100": ["star.skip_top=100"],
-    "scale5": ["star.scale=5.0"],
+    "infonce": ["star.loss=infonce"],
 }
 
 
@@ -70,7 +70,7 @@ def describe(store: str, result, alpha: float, depth: int) -> dict:
             "mean_cosine": round(mean_cosine(vectors), 4),
             "top10_distinct": len(hubs), "top10_most_frequent": hubs.most_common(1)[0][1],
             "loss_first10": round(sum(loss[:10]) / 10, 4), "loss_last10": round(sum(loss[-10:]) / 10, 4),
-            "loss_at_tie": round((1 + alpha) * math.log(2), 4),
+            "loss_at_tie": round((1 + alpha) * math.log(2), 4) if params["loss"] == "star" else None,
             "beyond_depth": round(sum(p not in within for p in pairs) / len(pairs), 4), "lines": len(pairs),
             "zero_shot_ndcg@10": round(metrics["dense-all-MiniLM-L6-v2"]["ndcg@10"], 4)}
 

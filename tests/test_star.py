@@ -15,6 +15,7 @@ import yaml
 
 from irflow import api
 from irflow.adore import TrainQueryEncoderParams, embedding_matrix
+from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.errors import ConfigError
 from irflow.losses import LambdaLoss, StarLoss
 from irflow.qrels import judged_positives, positives
@@ -228,10 +229,18 @@ def star_sample(tmp_path_factory, shared_datasets):
     ("adore.similarity=dot", "adore.similarity: dot, but STAR's embeddings are cos"),
     ("star.negatives_per_line=0", "star.negatives_per_line"),
     ("adore.splits=[test]", "adore.splits"),
+    ("star.loss=infonce star.alpha=0.5", "star.alpha: weighs star's random negatives; loss is infonce"),
 ])
 def test_bad_settings_are_refused_with_their_key(star_sample, setting, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
-        api.load_config(star_sample["config"], [setting])
+        api.load_config(star_sample["config"], setting.split())
+
+
+def test_the_infonce_control_trains_the_same_static_lines_under_a_softmax(star_sample):
+    c = api.load_config(star_sample["config"], ["star.loss=infonce"])
+    params = c.star.to(TrainDualEncoderParams)
+    star = api.load_config(star_sample["config"]).star.to(TrainDualEncoderParams)
+    assert params.loss == "infonce" and params.key_dump() == {**star.key_dump(), "loss": "infonce"}
 
 
 def test_star_then_adore_end_to_end_cached_rerun_and_export(star_sample, prefect_harness, tmp_path):

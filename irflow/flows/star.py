@@ -36,8 +36,10 @@ from irflow.tasks.train_query_encoder import TrainQueryEncoderParams, train_quer
 
 
 class StarConfig(HardNegativeTraining):
-    loss: Literal["star"] = Field("star", description="STAR's loss: RankNet on the static hard negatives plus "
-                                                      "alpha x RankNet on the batch's other passages")
+    loss: Literal["star", "infonce"] = Field(
+        "star", description="star: STAR's loss, RankNet on the static hard negatives plus alpha x RankNet on the "
+                            "batch's other passages; infonce: the same lines under a softmax (DPR with static hard "
+                            "negatives), where RankNet collapses (every passage on one direction: a warning says so)")
     negatives: Literal["zero-shot", "bm25"] = Field(
         "zero-shot", description="whose fixed ranking of the train queries the static hard negatives come from: "
                                  "the zero-shot base model's (STAR: a warmed-up dense retriever's) or BM25's")
