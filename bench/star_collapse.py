@@ -1,7 +1,7 @@
 """Why STAR collapsed on NFCorpus, and which setting keeps it from collapsing.
 
 Each variant is configs/star_{dataset}.yaml at bench/strategies.py's budget (NFCorpus: 120 steps of 32),
-ADORE off, with its overrides. For each it reports what the run measured (test nDCG@10, R@100) and what
+ADORE off (but in infonce-adore), with its overrides. For each it reports what the run measured (test nDCG@10, R@100) and what
 tells a collapse from a poor model:
 
     mean_cosine  mean cosine between two of the trained model's corpus embeddings (irflow.collapse;
@@ -27,12 +27,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (sets the offline environment first)
+from train_dev import paired_with, per_query_ndcg  # noqa: E402
+
+from irflow.stats import paired  # noqa: E402
 
 VARIANTS = {
     "base": [],
     "alpha1": ["star.alpha=1.0"],
     "skip100": ["star.skip_top=100"],
     "infonce": ["star.loss=infonce"],
+    "infonce-adore": ["star.loss=infonce", "adore.enabled=true"],  # ADORE after it (adore rows in the JSON)
 }
 
 
@@ -66,7 +70,9 @@ def describe(store: str, result, alpha: float, depth: int) -> dict:
     params = json.loads(params) if isinstance(params, str) else params
     pairs = cap_per_query(sorted(positive_pairs(qrels, "train")), params.get("positives_per_query"), params["seed"])
     metrics = {m["system"]: m for m in result.metrics}
-    return {"ndcg@10": round(metrics["star"]["ndcg@10"], 4), "recall@100": round(metrics["star"]["recall@100"], 4),
+    adore = {f"adore_{k}": round(metrics["star-adore"][k], 4) for k in ("ndcg@10", "recall@100")
+             } if "star-adore" in metrics else {}
+    return {**adore, "ndcg@10": round(metrics["star"]["ndcg@10"], 4), "recall@100": round(metrics["star"]["recall@100"], 4),
             "mean_cosine": round(mean_cosine(vectors), 4),
             "top10_distinct": len(hubs), "top10_most_frequent": hubs.most_common(1)[0][1],
             "loss_first10": round(sum(loss[:10]) / 10, 4), "loss_last10": round(sum(loss[-10:]) / 10, 4),
@@ -83,11 +89,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--summarize", action="store_true", help="only the paired tests and table of --out's variants "
+                                                             "(their runs read from --store)")
     args = ap.parse_args()
     out = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     out.update(dataset=args.dataset, steps=args.steps)
     out.setdefault("variants", {})
-    for name in args.variants:
+    for name in [] if args.summarize else args.variants:
         overrides = [f"star.steps={args.steps}", "adore.enabled=false", f"runtime.threads={args.threads}",
                      *VARIANTS[name]]
         t = harness.run(harness.ROOT / f"configs/star_{args.dataset}.yaml", overrides=overrides, store=args.store)
@@ -101,10 +109,19 @@ def main() -> None:
         out["machine"] = harness.machine()
         harness.write_json(args.out, out)
         harness.log(f"{name}: {json.dumps(row)}")
+    for row in out["variants"].values():  # each variant's STAR against the zero-shot row of its run
+        per_query = per_query_ndcg(args.store, row["run_id"])
+        row["vs_zero_shot"] = paired_with(per_query, "dense-")["star"]
+        if "star-adore" in per_query:
+            t = paired(per_query["star"], per_query["star-adore"])
+            row["adore_vs_star"] = {"mean_diff": round(t.mean_diff, 4), "wins": t.wins, "losses": t.losses,
+                                    "t_pvalue": round(t.t_pvalue, 4)}
+    harness.write_json(args.out, out)
     harness.table(["variant", "nDCG@10", "R@100", "mean_cosine", "top10 distinct", "max", "loss first/last", "tie",
-                   "beyond depth"],
+                   "beyond depth", "vs zero-shot (wins / losses, p)"],
                   [[k, v["ndcg@10"], v["recall@100"], v["mean_cosine"], v["top10_distinct"], v["top10_most_frequent"],
-                    f"{v['loss_first10']} / {v['loss_last10']}", v["loss_at_tie"], v["beyond_depth"]]
+                    f"{v['loss_first10']} / {v['loss_last10']}", v["loss_at_tie"], v["beyond_depth"],
+                    "{wins} / {losses}, p {t_pvalue}".format(**v["vs_zero_shot"])]
                    for k, v in out["variants"].items()])
 
 

@@ -53,7 +53,8 @@ def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
                    "overrides": ["deepct.enabled=true", "deepct.model=all-MiniLM-L6-v2", "bm25.variants=[flat]",
                                  f"runtime.threads={threads}"],
                    "systems": {**both, "bm25-deepct": "bm25-deepct"}, "relative": {"bm25-deepct": "bm25"}},
-        "star": {"config": f"configs/star_{dataset}.yaml", "overrides": [f"runtime.threads={threads}"] + star_steps,
+        "star": {"config": f"configs/star_{dataset}.yaml",
+                 "overrides": [f"runtime.threads={threads}", "star.loss=star"] + star_steps,  # STAR's RankNet
                  "systems": {"star": "star", "star-adore": "star-adore"},
                  "relative": {"star": "ance-round1", "star-adore": "ance-round1"}},
         "contriever": {"config": f"configs/contriever_{dataset}.yaml",
