@@ -285,7 +285,8 @@ STRATEGIES = {"gpl-margin-mse": ("GPL", "GPL student, plain Margin-MSE batches (
               "bm25-deepct": ("DeepCT", "BM25 over DeepCT term weights (MiniLM's encoder with a regression head, "
                                         "trained on the train qrels' query term recall)"),
               "ance-round1": ("ANCE", "ANCE warm-up + round 1 (STAR's relative)"),
-              "star": ("STAR", "STAR: static hard negatives from zero-shot MiniLM + random in-batch (alpha 0.1)"),
+              "star": ("STAR", "STAR: static hard negatives from zero-shot MiniLM + random in-batch (alpha 0.1), "
+                               "RankNet"),
               "star-adore": ("STAR + ADORE", "STAR, then ADORE: the query encoder on its own ranking over STAR's "
                                              "frozen embeddings (LambdaLoss)")}
 
@@ -320,6 +321,17 @@ def strategy_rows(ds: str) -> list[dict]:
                          "vs_zero_shot": paired.get(f"{label} vs zero-shot"), "vs_bm25": paired.get(f"{label} vs bm25"),
                          "budget": strategy_budget(d, r),
                          "machine": machine(d.get("machine")), "file": f.name + (f" ({', '.join(trained)})" if trained else "")})
+    f = RESULTS / f"star_collapse_{ds}.json"
+    if f.exists():  # bench/star_collapse.py: what NFCorpus's STAR config trains now that RankNet collapsed there
+        d = json.loads(f.read_text())
+        r = d["variants"].get("infonce")
+        if r:
+            rows.append({"recipe": "STAR", "system": "strategy:star-infonce",
+                         "label": f"STAR's static lines under InfoNCE (the config's loss; RankNet collapsed here; zero-shot "
+                                  f"at its 128 tokens {r['zero_shot_ndcg@10']:.4f})",
+                         "ndcg@10": r["ndcg@10"], "recall@100": r["recall@100"], "zero_shot": r["zero_shot_ndcg@10"],
+                         "strategy": True, "vs_zero_shot": r["vs_zero_shot"], "budget": f"{d['steps']} steps x 32",
+                         "machine": machine(d.get("machine")), "file": f.name})
     f = RESULTS / f"spider_{ds}.json"
     if f.exists():
         d = json.loads(f.read_text())
