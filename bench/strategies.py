@@ -11,6 +11,8 @@ zero-shot, BM25 and its closest existing relative:
     star, star-adore  STAR, then ADORE's query encoder over STAR's index  vs  ance-round1 (the same labels)
     contriever-moco   Contriever on the corpus alone (crop pairs, MoCo)  vs  crop-infonce (the same pairs and
                       steps, in-batch negatives only)
+    contriever-crop-key  the same with the key cropped too (train.crop_positives: Contriever's independent
+                      cropping)  vs  contriever-moco (the whole passage as the key)
 
 The arms share a store, so what they share (ingest, BM25, mining, teacher labels, the zero-shot encoding)
 is computed once. ``--steps`` sets the GPL, QGen and Contriever training steps; every row records its arm's settings.
@@ -61,6 +63,9 @@ def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
                        "overrides": [f"train.steps={steps}", f"runtime.threads={threads}"],
                        "systems": {**both, "contriever": "contriever-moco"},
                        "relative": {"contriever-moco": "crop-infonce"}},
+        "crop-key": {"config": f"configs/contriever_{dataset}.yaml",
+                     "overrides": [f"train.steps={steps}", "train.crop_positives=[0.1,0.5]", f"runtime.threads={threads}"],
+                     "systems": {"contriever": "contriever-crop-key"}, "relative": {"contriever-crop-key": "contriever-moco"}},
         "crop": {"config": f"configs/contriever_{dataset}.yaml",
                  "overrides": [f"train.steps={steps}", "train.moco.enabled=false", f"runtime.threads={threads}"],
                  "systems": {"contriever": "crop-infonce"}, "relative": {}},
