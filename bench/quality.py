@@ -282,6 +282,8 @@ STRATEGIES = {"gpl-margin-mse": ("GPL", "GPL student, plain Margin-MSE batches (
               "contriever-moco": ("Contriever", "Contriever: crop pairs from the corpus alone, MoCo (queue 1,024, "
                                                 "momentum 0.999)"),
               "crop-infonce": ("Contriever", "crop pairs, in-batch negatives only (Contriever's relative)"),
+              "contriever-crop-key": ("Contriever", "Contriever with the key cropped too (independent cropping, "
+                                                    "train.crop_positives: [0.1, 0.5]), MoCo"),
               "bm25-deepct": ("DeepCT", "BM25 over DeepCT term weights (MiniLM's encoder with a regression head, "
                                         "trained on the train qrels' query term recall)"),
               "ance-round1": ("ANCE", "ANCE warm-up + round 1 (STAR's relative)"),
