@@ -81,6 +81,11 @@ def describe(store: str, result, alpha: float, depth: int) -> dict:
             "zero_shot_ndcg@10": round(metrics["dense-all-MiniLM-L6-v2"]["ndcg@10"], 4)}
 
 
+def test(a: dict[str, float], b: dict[str, float]) -> dict:
+    t = paired(a, b)
+    return {"mean_diff": round(t.mean_diff, 4), "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="nfcorpus", choices=("scifact", "nfcorpus"))
@@ -89,6 +94,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ance-run", help="the run id of bench/strategies.py's ance arm in --store: the ADORE variant "
+                                       "is paired with its ance-round1 too")
     ap.add_argument("--summarize", action="store_true", help="only the paired tests and table of --out's variants "
                                                              "(their runs read from --store)")
     args = ap.parse_args()
@@ -113,9 +120,12 @@ def main() -> None:
         per_query = per_query_ndcg(args.store, row["run_id"])
         row["vs_zero_shot"] = paired_with(per_query, "dense-")["star"]
         if "star-adore" in per_query:
-            t = paired(per_query["star"], per_query["star-adore"])
-            row["adore_vs_star"] = {"mean_diff": round(t.mean_diff, 4), "wins": t.wins, "losses": t.losses,
-                                    "t_pvalue": round(t.t_pvalue, 4)}
+            row["adore_vs_star"] = test(per_query["star"], per_query["star-adore"])
+            refs = {"zero-shot": per_query["dense-all-MiniLM-L6-v2"], "bm25": per_query["bm25-flat"]}
+            if args.ance_run:  # STAR's relative: ANCE's first round, from bench/strategies.py's store
+                refs["ance-round1"] = per_query_ndcg(args.store, args.ance_run)["ance-round1"]
+            row["paired"] = {f"{k} vs {ref}": test(values, per_query[k]) for k in ("star", "star-adore")
+                             for ref, values in refs.items()}
     harness.write_json(args.out, out)
     harness.table(["variant", "nDCG@10", "R@100", "mean_cosine", "top10 distinct", "max", "loss first/last", "tie",
                    "beyond depth", "vs zero-shot (wins / losses, p)"],
