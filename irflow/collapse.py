@@ -47,5 +47,5 @@ def collapse_warning(before: float, after: float, what: str, loss: list[float] |
         if tie is not None:
             msg += f" (every score tied: {tie:.3g})"
     return msg + (". A usual cause: most positives start below their hard negatives, so tying every score is "
-                  "the cheaper way down; surer positives, negatives from further down the ranking "
-                  "(skip_top), or a softmax loss (infonce) avoid it")
+                  "the cheaper way down; a softmax loss on the same lines (loss: infonce) or surer positives "
+                  "avoid it")
