@@ -26,7 +26,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (sets the offline environment first)
-from train_dev import per_query_ndcg  # noqa: E402
+from train_dev import paired_test, per_query_ndcg  # noqa: E402
 
 
 def prepare(dataset: str, work: Path, docs: int, max_words: int, seed: int, queries_limit: int | None) -> dict:
@@ -88,7 +88,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from irflow import api
-    from irflow.stats import paired
 
     work = Path(args.store) / "user-files"
     out: dict = {"dataset": args.dataset, "steps": args.steps, "batch_size": 32, "max_words": args.max_words,
@@ -119,9 +118,7 @@ def main() -> None:
     for label in out["table"]:
         for against in out["table"]:
             if label != against and label.endswith("-moco") and (against in ("zero-shot", "bm25") or against < label):
-                p = paired(per_query[against], per_query[label])
-                out["paired"][f"{label} vs {against}"] = {"mean_diff": round(p.mean_diff, 4), "wins": p.wins,
-                                                          "losses": p.losses, "t_pvalue": round(p.t_pvalue, 4)}
+                out["paired"][f"{label} vs {against}"] = paired_test(per_query[against], per_query[label])
     out["machine"] = harness.machine()
     harness.write_json(args.out, out)
     harness.table(["system", "nDCG@10", "R@100"], [[k, v["ndcg@10"], v["recall@100"]] for k, v in out["table"].items()])

@@ -27,9 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (sets the offline environment first)
-from train_dev import paired_with, per_query_ndcg  # noqa: E402
-
-from irflow.stats import paired  # noqa: E402
+from train_dev import paired_test, paired_with, per_query_ndcg  # noqa: E402
 
 VARIANTS = {
     "base": [],
@@ -44,7 +42,7 @@ def dataset_path(catalog, dataset_id: str) -> Path:
     return Path(catalog.dataset(dataset_id)["path"])
 
 
-def describe(store: str, result, alpha: float, depth: int) -> dict:
+def describe(store: str, result, depth: int) -> dict:
     """The collapse signs of a STAR run's model (see the module docstring)."""
     import numpy as np
     import pyarrow.parquet as pq
@@ -76,14 +74,9 @@ def describe(store: str, result, alpha: float, depth: int) -> dict:
             "mean_cosine": round(mean_cosine(vectors), 4),
             "top10_distinct": len(hubs), "top10_most_frequent": hubs.most_common(1)[0][1],
             "loss_first10": round(sum(loss[:10]) / 10, 4), "loss_last10": round(sum(loss[-10:]) / 10, 4),
-            "loss_at_tie": round((1 + alpha) * math.log(2), 4) if params["loss"] == "star" else None,
+            "loss_at_tie": round((1 + params["alpha"]) * math.log(2), 4) if params["loss"] == "star" else None,
             "beyond_depth": round(sum(p not in within for p in pairs) / len(pairs), 4), "lines": len(pairs),
             "zero_shot_ndcg@10": round(metrics["dense-all-MiniLM-L6-v2"]["ndcg@10"], 4)}
-
-
-def test(a: dict[str, float], b: dict[str, float]) -> dict:
-    t = paired(a, b)
-    return {"mean_diff": round(t.mean_diff, 4), "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
 
 
 def main() -> None:
@@ -99,6 +92,8 @@ def main() -> None:
     ap.add_argument("--summarize", action="store_true", help="only the paired tests and table of --out's variants "
                                                              "(their runs read from --store)")
     args = ap.parse_args()
+    from irflow.config import read
+
     out = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     out.update(dataset=args.dataset, steps=args.steps)
     out.setdefault("variants", {})
@@ -106,10 +101,8 @@ def main() -> None:
         overrides = [f"star.steps={args.steps}", "adore.enabled=false", f"runtime.threads={args.threads}",
                      *VARIANTS[name]]
         t = harness.run(harness.ROOT / f"configs/star_{args.dataset}.yaml", overrides=overrides, store=args.store)
-        from irflow.config import read
-
         star = read(harness.ROOT / f"configs/star_{args.dataset}.yaml", overrides)[0]["star"]
-        row = describe(args.store, t.result, float(star.get("alpha", 0.1)), int(star.get("depth", 200)))
+        row = describe(args.store, t.result, int(star.get("depth", 200)))
         row.update(overrides=overrides, run_id=t.result.run_id, wall_seconds=round(t.wall_seconds, 1),
                    star_seconds=next((s.seconds for s in t.result.stages if s.name == "train_dual_encoder[star]"), None))
         out["variants"][name] = row
@@ -120,11 +113,11 @@ def main() -> None:
         per_query = per_query_ndcg(args.store, row["run_id"])
         row["vs_zero_shot"] = paired_with(per_query, "dense-")["star"]
         if "star-adore" in per_query:
-            row["adore_vs_star"] = test(per_query["star"], per_query["star-adore"])
+            row["adore_vs_star"] = paired_test(per_query["star"], per_query["star-adore"])
             refs = {"zero-shot": per_query["dense-all-MiniLM-L6-v2"], "bm25": per_query["bm25-flat"]}
             if args.ance_run:  # STAR's relative: ANCE's first round, from bench/strategies.py's store
                 refs["ance-round1"] = per_query_ndcg(args.store, args.ance_run)["ance-round1"]
-            row["paired"] = {f"{k} vs {ref}": test(values, per_query[k]) for k in ("star", "star-adore")
+            row["paired"] = {f"{k} vs {ref}": paired_test(values, per_query[k]) for k in ("star", "star-adore")
                              for ref, values in refs.items()}
     harness.write_json(args.out, out)
     harness.table(["variant", "nDCG@10", "R@100", "mean_cosine", "top10 distinct", "max", "loss first/last", "tie",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (sets the offline environment first)
-from train_dev import per_query_ndcg  # noqa: E402
+from train_dev import paired_test, per_query_ndcg  # noqa: E402
 
 
 def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
@@ -127,7 +127,6 @@ ALSO = {"star-adore": "star"}  # pairs besides the relative: what ADORE adds to 
 def summarize(out: dict, every: dict[str, dict]) -> None:
     """Paired tests of each system against zero-shot, BM25 and its relative (from the per-query values the
     arms left in ``out``), the machine, and the table."""
-    from irflow.stats import paired
 
     per_query = out.get("per_query", {})
     relatives = {label: rel for a in every.values() for label, rel in a["relative"].items()}
@@ -137,9 +136,7 @@ def summarize(out: dict, every: dict[str, dict]) -> None:
             if label == "zero-shot" and against == "bm25":
                 continue  # bm25 vs zero-shot says it
             if against and against != label and against in per_query and label in per_query:
-                p = paired(per_query[against], per_query[label])
-                out["paired"][f"{label} vs {against}"] = {"mean_diff": round(p.mean_diff, 4), "wins": p.wins,
-                                                          "losses": p.losses, "t_pvalue": round(p.t_pvalue, 4)}
+                out["paired"][f"{label} vs {against}"] = paired_test(per_query[against], per_query[label])
     out["machine"] = harness.machine()
     def cell(label: str, against: str | None) -> str:
         t = out["paired"].get(f"{label} vs {against}") if against else None

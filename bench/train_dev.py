@@ -65,6 +65,15 @@ def per_query_ndcg(store: Path, run_id: str) -> dict[str, dict[str, float]]:
     return per_query
 
 
+def paired_test(a: dict[str, float], b: dict[str, float]) -> dict:
+    """``b`` against ``a`` by query (``irflow.stats.paired``), as the benchmarks' JSON keeps it: mean
+    difference, wins / losses and the paired t-test's p."""
+    from irflow.stats import paired
+
+    t = paired(a, b)
+    return {"mean_diff": round(t.mean_diff, 4), "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
+
+
 def paired_with(per_query: dict[str, dict[str, float]], base: str) -> dict[str, dict]:
     """Every other system against the first whose name starts with ``base`` (``irflow.stats.paired``:
     wins / losses and the paired t-test's p); empty if no system does."""
