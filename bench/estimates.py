@@ -30,21 +30,24 @@ def compare(store: Path, run_id: str) -> dict:
     c = api.load_config(config)
     # every stage of the run, with the seconds of the run that computed it (this one, or an earlier one whose
     # result it reused: a bench run that was restarted)
-    computed = {}
+    computed, params = {}, {}
     with catalog.connect() as con:
         for s in catalog.stage_runs(run_id):
-            row = con.execute("SELECT seconds, run_id FROM stage_runs WHERE cache_key = ? AND status = 'computed' "
+            row = con.execute("SELECT seconds, detail FROM stage_runs WHERE cache_key = ? AND status = 'computed' "
                               "ORDER BY started_at DESC LIMIT 1", [s["cache_key"]]).fetchone()
             if row:
                 computed[s["name"]] = row[0]
+                params[s["name"]] = json.loads(row[1]).get("cfg") or {}
     hw = estimate.hardware()
     size = estimate.corpus_size(c.dataset)
-    rows = estimate.estimate(c, list(computed), size, hw)
+    rows = estimate.estimate(c, list(computed), size, hw, params)
     print(estimate.format_estimates(rows, hw, computed))
     total_est = sum(r.seconds for r in rows)
     total = sum(computed.values())
     heavy = [r for r in rows if r.seconds >= 30 or computed[r.stage] >= 30]
-    return {"run_id": run_id, "hardware": hw.__dict__, "corpus": size.__dict__,
+    return {"run_id": run_id, "hardware": hw.__dict__, "corpus": {"passages": size.passages, "mean_words": size.mean_words,
+                                                             "queries": size.queries, "train_pairs": size.train_pairs(),
+                                                             "train_queries": len(size.train_positives)},
             "stages": [{"stage": r.stage, "estimate_s": r.seconds, "measured_s": computed[r.stage],
                         "ratio": round(computed[r.stage] / r.seconds, 2) if r.seconds else None, "work": r.work,
                         "estimate_peak_mb": r.peak_mb} for r in rows],

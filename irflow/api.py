@@ -48,6 +48,7 @@ class StageStatus:
     inputs: dict[str, list[str]] = field(default_factory=dict)  # role -> dataset ids it would read
     outputs: dict[str, str] = field(default_factory=dict)  # output -> id (`<stage:output>`: not computed yet)
     datasets: dict[str, dict] = field(default_factory=dict)  # id -> {name, kind, contract} of those ids
+    params: dict = field(default_factory=dict)  # the stage's params, as it would run with them
 
 
 def store_root(store: str | os.PathLike | None = None) -> str:
@@ -166,7 +167,8 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     steps = plan(recipe, c, root, set(force))
     if to:  # planned again, with the stages --to leaves out marked skipped
         steps = plan(recipe, c, root, set(force), only=upstream(steps, set(to)))
-    return [StageStatus(p["name"], p["status"], p["why"], p["inputs"], p["outputs"], p["datasets"]) for p in steps]
+    return [StageStatus(p["name"], p["status"], p["why"], p["inputs"], p["outputs"], p["datasets"], p["params"])
+            for p in steps]
 
 
 def catalog(store: str | os.PathLike | None = None, must_exist: bool = True):

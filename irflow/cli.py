@@ -101,7 +101,7 @@ def _estimate(args):
             return None
         c = api.load_config(args.config, args.set)
         hw = estimate.hardware()
-        rows = estimate.estimate(c, stale, estimate.corpus_size(c.dataset), hw)
+        rows = estimate.estimate(c, stale, estimate.corpus_size(c.dataset), hw, {p.name: p.params for p in plan})
     except Exception as e:  # noqa: BLE001 -- an estimate never stops a run: a bad corpus is the run's to report
         log.debug("no estimate: %s", e)
         return None

@@ -4,7 +4,8 @@ and the rates measured on this kind of hardware (``irflow/measured/rates.json``)
 The model: a stage's time is its fixed cost (a Prefect task, a JVM for BM25) plus its work in text-tokens
 (texts x their length, capped at the stage's max length) times the hardware's seconds per 1,000
 text-tokens for that kind of work (encode, score, train), scaled by the model's size (layers x hidden^2,
-against MiniLM's 6 x 384) and by cores (rates are for 2). ``irflow new`` writes the estimate into the
+against MiniLM's 6 x 384) and by cores (rates are for 2). A trainer's steps are its params' ``steps``, else
+``epochs`` over its examples (the train split's positives, counted here). ``irflow new`` writes the estimate into the
 config it makes; ``irflow run`` prints it before the first stage and the measured seconds after.
 These are estimates: within a factor of two on the machines the rates come from.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -69,6 +71,12 @@ class CorpusSize:
     mean_words: float
     queries: int = 0  # evaluation queries (labelled or proxy)
     log_queries: int = 0  # a query log's queries (generate.source: unlabelled)
+    train_positives: tuple[int, ...] = ()  # per query of the train split, its positives (supervised recipes)
+    train_passages: int = 0  # passages with a train positive (DeepCT's training windows)
+
+    def train_pairs(self, per_query: int | None = None) -> int:
+        """The train split's (query, positive) pairs, at most ``per_query`` a query."""
+        return sum(min(n, per_query or n) for n in self.train_positives)
 
     @property
     def mean_tokens(self) -> float:
@@ -107,9 +115,11 @@ def _tokens(size: CorpusSize, max_len: int) -> float:
     return min(size.mean_tokens, max_len)
 
 
-def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None) -> list[StageEstimate]:
+def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
+             params: dict[str, dict] | None = None) -> list[StageEstimate]:
     """Seconds and peak memory of each of ``stages`` (plan labels: ``encode_corpus[zero-shot]``) under config
-    ``c`` on a corpus of ``size``."""
+    ``c`` on a corpus of ``size``. ``params``: label -> the stage's params (``api.status``'s), which the
+    supervised trainers' estimates read their steps and lengths from."""
     hw = hw or hardware()
     fixed = rates()["fixed_seconds"]["value"]
     mem = rates()["memory_mb"]["value"]
@@ -162,8 +172,56 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None)
             sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
             peak += mem["train"] * max(1.0, scale ** 0.5) * train.batch_size / 16
             work = f"{steps} steps of {train.batch_size}"
+        elif base in TRAINERS and (params or {}).get(label):
+            sec, peak, work = _trainer(base, params[label], size, hw, scale, fixed, mem)
+        elif base == "deepct_weight" and (params or {}).get(label):
+            n = _windows(size.mean_tokens, params[label].get("max_length", 128))
+            sec += size.passages * size.mean_tokens / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
+            peak += mem["model"]
+            work = f"{size.passages:,} passages x {n} windows weighted"
         out.append(StageEstimate(label, round(sec, 1), int(peak), work))
     return out
+
+
+TRAINERS = ("train_dual_encoder", "train_query_encoder", "train_cross_encoder", "train_deepct")
+QUERY_TOKENS = 20  # a query's tokens, as train_student's estimate counts them
+
+
+def _trainer(base: str, p: dict, size: CorpusSize, hw: Hardware, scale: float, fixed: dict,
+             mem: dict) -> tuple[float, int, str]:
+    """(seconds, peak MB, work) of a supervised trainer from its params: its steps (``steps``, else
+    ``epochs`` over the train split's examples) x the text-tokens one step embeds."""
+    batch = p.get("batch_size", 32)
+    doc = size.mean_tokens
+    if base == "train_dual_encoder":
+        per_query = p.get("list_size", 8) if p.get("loss") == "listwise_kl" else 1 + p.get("negatives_per_line", 0)
+        examples = size.train_pairs(p.get("positives_per_query")) * (
+            p.get("negative_lines", 1) if p.get("negatives_per_line") else 1)
+        toks = batch * (min(QUERY_TOKENS, p.get("query_max_length", 64))
+                        + per_query * min(doc, p.get("passage_max_length", 256)))
+        extra = 2 * 128 * min(doc, p.get("passage_max_length", 256))  # the collapse check embeds 128 passages twice
+    elif base == "train_query_encoder":  # the documents are frozen: only queries are embedded
+        examples, extra = len(size.train_positives), 0.0
+        toks = batch * min(QUERY_TOKENS, p.get("query_max_length", 64))
+    elif base == "train_cross_encoder":
+        examples, extra = size.train_pairs(p.get("positives_per_query")) * (1 + p.get("negatives_per_positive", 4)), 0.0
+        toks = batch * min(doc + QUERY_TOKENS, p.get("max_length", 256))
+    else:  # train_deepct: every window of each passage with a train positive
+        window = p.get("max_length", 128)
+        examples, extra = size.train_passages * _windows(doc, window), 0.0
+        toks = batch * min(doc, window)
+    steps = p.get("steps") or p.get("epochs", 1) * -(-examples // batch)
+    if not steps:
+        return fixed.get(base, 1), mem["base"], "steps unknown (no train split counted)"
+    sec = (fixed.get(base, 1) + steps * toks / 1000 * _rate(hw, "train") * scale
+           + extra / 1000 * _rate(hw, "encode") * scale + fixed["model_load"])
+    peak = mem["base"] + mem["train"] * max(1.0, scale ** 0.5) * batch / 16
+    return round(sec, 1), int(peak), f"{steps} steps of {batch}"
+
+
+def _windows(tokens: float, max_length: int) -> int:
+    """The windows of ``max_length`` tokens (two of them special) a passage of ``tokens`` is read in."""
+    return max(1, -(-int(tokens) // max(1, max_length - 2)))
 
 
 def _generated_queries(c, size: CorpusSize) -> int:
@@ -208,7 +266,20 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
     if getattr(d, "query_log", None):
         log_q = sum(1 for ln in Path(d.query_log).read_text(errors="replace").splitlines() if ln.strip())
     queries = proxy_queries if proxy_queries is not None else (300 if beir else d.proxy.documents)
-    return CorpusSize(t.num_rows, round(mean, 1), queries, log_q)
+    pairs = _train_positives(src) if beir and src.exists() else []
+    per_query = Counter(q for q, _ in pairs)
+    return CorpusSize(t.num_rows, round(mean, 1), queries, log_q, tuple(per_query[q] for q in sorted(per_query)),
+                      len({d for _, d in pairs}))
+
+
+def _train_positives(src: Path) -> list[tuple[str, str]]:
+    """The (query, passage) positives of a BEIR source's train split (none: no qrels/train.tsv)."""
+    from irflow.beir import BeirSource, _read_qrels
+    from irflow.qrels import positive_pairs
+
+    b = BeirSource(src)
+    member = b.qrels_files().get("train")
+    return positive_pairs(_read_qrels(b, member, "train"), "train") if member else []
 
 
 MAX_SIZED_BYTES = 200 * 2**20  # a source read before the run to size it; larger ones are left to irflow new

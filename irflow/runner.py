@@ -220,7 +220,7 @@ def execute(stage: Stage, run: Run, params: Params | dict, tag: str | None, inpu
         entry = {"name": stage_label, "inputs": _ids(inputs), "outputs": {k: r.id for k, r in refs.items()}}
         if run.dry_run:
             run.plan.append({**entry, "status": "skipped", "why": ["not needed for --to"],
-                             "datasets": _describe(inputs, refs)})
+                             "datasets": _describe(inputs, refs), "params": params.model_dump(mode="json")})
         else:
             run.skipped.append(entry)
         return _result(stage, refs), "skipped"
@@ -246,7 +246,7 @@ def execute(stage: Stage, run: Run, params: Params | dict, tag: str | None, inpu
         # inputs and outputs by id, and what each id is: enough to draw the plan (irflow.dag)
         run.plan.append({"name": stage_label, "status": status, "why": detail.get("why", []),
                          "inputs": _ids(inputs), "outputs": {k: r.id for k, r in refs.items()},
-                         "datasets": _describe(inputs, refs)})
+                         "datasets": _describe(inputs, refs), "params": params.model_dump(mode="json")})
         return _result(stage, refs), status
 
     # One computation per key at a time: a second call of the same key in this process (stages

@@ -292,3 +292,27 @@ def test_star_then_adore_end_to_end_cached_rerun_and_export(star_sample, prefect
     np.testing.assert_allclose(got, [r["score"] for r in ranking], atol=1e-4)
     assert not np.allclose(q, exported.encode_document(queries.column("text").to_pylist(), normalize_embeddings=True),
                            atol=1e-4)  # two encoders, not one
+
+
+def test_the_run_estimate_counts_the_trainers_steps_from_their_params(star_sample, tmp_path):
+    from irflow import estimate
+
+    over = ["star.steps=null", "star.epochs=3", "adore.steps=null", "adore.epochs=2"]
+    plan = api.status(star_sample["config"], over, store=tmp_path / "store")
+    params = {p.name: p.params for p in plan}
+    assert params["train_dual_encoder[star]"]["epochs"] == 3
+    c = api.load_config(star_sample["config"], over)
+    size = estimate.corpus_size(c.dataset)
+    assert len(size.train_positives) == 12  # the slice's train queries, each with its positives counted
+    hw = estimate.hardware()
+    rows = {e.stage: e for e in estimate.estimate(c, list(params), size, hw, params)}
+    assert rows["train_query_encoder[adore]"].work == "4 steps of 8"  # 2 epochs of 12 queries, 8 a step
+    star = rows["train_dual_encoder[star]"]
+    lines = size.train_pairs() * c.star.negative_lines
+    assert star.work == f"{3 * math.ceil(lines / 8)} steps of 8"
+    minilm = c.model_copy(update={"base_model": "all-MiniLM-L6-v2"})  # a real model's size: seconds, not hundredths
+    label, star_params = "train_dual_encoder[star]", params["train_dual_encoder[star]"]
+    e3, e6, e9 = (estimate.estimate(minilm, [label], size, hw, {label: {**star_params, "epochs": n}})[0].seconds
+                  for n in (3, 6, 9))
+    assert e9 - e6 == pytest.approx(e6 - e3, abs=0.2) and e6 - e3 > 1  # each 3 epochs cost the same time
+    assert estimate.estimate(minilm, [label], size, hw)[0].work == "fixed cost"  # no params: no steps to count
