@@ -35,6 +35,7 @@ VARIANTS = {
     "skip100": ["star.skip_top=100"],
     "infonce": ["star.loss=infonce"],
     "infonce-adore": ["star.loss=infonce", "adore.enabled=true"],  # ADORE after it (adore rows in the JSON)
+    "infonce-adore-within": ["star.loss=infonce", "adore.enabled=true", "adore.positives_beyond_depth=drop"],
 }
 
 

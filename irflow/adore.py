@@ -21,13 +21,14 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pyarrow as pa
 from pydantic import Field, PositiveInt, model_validator
 
 from irflow.encoding import asymmetric
+from irflow.params import KEYED_WHEN_SET
 from irflow.training import TRAINING_LOG, LoopParams
 
 log = logging.getLogger("irflow.train")
@@ -51,6 +52,12 @@ class TrainQueryEncoderParams(LoopParams):
                           "seeded sample; null: all, as ADORE). The loss weighs every (positive, negative) pair: "
                           "NFCorpus's broad queries have hundreds of positives; the others stay out of its "
                           "negatives")
+    positives_beyond_depth: Annotated[Literal["keep", "drop"], KEYED_WHEN_SET] = Field(
+        "keep", description="a positive the current ranking leaves out of its top `depth`: keep it a candidate "
+                            "(ADORE), or drop it for that step (it is never a negative either). Where most "
+                            "positives start there, every one of their pairs ranks them below all the negatives, "
+                            "and the loss falls by pulling the scores together, not by ranking better: on NFCorpus "
+                            "ADORE then lost on its own training queries (bench/adore_fit.py)")
     splits: tuple[str, ...] = Field(("train",), min_length=1, description="the qrels splits whose judged queries "
                                                                           "are trained on, with their positives")
     query_max_length: PositiveInt = Field(64, description="tokens per query (ADORE: 64)")
@@ -99,10 +106,11 @@ def embedding_matrix(table: pa.Table) -> np.ndarray:
 
 
 def candidates(q, docs, positives: list[dict[int, float]], excluded: list[set[int]], depth: int,
-               negatives: int | None) -> Candidates:
+               negatives: int | None, beyond_depth: str = "keep") -> Candidates:
     """Each query's candidates from the ranking of ``docs`` (N, d) by ``q`` (B, d) (inner products, exact):
-    its positives and the first ``negatives`` rows of its top ``depth`` that are neither positives nor
-    ``excluded``. A rank is 1 + the number of passages that score strictly higher."""
+    its positives (``beyond_depth`` drop: only those in its top ``depth``) and the first ``negatives`` rows of
+    its top ``depth`` that are neither positives nor ``excluded``. A rank is 1 + the number of passages that
+    score strictly higher."""
     import torch
 
     # fp32 whatever the step's autocast: bf16 scores tie passages and blur the ranks the weights read
@@ -112,11 +120,14 @@ def candidates(q, docs, positives: list[dict[int, float]], excluded: list[set[in
     rows, labels, negs = [], [], []
     for i, pos in enumerate(positives):
         skip = set(pos) | excluded[i]
+        if beyond_depth == "drop":
+            within = set(top[i])
+            pos = {r: g for r, g in pos.items() if r in within}
         n = [r for r in top[i] if r not in skip][:negatives]
         negs.append(n)
         rows.append(list(pos) + n)
         labels.append([float(pos[r]) for r in pos] + [0.0] * len(n))
-    m = max(len(r) for r in rows)
+    m = max(1, max(len(r) for r in rows))
     device = scores.device
     row_t = torch.zeros(len(rows), m, dtype=torch.long, device=device)
     label_t = torch.zeros(len(rows), m, device=device)
@@ -177,7 +188,7 @@ def train(job: Job, rt) -> list[dict]:
         with torch.no_grad():
             search = F.normalize(q, dim=-1) if p.similarity == "cos" else q
             c = candidates(search.detach(), docs, [job.positives[i] for i in idx], [job.excluded[i] for i in idx],
-                           p.depth, p.negatives_per_query)
+                           p.depth, p.negatives_per_query, p.positives_beyond_depth)
             first = torch.where(c.valid & (c.labels > 0), c.ranks, torch.full_like(c.ranks, float("inf"))).min(1)
             last.update(candidates=int(c.valid.sum(1).max()),
                         mrr10=float(torch.where(first.values <= 10, 1.0 / first.values, 0.0).mean()))

@@ -1,0 +1,124 @@
+"""Does ADORE fit its training queries, and does the fit carry to held-out queries?
+
+For a finished STAR run with ADORE (``--run``, in ``--store``): the corpus embeddings STAR's model made (the
+fixed index ADORE trained against) are searched with the test, dev and train queries, each encoded twice:
+by STAR's query side (where ADORE started) and by ADORE's trained query encoder. Per split: nDCG@10 and
+R@100 against that split's qrels (all positives, graded), the mean cosine between two of the split's
+query embeddings, and the distinct passages in its queries' top 10s (hubs). The train split is ADORE's own
+data: a gain there and a loss on test and dev is a fit that does not carry over; a loss on train too is
+an objective that does not track nDCG@10.
+
+    python bench/adore_fit.py --store /work/bench-strat/nfcorpus --run star-20261202-050235-3ccb \\
+        --out bench/results/adore_fit_nfcorpus.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (sets the offline environment first)
+
+
+def ndcg_at_10(ranked: list[str], grades: dict[str, int]) -> float:
+    import math
+
+    dcg = sum((2 ** grades.get(d, 0) - 1) / math.log2(i + 2) for i, d in enumerate(ranked[:10]))
+    ideal = sorted(grades.values(), reverse=True)[:10]
+    idcg = sum((2 ** g - 1) / math.log2(i + 2) for i, g in enumerate(ideal))
+    return dcg / idcg if idcg else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--run", required=True, help="a star run with adore.enabled (its star and star-adore models)")
+    ap.add_argument("--splits", nargs="+", default=["test", "dev", "train"])
+    ap.add_argument("--max-queries", type=int, default=1000, help="per split, a seeded sample of its judged queries")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import random
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from irflow import api
+    from irflow.adore import embedding_matrix
+    from irflow.collapse import mean_cosine
+    from irflow.qrels import judged_positives
+    from irflow.store import TABLE_FILE, Store
+
+    torch.set_num_threads(args.threads)
+    catalog = api.catalog(args.store)
+    stages = {s["name"]: s for s in catalog.stage_runs(args.run)}  # cached stages name their outputs too
+
+    store = Store(args.store)
+
+    def table(dataset_id: str):
+        return pq.read_table(store.object_dir(dataset_id) / TABLE_FILE)
+
+    def output(stage: str, name: str) -> str:
+        return stages[stage]["outputs"][name]
+
+    emb = table(output("encode_corpus[star]", "embeddings"))
+    doc_ids = emb.column("doc_id").to_pylist()
+    docs = embedding_matrix(emb)
+    queries = table(output("ingest", "queries"))
+    text = dict(zip(queries.column("query_id").to_pylist(), queries.column("text").to_pylist()))
+    qrels = table(output("ingest", "qrels"))
+    star_path = str(store.object_dir(output("train_dual_encoder[star]", "model")))
+    adore_path = str(store.object_dir(output("train_query_encoder[adore]", "model")))
+    encoders = {"star": SentenceTransformer(star_path, device="cpu").encode,
+                "adore": SentenceTransformer(adore_path, device="cpu").encode_query}
+    out: dict = {"run_id": args.run, "store": args.store, "passages": len(doc_ids), "splits": {}}
+    for split in args.splits:
+        rows = qrels.filter(qrels.column("split").to_numpy(zero_copy_only=False) == split)
+        if not rows.num_rows:
+            continue
+        grades = {q: {} for q in set(rows.column("query_id").to_pylist())}
+        for q, d, s in zip(*(rows.column(c).to_pylist() for c in ("query_id", "doc_id", "score"))):
+            if s > 0:
+                grades[q][d] = s
+        judged = sorted(q for q, g in grades.items() if g and q in text)
+        sample = sorted(random.Random(0).sample(judged, min(args.max_queries, len(judged))))
+        row: dict = {"queries": len(sample), "judged_queries": len(judged)}
+        per_query: dict[str, list[float]] = {}
+        for name, encode in encoders.items():
+            q = encode([text[x] for x in sample], batch_size=64, normalize_embeddings=True, show_progress_bar=False)
+            scores = q @ docs.T
+            top = np.argsort(-scores, axis=1)[:, :100]
+            ranked = [[doc_ids[i] for i in r] for r in top]
+            ndcg = [ndcg_at_10(r, grades[x]) for r, x in zip(ranked, sample)]
+            recall = [len(set(r) & set(grades[x])) / len(grades[x]) for r, x in zip(ranked, sample)]
+            hubs = Counter(d for r in ranked for d in r[:10])
+            per_query[name] = ndcg
+            row[name] = {"ndcg@10": round(float(np.mean(ndcg)), 4), "recall@100": round(float(np.mean(recall)), 4),
+                         "query_mean_cosine": round(mean_cosine(q), 4), "top10_distinct": len(hubs),
+                         "top10_most_frequent": hubs.most_common(1)[0][1]}
+        diff = np.array(per_query["adore"]) - np.array(per_query["star"])
+        row["adore_minus_star"] = {"mean": round(float(diff.mean()), 4), "wins": int((diff > 0).sum()),
+                                   "losses": int((diff < 0).sum())}
+        out["splits"][split] = row
+        harness.log(f"{split}: {json.dumps(row)}")
+    out["judged_positives_per_train_query"] = round(float(np.mean(
+        [len(v) for v in judged_positives(qrels.filter(qrels.column("split").to_numpy(zero_copy_only=False) == "train")).values()])), 1)
+    out["machine"] = harness.machine()
+    harness.write_json(args.out, out)
+    harness.table(["split", "queries", "STAR nDCG@10", "ADORE nDCG@10", "ADORE - STAR (wins/losses)",
+                   "query mean cos STAR / ADORE", "top-10 distinct STAR / ADORE"],
+                  [[s, r["queries"], r["star"]["ndcg@10"], r["adore"]["ndcg@10"],
+                    f"{r['adore_minus_star']['mean']:+.4f} ({r['adore_minus_star']['wins']}/{r['adore_minus_star']['losses']})",
+                    f"{r['star']['query_mean_cosine']} / {r['adore']['query_mean_cosine']}",
+                    f"{r['star']['top10_distinct']} / {r['adore']['top10_distinct']}"] for s, r in out["splits"].items()])
+
+
+if __name__ == "__main__":
+    main()
