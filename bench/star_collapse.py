@@ -34,7 +34,8 @@ VARIANTS = {
     "alpha1": ["star.alpha=1.0"],
     "skip100": ["star.skip_top=100"],
     "infonce": ["star.loss=infonce"],
-    "infonce-adore": ["star.loss=infonce", "adore.enabled=true"],  # ADORE after it (adore rows in the JSON)
+    # ADORE after it (adore rows in the JSON): as the paper (every positive a candidate), and the default
+    "infonce-adore": ["star.loss=infonce", "adore.enabled=true", "adore.positives_beyond_depth=keep"],
     "infonce-adore-within": ["star.loss=infonce", "adore.enabled=true", "adore.positives_beyond_depth=drop"],
 }
 

@@ -56,7 +56,9 @@ def arms(dataset: str, steps: int, threads: int) -> dict[str, dict]:
                                  f"runtime.threads={threads}"],
                    "systems": {**both, "bm25-deepct": "bm25-deepct"}, "relative": {"bm25-deepct": "bm25"}},
         "star": {"config": f"configs/star_{dataset}.yaml",
-                 "overrides": [f"runtime.threads={threads}", "star.loss=star"] + star_steps,  # STAR's RankNet
+                 # STAR's RankNet, then ADORE with every positive a candidate: both as the paper
+                 "overrides": [f"runtime.threads={threads}", "star.loss=star", "adore.positives_beyond_depth=keep"]
+                 + star_steps,
                  "systems": {"star": "star", "star-adore": "star-adore"},
                  "relative": {"star": "ance-round1", "star-adore": "ance-round1"}},
         "contriever": {"config": f"configs/contriever_{dataset}.yaml",

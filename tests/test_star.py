@@ -203,18 +203,23 @@ def test_adore_hard_negatives_are_the_current_query_encoders_top_non_positives(a
     assert all(len(v) == 2 and not np.allclose(v[0], v[1], atol=1e-6) for v in embedded.values())
 
 
-def test_adore_drops_the_positives_beyond_depth_only_when_asked():
-    from irflow.adore import candidates
+def test_adore_drops_the_positives_beyond_depth_unless_asked_to_keep_them():
+    from irflow.adore import beyond_depth_warning, candidates
 
     docs = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.8, 0.2], [0.0, 1.0], [0.5, 0.5]])
     q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # query 0 ranks rows 0,1,2,4,3; query 1 ranks 3,4,2,1,0
     positives, excluded = [{3: 1.0, 1: 2.0}, {0: 1.0}], [set(), {4}]
-    kept = candidates(q, docs, positives, excluded, depth=3, negatives=None)
-    dropped = candidates(q, docs, positives, excluded, depth=3, negatives=None, beyond_depth="drop")
+    kept = candidates(q, docs, positives, excluded, depth=3, negatives=None, beyond_depth="keep")
+    dropped = candidates(q, docs, positives, excluded, depth=3, negatives=None)  # the default
     assert kept.negatives == dropped.negatives == [[0, 2], [3, 2]]  # a positive is never a negative, kept or not
     rows = [sorted(r[v].tolist()) for r, v in zip(dropped.rows, dropped.valid)]
     assert rows == [[0, 1, 2], [2, 3]]  # query 0 keeps row 1 (rank 2), loses row 3 (rank 5); query 1 has none left
     assert int(dropped.labels[1].sum()) == 0 and int(kept.labels[0].gt(0).sum()) == 2
+    assert kept.beyond == dropped.beyond == pytest.approx(2 / 3)  # rows 3 and 0 of the three positives
+    first = [{"beyond": 0.6}] * 3 + [{"beyond": 0.0}] * 27  # the first tenth of the steps decides
+    assert "60% of the positives" in beyond_depth_warning(first, keep=True, depth=200)
+    assert beyond_depth_warning(first, keep=False, depth=200) is None
+    assert beyond_depth_warning(first[3:], keep=True, depth=200) is None
 
 
 # ---- the recipe ---------------------------------------------------------------------------------------
