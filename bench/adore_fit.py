@@ -8,8 +8,8 @@ query embeddings, and the distinct passages in its queries' top 10s (hubs). The 
 data: a gain there and a loss on test and dev is a fit that does not carry over; a loss on train too is
 an objective that does not track nDCG@10.
 
-    python bench/adore_fit.py --store /work/bench-strat/nfcorpus --run star-20261202-050235-3ccb \\
-        --out bench/results/adore_fit_nfcorpus.json
+    python bench/adore_fit.py --store /work/bench-strat/nfcorpus --run keep=star-20261202-050235-3ccb \\
+        --run drop=star-20261202-072440-2787 --out bench/results/adore_fit_nfcorpus.json
 """
 
 from __future__ import annotations
@@ -33,34 +33,20 @@ def ndcg_at_10(ranked: list[str], grades: dict[str, int]) -> float:
     return dcg / idcg if idcg else 0.0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--run", required=True, help="a star run with adore.enabled (its star and star-adore models)")
-    ap.add_argument("--splits", nargs="+", default=["test", "dev", "train"])
-    ap.add_argument("--max-queries", type=int, default=1000, help="per split, a seeded sample of its judged queries")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-
+def fit(catalog, store, run_id: str, args) -> dict:
+    """One run's STAR and ADORE query encoders on each split (see the module docstring), and its training
+    batches' loss, MRR@10 and share of positives beyond the depth, over the first and last tenth of the steps."""
     import random
 
     import numpy as np
     import pyarrow.parquet as pq
-    import torch
     from sentence_transformers import SentenceTransformer
 
-    from irflow import api
     from irflow.adore import embedding_matrix
     from irflow.collapse import mean_cosine
-    from irflow.qrels import judged_positives
-    from irflow.store import TABLE_FILE, Store
+    from irflow.store import TABLE_FILE
 
-    torch.set_num_threads(args.threads)
-    catalog = api.catalog(args.store)
-    stages = {s["name"]: s for s in catalog.stage_runs(args.run)}  # cached stages name their outputs too
-
-    store = Store(args.store)
+    stages = {s["name"]: s for s in catalog.stage_runs(run_id)}  # cached stages name their outputs too
 
     def table(dataset_id: str):
         return pq.read_table(store.object_dir(dataset_id) / TABLE_FILE)
@@ -78,7 +64,7 @@ def main() -> None:
     adore_path = str(store.object_dir(output("train_query_encoder[adore]", "model")))
     encoders = {"star": SentenceTransformer(star_path, device="cpu").encode,
                 "adore": SentenceTransformer(adore_path, device="cpu").encode_query}
-    out: dict = {"run_id": args.run, "store": args.store, "passages": len(doc_ids), "splits": {}}
+    out: dict = {"run_id": run_id, "passages": len(doc_ids), "splits": {}}
     for split in args.splits:
         rows = qrels.filter(qrels.column("split").to_numpy(zero_copy_only=False) == split)
         if not rows.num_rows:
@@ -108,16 +94,53 @@ def main() -> None:
                                    "losses": int((diff < 0).sum())}
         out["splits"][split] = row
         harness.log(f"{split}: {json.dumps(row)}")
-    out["judged_positives_per_train_query"] = round(float(np.mean(
-        [len(v) for v in judged_positives(qrels.filter(qrels.column("split").to_numpy(zero_copy_only=False) == "train")).values()])), 1)
+    history = json.loads((store.object_dir(output("train_query_encoder[adore]", "model")) / "irflow_training.json")
+                         .read_text())["history"]
+    tenth = max(1, len(history) // 10)
+    for k in ("loss", "mrr@10", "beyond"):
+        values = [h[k] for h in history if h.get(k) is not None]
+        if values:
+            out[f"{k}_first_tenth"] = round(sum(values[:tenth]) / len(values[:tenth]), 4)
+            out[f"{k}_last_tenth"] = round(sum(values[-tenth:]) / len(values[-tenth:]), 4)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--run", required=True, action="append", metavar="LABEL=RUN_ID",
+                    help="a star run with adore.enabled (its star and star-adore models), under a label; repeatable")
+    ap.add_argument("--splits", nargs="+", default=["test", "dev", "train"])
+    ap.add_argument("--max-queries", type=int, default=1000, help="per split, a seeded sample of its judged queries")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+
+    from irflow import api
+    from irflow.store import Store
+
+    torch.set_num_threads(args.threads)
+    catalog = api.catalog(args.store)
+    store = Store(args.store)
+    out: dict = {"store": args.store, "runs": {}}
+    for arg in args.run:
+        label, _, run_id = arg.rpartition("=")
+        out["runs"][label or run_id] = fit(catalog, store, run_id, args)
     out["machine"] = harness.machine()
     harness.write_json(args.out, out)
-    harness.table(["split", "queries", "STAR nDCG@10", "ADORE nDCG@10", "ADORE - STAR (wins/losses)",
+    harness.table(["run", "split", "queries", "STAR nDCG@10", "ADORE nDCG@10", "ADORE - STAR (wins/losses)",
                    "query mean cos STAR / ADORE", "top-10 distinct STAR / ADORE"],
-                  [[s, r["queries"], r["star"]["ndcg@10"], r["adore"]["ndcg@10"],
+                  [[label, s, r["queries"], r["star"]["ndcg@10"], r["adore"]["ndcg@10"],
                     f"{r['adore_minus_star']['mean']:+.4f} ({r['adore_minus_star']['wins']}/{r['adore_minus_star']['losses']})",
                     f"{r['star']['query_mean_cosine']} / {r['adore']['query_mean_cosine']}",
-                    f"{r['star']['top10_distinct']} / {r['adore']['top10_distinct']}"] for s, r in out["splits"].items()])
+                    f"{r['star']['top10_distinct']} / {r['adore']['top10_distinct']}"]
+                   for label, run in out["runs"].items() for s, r in run["splits"].items()])
+    for label, run in out["runs"].items():
+        print(f"{label}: training batches' MRR@10 {run.get('mrr@10_first_tenth')} -> {run.get('mrr@10_last_tenth')}, "
+              f"loss {run.get('loss_first_tenth')} -> {run.get('loss_last_tenth')}, positives beyond the depth "
+              f"{run.get('beyond_first_tenth', 'not recorded')}")
 
 
 if __name__ == "__main__":
