@@ -30,7 +30,7 @@ def compare(store: Path, run_id: str) -> dict:
     c = api.load_config(config)
     # every stage of the run, with the seconds of the run that computed it (this one, or an earlier one whose
     # result it reused: a bench run that was restarted)
-    computed, params = {}, {}
+    computed, params, queries = {}, {}, {}
     with catalog.connect() as con:
         for s in catalog.stage_runs(run_id):
             row = con.execute("SELECT seconds, detail FROM stage_runs WHERE cache_key = ? AND status = 'computed' "
@@ -38,9 +38,12 @@ def compare(store: Path, run_id: str) -> dict:
             if row:
                 computed[s["name"]] = row[0]
                 params[s["name"]] = json.loads(row[1]).get("cfg") or {}
+                ids = json.loads(row[1]).get("inputs", {}).get("queries") or []
+                if len(ids) == 1 and (d := catalog.dataset(ids[0])):
+                    queries[s["name"]] = d["num_rows"]
     hw = estimate.hardware()
     size = estimate.corpus_size(c.dataset)
-    rows = estimate.estimate(c, list(computed), size, hw, params)
+    rows = estimate.estimate(c, list(computed), size, hw, params, queries)
     print(estimate.format_estimates(rows, hw, computed))
     total_est = sum(r.seconds for r in rows)
     total = sum(computed.values())

@@ -101,7 +101,13 @@ def _estimate(args):
             return None
         c = api.load_config(args.config, args.set)
         hw = estimate.hardware()
-        rows = estimate.estimate(c, stale, estimate.corpus_size(c.dataset), hw, {p.name: p.params for p in plan})
+        size = estimate.corpus_size(c.dataset)
+        try:
+            catalog = api.catalog(args.store)
+        except UserError:  # no store yet: every input is still to be made
+            catalog = None
+        queries = estimate.searched_queries(plan, size, catalog)
+        rows = estimate.estimate(c, stale, size, hw, {p.name: p.params for p in plan}, queries)
     except Exception as e:  # noqa: BLE001 -- an estimate never stops a run: a bad corpus is the run's to report
         log.debug("no estimate: %s", e)
         return None

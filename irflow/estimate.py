@@ -116,10 +116,11 @@ def _tokens(size: CorpusSize, max_len: int) -> float:
 
 
 def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
-             params: dict[str, dict] | None = None) -> list[StageEstimate]:
+             params: dict[str, dict] | None = None, queries: dict[str, int] | None = None) -> list[StageEstimate]:
     """Seconds and peak memory of each of ``stages`` (plan labels: ``encode_corpus[zero-shot]``) under config
     ``c`` on a corpus of ``size``. ``params``: label -> the stage's params (``api.status``'s), which the
-    supervised trainers' estimates read their steps and lengths from."""
+    supervised trainers' estimates read their steps and lengths from; ``queries``: label -> the queries a
+    search stage reads (``searched_queries``; otherwise the evaluation's and the generated ones)."""
     hw = hw or hardware()
     fixed = rates()["fixed_seconds"]["value"]
     mem = rates()["memory_mb"]["value"]
@@ -140,7 +141,7 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             peak += mem["model"] + emb_mb
             work = f"{size.passages:,} passages x {_tokens(size, enc_len):.0f} tokens"
         elif base in ("dense_search", "dense_score"):
-            sec += (size.queries + n_gen) * 20 / 1000 * _rate(hw, "encode") * scale
+            sec += (queries or {}).get(label, size.queries + n_gen) * 20 / 1000 * _rate(hw, "encode") * scale
             peak += mem["model"] + emb_mb
             work = "query encoding + search"
         elif base == "bm25_index":
@@ -149,7 +150,7 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             work = f"{size.passages:,} passages indexed"
         elif base in ("bm25_search", "bm25_score"):
             peak += mem["jvm"]
-            sec += (size.queries + n_gen) / 200
+            sec += (queries or {}).get(label, size.queries + n_gen) / 200
         elif base == "generate_queries" and "[t5" in label or base == "doc2query_expand":
             gen = getattr(c, "generate", None)
             qpp = getattr(gen, "queries_per_passage", 1)
@@ -180,6 +181,25 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             peak += mem["model"]
             work = f"{size.passages:,} passages x {n} windows weighted"
         out.append(StageEstimate(label, round(sec, 1), int(peak), work))
+    return out
+
+
+def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:
+    """label -> how many queries each planned stage with a ``queries`` input reads: a stored input's rows
+    (from ``catalog``), the train split's queries for one the run's ``select_queries[train]`` will make;
+    other stages are left to the default."""
+    out = {}
+    for p in plan:
+        ids = (p.inputs if hasattr(p, "inputs") else p["inputs"]).get("queries") or []
+        name = p.name if hasattr(p, "name") else p["name"]
+        if len(ids) != 1:
+            continue
+        if ids[0].startswith("<select_queries[train]") and size.train_positives:
+            out[name] = len(size.train_positives)
+        elif not ids[0].startswith("<") and catalog is not None:
+            row = catalog.dataset(ids[0])
+            if row and row.get("num_rows") is not None:
+                out[name] = int(row["num_rows"])
     return out
 
 

@@ -326,6 +326,8 @@ def test_the_run_estimate_counts_the_trainers_steps_from_their_params(star_sampl
     hw = estimate.hardware()
     rows = {e.stage: e for e in estimate.estimate(c, list(params), size, hw, params)}
     assert rows["train_query_encoder[adore]"].work == "4 steps of 8"  # 2 epochs of 12 queries, 8 a step
+    searched = estimate.searched_queries(plan, size)  # a fresh store: the run's own select_queries make them
+    assert searched["dense_search[star-negatives]"] == 12 and "dense_search[star]" not in searched
     star = rows["train_dual_encoder[star]"]
     lines = size.train_pairs() * c.star.negative_lines
     assert star.work == f"{3 * math.ceil(lines / 8)} steps of 8"
