@@ -324,7 +324,8 @@ def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str,
     head = f"{'stage':<34} {'estimate':>9} {'peak MB':>8}" + (f" {'measured':>9}" if measured is not None else "")
     lines = [f"estimate for {hw.describe()} (irflow/measured/rates.json):", head]
     for e in est:
-        m = "" if measured is None else f" {measured.get(e.stage, float('nan')):>8.1f}s"
+        # not measured: its output came from another label's identical computation (one cache key)
+        m = "" if measured is None else (f" {measured[e.stage]:>8.1f}s" if e.stage in measured else f" {'-':>9}")
         lines.append(f"{e.stage:<34} {e.seconds:>8.1f}s {e.peak_mb:>8,}{m}  {e.work}")
     tail = f"{'total':<34} {total:>8.1f}s {peak:>8,}"
     if measured is not None:
