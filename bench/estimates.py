@@ -37,8 +37,9 @@ def compare(store: Path, run_id: str) -> dict:
                               "ORDER BY started_at DESC LIMIT 1", [s["cache_key"]]).fetchone()
             if row:
                 computed[s["name"]] = row[0]
-                params[s["name"]] = json.loads(row[1]).get("cfg") or {}
-                ids = json.loads(row[1]).get("inputs", {}).get("queries") or []
+                detail = json.loads(row[1])
+                params[s["name"]] = detail.get("cfg") or {}
+                ids = detail.get("inputs", {}).get("queries") or []
                 if len(ids) == 1 and (d := catalog.dataset(ids[0])):
                     queries[s["name"]] = d["num_rows"]
     hw = estimate.hardware()

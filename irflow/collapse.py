@@ -17,6 +17,8 @@ COLLAPSED = 0.9
 # ... and what was left of the spread (1 - mean cosine) shrank to at most this share of the base model's: some models
 # start anisotropic (a random tiny BERT: 0.94), and a cosine that only rose from there is no collapse.
 SHRANK = 0.25
+# passages whose embeddings' mean cosine is measured before and after training: ~5 s on 2 CPU cores
+COSINE_PROBE = 128
 
 
 def mean_cosine(vectors) -> float:

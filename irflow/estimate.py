@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from irflow.collapse import COSINE_PROBE
 from irflow.labels import stage_name
 
 RATES = Path(__file__).with_name("measured") / "rates.json"
 WORDS_TO_TOKENS = 1.3  # WordPiece tokens per whitespace word in English prose (SciFact: 1.32)
+QUERY_TOKENS = 20  # a query's tokens
 
 
 @lru_cache(maxsize=1)
@@ -141,7 +143,7 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             peak += mem["model"] + emb_mb
             work = f"{size.passages:,} passages x {_tokens(size, enc_len):.0f} tokens"
         elif base in ("dense_search", "dense_score"):
-            sec += (queries or {}).get(label, size.queries + n_gen) * 20 / 1000 * _rate(hw, "encode") * scale
+            sec += (queries or {}).get(label, size.queries + n_gen) * QUERY_TOKENS / 1000 * _rate(hw, "encode") * scale
             peak += mem["model"] + emb_mb
             work = "query encoding + search"
         elif base == "bm25_index":
@@ -169,14 +171,14 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             qgen = "qgen" in label
             steps = train.qgen.steps if qgen else train.steps
             texts = (2 if qgen else 3) * train.batch_size
-            toks = train.batch_size * 20 + (texts - train.batch_size) * min(size.mean_tokens, train.max_seq_length)
+            toks = train.batch_size * QUERY_TOKENS + (texts - train.batch_size) * min(size.mean_tokens, train.max_seq_length)
             sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
             peak += mem["train"] * max(1.0, scale ** 0.5) * train.batch_size / 16
             work = f"{steps} steps of {train.batch_size}"
         elif base in TRAINERS and (params or {}).get(label):
             sec, peak, work = _trainer(base, params[label], size, hw, scale, fixed, mem)
         elif base == "deepct_weight" and (params or {}).get(label):
-            n = _windows(size.mean_tokens, params[label].get("max_length", 128))
+            n = _windows(size.mean_tokens, params[label]["max_length"])
             sec += size.passages * size.mean_tokens / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
             peak += mem["model"]
             work = f"{size.passages:,} passages x {n} windows weighted"
@@ -189,48 +191,46 @@ def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:
     (from ``catalog``), the train split's queries for one the run's ``select_queries[train]`` will make;
     other stages are left to the default."""
     out = {}
-    for p in plan:
-        ids = (p.inputs if hasattr(p, "inputs") else p["inputs"]).get("queries") or []
-        name = p.name if hasattr(p, "name") else p["name"]
+    for p in plan:  # api.status's StageStatus rows
+        ids = p.inputs.get("queries") or []
         if len(ids) != 1:
             continue
         if ids[0].startswith("<select_queries[train]") and size.train_positives:
-            out[name] = len(size.train_positives)
+            out[p.name] = len(size.train_positives)
         elif not ids[0].startswith("<") and catalog is not None:
             row = catalog.dataset(ids[0])
             if row and row.get("num_rows") is not None:
-                out[name] = int(row["num_rows"])
+                out[p.name] = int(row["num_rows"])
     return out
 
 
 TRAINERS = ("train_dual_encoder", "train_query_encoder", "train_cross_encoder", "train_deepct")
-QUERY_TOKENS = 20  # a query's tokens, as train_student's estimate counts them
 
 
 def _trainer(base: str, p: dict, size: CorpusSize, hw: Hardware, scale: float, fixed: dict,
              mem: dict) -> tuple[float, int, str]:
-    """(seconds, peak MB, work) of a supervised trainer from its params: its steps (``steps``, else
+    """(seconds, peak MB, work) of a supervised trainer from its params (a dump of its params model: every
+    field but the KEYED_WHEN_SET ones at their default, read with ``get``): its steps (``steps``, else
     ``epochs`` over the train split's examples) x the text-tokens one step embeds."""
-    batch = p.get("batch_size", 32)
+    batch = p["batch_size"]
     doc = size.mean_tokens
     if base == "train_dual_encoder":
-        per_query = p.get("list_size", 8) if p.get("loss") == "listwise_kl" else 1 + p.get("negatives_per_line", 0)
+        per_query = p["list_size"] if p["loss"] == "listwise_kl" else 1 + p["negatives_per_line"]
         examples = size.train_pairs(p.get("positives_per_query")) * (
-            p.get("negative_lines", 1) if p.get("negatives_per_line") else 1)
-        toks = batch * (min(QUERY_TOKENS, p.get("query_max_length", 64))
-                        + per_query * min(doc, p.get("passage_max_length", 256)))
-        extra = 2 * 128 * min(doc, p.get("passage_max_length", 256))  # the collapse check embeds 128 passages twice
+            p["negative_lines"] if p["negatives_per_line"] else 1)
+        passage = min(doc, p["passage_max_length"])
+        toks = batch * (min(QUERY_TOKENS, p["query_max_length"]) + per_query * passage)
+        extra = 2 * COSINE_PROBE * passage  # the collapse check embeds its probe passages twice
     elif base == "train_query_encoder":  # the documents are frozen: only queries are embedded
         examples, extra = len(size.train_positives), 0.0
-        toks = batch * min(QUERY_TOKENS, p.get("query_max_length", 64))
+        toks = batch * min(QUERY_TOKENS, p["query_max_length"])
     elif base == "train_cross_encoder":
-        examples, extra = size.train_pairs(p.get("positives_per_query")) * (1 + p.get("negatives_per_positive", 4)), 0.0
-        toks = batch * min(doc + QUERY_TOKENS, p.get("max_length", 256))
+        examples, extra = size.train_pairs(p.get("positives_per_query")) * (1 + p["negatives_per_positive"]), 0.0
+        toks = batch * min(doc + QUERY_TOKENS, p["max_length"])
     else:  # train_deepct: every window of each passage with a train positive
-        window = p.get("max_length", 128)
-        examples, extra = size.train_passages * _windows(doc, window), 0.0
-        toks = batch * min(doc, window)
-    steps = p.get("steps") or p.get("epochs", 1) * -(-examples // batch)
+        examples, extra = size.train_passages * _windows(doc, p["max_length"]), 0.0
+        toks = batch * min(doc, p["max_length"])
+    steps = p["steps"] or p["epochs"] * -(-examples // batch)
     if not steps:
         return fixed.get(base, 1), mem["base"], "steps unknown (no train split counted)"
     sec = (fixed.get(base, 1) + steps * toks / 1000 * _rate(hw, "train") * scale
