@@ -3,7 +3,7 @@
 For a finished STAR run with ADORE (``--run``, in ``--store``): the corpus embeddings STAR's model made (the
 fixed index ADORE trained against) are searched with the test, dev and train queries, each encoded twice:
 by STAR's query side (where ADORE started) and by ADORE's trained query encoder. Per split: nDCG@10 and
-R@100 against that split's qrels (all positives, graded), the mean cosine between two of the split's
+R@100 against that split's qrels (pytrec_eval, as irflow's evaluate), the mean cosine between two of the split's
 query embeddings, and the distinct passages in its queries' top 10s (hubs). The train split is ADORE's own
 data: a gain there and a loss on test and dev is a fit that does not carry over; a loss on train too is
 an objective that does not track nDCG@10.
@@ -24,15 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (sets the offline environment first)
 
 
-def ndcg_at_10(ranked: list[str], grades: dict[str, int]) -> float:
-    import math
-
-    dcg = sum((2 ** grades.get(d, 0) - 1) / math.log2(i + 2) for i, d in enumerate(ranked[:10]))
-    ideal = sorted(grades.values(), reverse=True)[:10]
-    idcg = sum((2 ** g - 1) / math.log2(i + 2) for i, g in enumerate(ideal))
-    return dcg / idcg if idcg else 0.0
-
-
 def fit(catalog, store, run_id: str, args) -> dict:
     """One run's STAR and ADORE query encoders on each split (see the module docstring), and its training
     batches' loss, MRR@10 and share of positives beyond the depth, over the first and last tenth of the steps."""
@@ -45,6 +36,7 @@ def fit(catalog, store, run_id: str, args) -> dict:
     from irflow.adore import embedding_matrix
     from irflow.collapse import mean_cosine
     from irflow.store import TABLE_FILE
+    from irflow.tasks.evaluate import evaluate_run, qrels_to_dict
 
     stages = {s["name"]: s for s in catalog.stage_runs(run_id)}  # cached stages name their outputs too
 
@@ -66,14 +58,10 @@ def fit(catalog, store, run_id: str, args) -> dict:
                 "adore": SentenceTransformer(adore_path, device="cpu").encode_query}
     out: dict = {"run_id": run_id, "passages": len(doc_ids), "splits": {}}
     for split in args.splits:
-        rows = qrels.filter(qrels.column("split").to_numpy(zero_copy_only=False) == split)
-        if not rows.num_rows:
+        grades = qrels_to_dict(qrels, split)  # as irflow's evaluate scores a run
+        judged = sorted(q for q, g in grades.items() if any(v > 0 for v in g.values()) and q in text)
+        if not judged:
             continue
-        grades = {q: {} for q in set(rows.column("query_id").to_pylist())}
-        for q, d, s in zip(*(rows.column(c).to_pylist() for c in ("query_id", "doc_id", "score"))):
-            if s > 0:
-                grades[q][d] = s
-        judged = sorted(q for q, g in grades.items() if g and q in text)
         sample = sorted(random.Random(0).sample(judged, min(args.max_queries, len(judged))))
         row: dict = {"queries": len(sample), "judged_queries": len(judged)}
         per_query: dict[str, list[float]] = {}
@@ -82,11 +70,13 @@ def fit(catalog, store, run_id: str, args) -> dict:
             scores = q @ docs.T
             top = np.argsort(-scores, axis=1)[:, :100]
             ranked = [[doc_ids[i] for i in r] for r in top]
-            ndcg = [ndcg_at_10(r, grades[x]) for r, x in zip(ranked, sample)]
-            recall = [len(set(r) & set(grades[x])) / len(grades[x]) for r, x in zip(ranked, sample)]
+            results = {x: {doc_ids[i]: float(scores[k, i]) for i in top[k]} for k, x in enumerate(sample)}
+            metrics = evaluate_run({x: grades[x] for x in sample}, results, ["ndcg@10", "recall@100"])
+            ndcg = [metrics["ndcg@10"][x] for x in sample]
             hubs = Counter(d for r in ranked for d in r[:10])
             per_query[name] = ndcg
-            row[name] = {"ndcg@10": round(float(np.mean(ndcg)), 4), "recall@100": round(float(np.mean(recall)), 4),
+            row[name] = {"ndcg@10": round(float(np.mean(ndcg)), 4),
+                         "recall@100": round(float(np.mean(list(metrics["recall@100"].values()))), 4),
                          "query_mean_cosine": round(mean_cosine(q), 4), "top10_distinct": len(hubs),
                          "top10_most_frequent": hubs.most_common(1)[0][1]}
         diff = np.array(per_query["adore"]) - np.array(per_query["star"])
