@@ -28,6 +28,7 @@ from typing import Mapping
 from pydantic import Field, field_validator
 
 from irflow.params import Params
+from irflow.selection import MIN_UNITS, unit_means
 from irflow.stats import paired
 
 log = logging.getLogger("irflow")
@@ -100,7 +101,8 @@ def _mean(values: Mapping[str, float]) -> float:
 
 def decide(alias: str, candidate: tuple[str, str, Mapping[str, float]] | None,
            current: tuple[str, str | None, Mapping[str, float] | None] | None, evaluation: str,
-           metric: str = "ndcg@10", min_gain: float = 0.0, alpha: float = 0.05) -> Promotion:
+           metric: str = "ndcg@10", min_gain: float = 0.0, alpha: float = 0.05, unit_name: str = "queries",
+           min_units: int = 0) -> Promotion:
     """``candidate``: (system, model id, per-query values) of the run's selected model (None: it selected
     none); ``current``: (model id, system, per-query values) of the alias's model (None: the alias has no
     model; values None: the run did not evaluate it)."""
@@ -130,7 +132,11 @@ def decide(alias: str, candidate: tuple[str, str, Mapping[str, float]] | None,
     p = test.t_pvalue
     gain = mean - prev_mean
     numbers = (f"{system} {mean:.4f} vs {alias}'s model {prev_mean:.4f} ({where}; {gain:+.4f}, paired t-test "
-               f"p = {p:.3g} over {test.n} queries)")
+               f"p = {p:.3g} over {test.n} {unit_name})")
+    if test.n < min_units:
+        return Promotion(KEPT, previous_value=prev_mean, p_value=p, reason=(
+            f"{alias} kept: {test.n} {unit_name} are fewer than the {min_units} needed to decide: {numbers}"),
+            **mine, **common)
     if gain > min_gain and p == p and p < alpha:  # p == p: not NaN
         return Promotion(PROMOTED, previous_value=prev_mean, p_value=p, reason=f"promoted to {alias}: {numbers}",
                          **mine, **common)
@@ -139,6 +145,34 @@ def decide(alias: str, candidate: tuple[str, str, Mapping[str, float]] | None,
            f"the gain is within noise (needs p < {alpha})")
     return Promotion(KEPT, previous_value=prev_mean, p_value=p, reason=f"{alias} kept: {why}: {numbers}", **mine,
                      **common)
+
+
+def trained_documents(catalog, model_id: str | None, _seen: set | None = None) -> set[str]:
+    """The documents a stored model was trained on: those of the training corpus its trainer read, and of
+    every stored model it was trained from (training continued from an alias's model). Empty for a model
+    no stage made (a hub id, a local directory)."""
+    from irflow.corpus_sources import document_id
+    from irflow.store import DatasetRef
+
+    _seen = set() if _seen is None else _seen
+    info = catalog.dataset(model_id) if model_id and model_id not in _seen else None
+    if not info or info.get("stage") in (None, "external") or not info.get("run_id"):
+        return set()
+    _seen.add(model_id)
+    out: set[str] = set()
+    for r in catalog.stage_runs(info["run_id"], with_inputs=True):
+        if model_id not in (r.get("outputs") or {}).values():
+            continue
+        for role, ids in (r.get("inputs") or {}).items():
+            for i in ids:
+                d = catalog.dataset(i) or {}
+                if role == "corpus" and d.get("path"):
+                    t = DatasetRef(i, d.get("name") or role, "table", "corpus", d["path"]).table(columns=["doc_id"])
+                    out |= {document_id(x) for x in t.column("doc_id").to_pylist()}
+                elif d.get("kind") == "model":
+                    out |= trained_documents(catalog, i, _seen)
+        break
+    return out
 
 
 def model_problem(catalog, store, model_id: str) -> str | None:
@@ -165,12 +199,15 @@ def model_problem(catalog, store, model_id: str) -> str | None:
 
 def promote(catalog, store, run_id: str, config: PromoteConfig, selected: dict | None,
             per_query: Mapping[str, Mapping[str, float]], evaluated: Mapping[str, str], evaluation: str,
-            metric: str = "ndcg@10", partial: str | None = None) -> Promotion:
+            metric: str = "ndcg@10", partial: str | None = None, units: Mapping[str, str] | None = None
+            ) -> Promotion:
     """Decide and record the promotion of a run's selected model to ``config.alias``.
 
     ``per_query``: system -> {query id: value} of ``metric`` on the run's evaluation; ``evaluated``:
     system -> model id of every dense system the run evaluated (the alias's own system among them when
-    the run evaluated the alias's model apart); ``partial``: why the run cannot promote (``--to``)."""
+    the run evaluated the alias's model apart); ``partial``: why the run cannot promote (``--to``); ``units``:
+    a proxy's query -> held-out document: the comparison then reads per-document means over the documents
+    neither model trained on (``trained_documents``), and refuses below ``irflow.selection.MIN_UNITS``."""
     alias = config.alias
     current = catalog.alias(alias)
     prev_id = current["model_id"] if current else None
@@ -182,7 +219,20 @@ def promote(catalog, store, run_id: str, config: PromoteConfig, selected: dict |
     candidate = None
     if selected is not None and selected["system"] in per_query:
         candidate = (selected["system"], selected["model_id"], per_query[selected["system"]])
-    p = decide(alias, candidate, prev, evaluation, metric, config.min_gain, config.alpha)
+    unit_name, min_units = "queries", 0
+    if units is not None and candidate is not None and prev is not None and prev[2] is not None:
+        # only documents neither model trained on: a held-out document stays held out, but a config's
+        # fraction or seed can change, and a twin can pull a trained-on document across
+        seen = trained_documents(catalog, prev_id) | trained_documents(catalog, candidate[1])
+        keep = {q for q, u in units.items() if u not in seen}
+        dropped = len({units[q] for q in per_query[candidate[0]] if q in units and q not in keep})
+        values = {q: v for q, v in candidate[2].items() if q in keep}
+        prev_vals = {q: v for q, v in prev[2].items() if q in keep}
+        candidate = (candidate[0], candidate[1], unit_means(values, units))
+        prev = (prev[0], prev[1], unit_means(prev_vals, units))
+        unit_name = "held-out documents neither model trained on" + (f"; {dropped} dropped" if dropped else "")
+        min_units = MIN_UNITS
+    p = decide(alias, candidate, prev, evaluation, metric, config.min_gain, config.alpha, unit_name, min_units)
     if partial and p.decision == PROMOTED:
         p = _keep(p, f"{alias} kept: {partial}")
     if p.decision == PROMOTED:

@@ -63,3 +63,49 @@ def test_a_proxy_from_the_training_queries_generator_never_selects_a_trained_mod
                                            "generate": {"source": "ict"}}))
     assert not same_generator(api.load_config({**base, "dataset": {**own, "proxy": {"queries": {"source": "t5",
                                                "model": str(tmp_path)}}}, "generate": {"source": "ict"}}))
+
+
+def test_too_few_units_select_nothing_and_say_how_many():
+    start, trained = _scores(5, 12, 0.2, 0.01)  # a large, consistent gain on 12 queries
+    s = select({"zero": start, "gpl": trained}, "zero", "labelled")
+    assert s.system == "zero" and "12 queries, fewer than the 20 needed" in s.reason
+
+
+def _clustered_null(rng: random.Random, k: int, docs: int = 40, per_doc: int = 4) -> tuple[dict, dict]:
+    """k candidates no better than the start: each differs from it by a per-document effect (queries of one
+    document move together) plus per-query noise, both of mean 0."""
+    units = {f"d{d}-q{j}": f"d{d}" for d in range(docs) for j in range(per_doc)}
+    start = {q: rng.uniform(0.3, 0.9) for q in units}
+    systems = {"start": start}
+    for c in range(k):
+        shift = {f"d{d}": rng.gauss(0, 0.08) for d in range(docs)}
+        systems[f"c{c}"] = {q: v + shift[units[q]] + rng.gauss(0, 0.03) for q, v in start.items()}
+    return systems, units
+
+
+def test_no_real_difference_among_five_candidates_is_rarely_selected():
+    """The null case, seeded: 5 trained candidates, none better. Per-document units and Holm keep false
+    selections near alpha; per-query tests without correction (the old rule) select a candidate far more often."""
+    rng = random.Random(11)
+    trials, chosen, naive = 300, 0, 0
+    for _ in range(trials):
+        systems, units = _clustered_null(rng, k=5)
+        s = select(systems, "start", "proxy", units=units, unit_name="held-out documents")
+        chosen += s.system != "start"
+        best = max((c for c in systems if c != "start"), key=lambda c: sum(systems[c].values()))
+        naive += select({"start": systems["start"], best: systems[best]}, "start", "proxy").system != "start"
+    assert chosen / trials <= 0.06, chosen
+    assert naive / trials >= 0.15, naive
+
+
+def test_a_proxy_bm25_saturates_is_called_out(caplog):
+    from types import SimpleNamespace
+
+    from irflow.recipe import _warn_if_saturated
+
+    rows = [{"system": "bm25-flat", "ndcg@10": 0.995}, {"system": "dense-x", "ndcg@10": 0.86}]
+    with caplog.at_level("WARNING", logger="irflow"):
+        _warn_if_saturated(SimpleNamespace(evaluation="labelled"), rows)
+        assert not caplog.records
+        _warn_if_saturated(SimpleNamespace(evaluation="proxy (ict queries)"), rows)
+    assert len(caplog.records) == 1 and "bm25-flat scores 0.9950" in caplog.text and "saturated" in caplog.text

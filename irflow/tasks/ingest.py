@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import pyarrow as pa
 import logging
+
+import pyarrow as pa
 
 from pydantic import Field, PositiveInt, model_validator
 
@@ -183,10 +184,19 @@ def ingest_queries(p: QueryFileParams, rt: StageRuntime, *, queries: DatasetRef,
 
 
 class HoldoutParams(Params):
-    documents: PositiveInt = Field(200, description="documents set aside for the synthetic evaluation (all their "
-                                                    "passages): never used to generate training queries or pairs")
-    seed: int = Field(0, description="which documents: the lowest hashes of (seed, document id), so a document's "
-                                     "place does not change when others are added or removed")
+    fraction: float = Field(0.1, gt=0, le=0.5, description="a document is held out for the synthetic evaluation "
+                            "(all its passages; never used to generate training queries or pairs) when the hash of "
+                            "(seed, its id) falls below this fraction: a rule on the document's own id, so adding, "
+                            "editing or deleting other documents never changes whether it is held out")
+    documents: PositiveInt | None = Field(None, description="at most this many held-out documents get proxy queries "
+                                                            "(those of the lowest hashes; null: every held-out "
+                                                            "document). The others stay out of training either way")
+    seed: int = Field(0, description="which documents are held out (the hash of seed and document id)")
+    twins: bool = Field(True, description="a document whose text equals a held-out document's (after normalising "
+                                          "case, punctuation and spaces) or nearly equals it (MinHash Jaccard of "
+                                          "word 5-shingles >= twin_jaccard: the same page with another footer) is "
+                                          "held out with it, so no held-out text is trained on under another id")
+    twin_jaccard: float = Field(0.8, gt=0, le=1, description="how alike two documents' shingles must be to be twins")
 
 
 def _doc_hash(seed: int, doc_id: str) -> str:
@@ -195,21 +205,40 @@ def _doc_hash(seed: int, doc_id: str) -> str:
     return hashlib.sha256(f"{seed}\0{doc_id}".encode()).hexdigest()
 
 
-@stage("holdout", version="1", outputs=[Output("train_corpus", "corpus"), Output("heldout", "corpus")])
-def holdout(p: HoldoutParams, rt: StageRuntime, *, corpus: DatasetRef):
-    """Split the corpus before anything trains: ``heldout`` (the passages of ``documents`` documents, the
-    synthetic evaluation's positives) and ``train_corpus`` (the rest: what queries and training pairs
-    are made from). Retrieval at evaluation still searches the whole corpus."""
-    import pyarrow.compute as pc
+def hash_fraction(seed: int, doc_id: str) -> float:
+    """Where a document falls in [0, 1): its own id's hash, nothing else."""
+    return int(_doc_hash(seed, doc_id)[:15], 16) / 16 ** 15
 
+
+@stage("holdout", version="2", outputs=[Output("train_corpus", "corpus"), Output("heldout", "corpus")])
+def holdout(p: HoldoutParams, rt: StageRuntime, *, corpus: DatasetRef):
+    """Split the corpus before anything trains: ``heldout`` (the passages of the documents whose own hash
+    falls below ``fraction``, with their exact and near twins: the synthetic evaluation's positives, at most
+    ``documents`` of them queried) and ``train_corpus`` (the rest: what queries and training pairs are made
+    from). Retrieval at evaluation still searches the whole corpus."""
     from irflow.corpus_sources import document_id
+    from irflow.twins import twin_groups
 
     t = corpus.table()
-    docs = sorted({document_id(i) for i in t.column("doc_id").to_pylist()}, key=lambda d: _doc_hash(p.seed, d))
-    if len(docs) < 2 * p.documents:
-        raise DataError(f"the corpus has {len(docs)} documents; holding out {p.documents} for the synthetic "
-                        f"evaluation needs at least twice as many (lower dataset.proxy.documents, or give labels: "
-                        f"dataset.queries and dataset.qrels)")
-    held = set(docs[:p.documents])
-    mask = pa.array([document_id(i) in held for i in t.column("doc_id").to_pylist()], pa.bool_())
-    return {"train_corpus": t.filter(pc.invert(mask)), "heldout": t.filter(mask)}
+    ids = t.column("doc_id").to_pylist()
+    doc_of = [document_id(i) for i in ids]
+    docs = sorted(set(doc_of))
+    held = {d for d in docs if hash_fraction(p.seed, d) < p.fraction}
+    by_hash = len(held)
+    if p.twins and held:
+        texts: dict[str, list[str]] = {}
+        for d, title, text in zip(doc_of, t.column("title").to_pylist(), t.column("text").to_pylist()):
+            texts.setdefault(d, []).append(f"{title or ''} {text or ''}")
+        for group in twin_groups({d: " ".join(v) for d, v in texts.items()}, p.twin_jaccard):
+            if held & group:
+                held |= group
+    if not held or len(held) == len(docs):
+        raise DataError(f"the corpus has {len(docs)} document(s); dataset.proxy.fraction {p.fraction:g} holds out "
+                        f"{len(held)}: {'none is' if not held else 'nothing is left to train on'} (raise the "
+                        f"fraction, add documents, or set dataset.proxy: null to train without a synthetic evaluation)")
+    log.info("holdout: %d of %d documents held out (%d by their own hash, %d as twins of those)", len(held),
+             len(docs), by_hash, len(held) - by_hash)
+    queried = held if p.documents is None else set(sorted(held, key=lambda d: _doc_hash(p.seed, d))[:p.documents])
+    keep = pa.array([d in queried for d in doc_of], pa.bool_())
+    train = pa.array([d not in held for d in doc_of], pa.bool_())
+    return {"train_corpus": t.filter(train), "heldout": t.filter(keep)}
