@@ -75,11 +75,45 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     executor_for(c.runtime).preflight(c.runtime)
+    check_own_documents(getattr(c, "dataset", None))
     warnings = list(c.advice())
     for work, r in runtime.resolved_plan(c.runtime).items():
         if r["warning"] and r["warning"] not in warnings:
             warnings.append(r["warning"])
     return warnings
+
+
+def check_own_documents(d) -> None:
+    """Your own documents are read once before Prefect starts or anything is recorded, as ``irflow new``
+    reads them, so that a bad file (a broken line, a missing column) is one line in seconds; a source over
+    ``estimate.MAX_SIZED_BYTES`` is left to the run's ingest."""
+    import tempfile
+    from pathlib import Path
+
+    from irflow.corpus_sources import read_corpus
+    from irflow.estimate import MAX_SIZED_BYTES
+
+    if d is None or not getattr(d, "own", False):
+        return
+    src = Path(d.source).expanduser()
+    read = src / "corpus.jsonl" if src.is_dir() and (src / "corpus.jsonl").is_file() else src
+    if not read.exists():
+        raise ConfigError(f"dataset.source: no such file or folder: {d.source}")
+    size = read.stat().st_size if read.is_file() else sum(f.stat().st_size for f in read.rglob("*") if f.is_file())
+    if size > MAX_SIZED_BYTES:
+        return
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        with tempfile.TemporaryDirectory(prefix="irflow-check-") as tmp:
+            read_corpus(read, Path(tmp) / "corpus.parquet", format=d.format, fields=d.fields,
+                        max_words=d.passages.max_words if d.passages else None,
+                        stride=d.passages.stride if d.passages else None)
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
 
 
 def _check_stages(recipe, c: RecipeConfig, store: str, flag: str, stages: set[str]) -> None:

@@ -9,6 +9,7 @@
     irflow sql "SELECT ..." [--store DIR] [--json]         DuckDB SQL over the catalog and every dataset
     irflow report [RUN_ID | latest] --out DIR [--baseline NAME ...] [--metric M]   one HTML page about a run
     irflow compare RUN_A RUN_B [--metric M] [--json]      what differs between two runs (B against A)
+    irflow dev-split SOURCE OUT [--share 0.2]              a BEIR folder whose train queries are cut into train and dev
     irflow verify [--store DIR] [--json]                   re-hash every stored object; exit 1 if any is damaged
     irflow gc [--store DIR] [--dry-run]                    remove what nothing refers to (see irflow.maintenance)
     irflow serve CONFIG --cron "0 3 * * *" [--set ...]     run on a schedule (needs a Prefect server)
@@ -44,6 +45,13 @@ def _catalog(args, must_exist: bool = True):
     return api.catalog(args.store, must_exist)
 
 
+def _model(model_id: str) -> str:
+    """A model id as a user reads it: a hub id whole, a stored model's or a directory's cut to what tells them apart."""
+    if model_id.startswith("hub:"):
+        return model_id
+    return model_id[:24] if model_id.startswith("dir:") else model_id[:16]
+
+
 def cmd_run(args) -> int:
     from irflow.tasks.report import format_table
 
@@ -59,7 +67,7 @@ def cmd_run(args) -> int:
 
         measured = {s.name: s.seconds for s in result.stages if s.status == "computed"}
         print("\n" + estimate.format_estimates(estimated[0], estimated[1], measured))
-    computed = len(result.computed)
+    computed = sum(1 for s in result.stages if s.status == "computed")  # as the catalog counts: per stage run
     print(f"\nrun {result.run_id}: {len(result.stages)} stages, {computed} computed, "
           f"{len(result.stages) - computed} cached, {result.seconds:.1f}s; store {result.store}")
     changed = result.corpus_changes()
@@ -71,13 +79,13 @@ def cmd_run(args) -> int:
         print(f"evaluation: {result.evaluation} -- a proxy, not relevance labels")
     if result.selected:
         sel = result.selected
-        print(f"selected: {sel['system']} (model {sel['model_id'][:16]}): {sel['reason']}")
+        print(f"selected: {sel['system']} (model {_model(sel['model_id'])}): {sel['reason']}")
         print(f"  hand it out: irflow export {result.run_id} --out DIR --store {result.store}")
     if result.promotion:
         p = result.promotion
         print(f"promotion ({p['decision']}): {p['reason']}")
         if p["current"]:
-            print(f"  {p['alias']} holds model {p['current'][:16]}: irflow export {p['alias']} --out DIR "
+            print(f"  {p['alias']} holds model {_model(p['current'])}: irflow export {p['alias']} --out DIR "
                   f"--store {result.store}")
     if result.warnings:
         # Said again at the end: in place they scroll away among a long run's progress lines.
@@ -108,8 +116,11 @@ def _estimate(args):
             catalog = None
         queries = estimate.searched_queries(plan, size, catalog)
         rows = estimate.estimate(c, stale, size, hw, {p.name: p.params for p in plan}, queries)
-    except Exception as e:  # noqa: BLE001 -- an estimate never stops a run: a bad corpus is the run's to report
-        log.debug("no estimate: %s", e)
+    except UserError:  # a bad config or corpus: the run reports it next, before anything starts
+        return None
+    except Exception as e:  # noqa: BLE001 -- an estimate never stops a run; it says why it is missing
+        print(f"irflow: no estimate ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+              "the run goes on", file=sys.stderr)
         return None
     print(estimate.format_estimates(rows, hw), file=sys.stderr)
     return rows, hw
@@ -367,13 +378,13 @@ def cmd_export(args) -> int:
             raise UserError(f"--system: {args.run_id} is an alias; it holds one model (export a run to choose "
                             f"another of its models)")
         done = export.export_alias(catalog, args.run_id, args.out, args.format, args.force)
-        print(f"{done.system} (held by {args.run_id}; model {done.model_id[:16]}, from run {done.run_id}) -> "
+        print(f"{done.system} (held by {args.run_id}; model {_model(done.model_id)}, from run {done.run_id}) -> "
               f"{done.out}")
     else:
         run_id = resolve_run(catalog, args.run_id)
         done = export.export(catalog, run_id, args.out, args.system, args.format, args.force)
         which = "selected by the run" if done.selected else "named with --system"
-        print(f"{done.system} ({which}; model {done.model_id[:16]}) of run {run_id} -> {done.out}")
+        print(f"{done.system} ({which}; model {_model(done.model_id)}) of run {run_id} -> {done.out}")
     if done.onnx:
         print(f"ONNX: {done.onnx}")
     print(f'load it: SentenceTransformer("{done.out}"); its model card: {done.out / "README.md"}')
@@ -392,7 +403,7 @@ def cmd_models(args) -> int:
         if not history:
             print("no alias yet (set promote.alias in a config)")
         for h in history:
-            model = (h["model_id"] or "-")[:16]
+            model = _model(h["model_id"]) if h["model_id"] else "-"
             print(f"{h['decided_at']:%Y-%m-%d %H:%M:%S}  {h['alias']:<14} {h['decision']:<9} {model:<18} "
                   f"{h['run_id'] or '(by hand)'}: {h['reason']}")
         return 0
@@ -403,19 +414,20 @@ def cmd_models(args) -> int:
     if not rows:
         print("no run has selected a model yet")
         return 0
-    print(f"{'model':<18} {'run':<28} {'system':<28} {'recipe':<10} {'ndcg@10':>8}  evaluation")
+    w = max([18] + [len(_model(r["model_id"])) + 2 for r in rows])
+    print(f"{'model':<{w}} {'run':<28} {'system':<28} {'recipe':<10} {'ndcg@10':>8}  evaluation")
     for r in rows:
         mark = "* " if r["selected"] else "  "
         value = "" if r.get("ndcg@10") is None else f"{r['ndcg@10']:.4f}"
         held = f"  <- {', '.join(r['aliases'])}" if r["aliases"] else ""
-        print(f"{r['model_id'][:16]:<18} {r['run_id']:<28} {mark + r['system']:<28} {r['recipe']:<10} {value:>8}  "
+        print(f"{_model(r['model_id']):<{w}} {r['run_id']:<28} {mark + r['system']:<28} {r['recipe']:<10} {value:>8}  "
               f"{r['evaluation']}{held}")
     print("\n* the model its run selected (irflow export RUN_ID hands it out)")
     aliases = catalog.aliases()
     if aliases:
         print("\naliases (irflow export ALIAS hands out its model; --history: every decision):")
         for a in aliases:
-            print(f"  {a['alias']:<14} {a['model_id'][:16]:<18} {a['system'] or '':<20} promoted by "
+            print(f"  {a['alias']:<14} {_model(a['model_id']):<18} {a['system'] or '':<20} promoted by "
                   f"{a['run_id'] or 'hand'} at {a['decided_at']:%Y-%m-%d %H:%M:%S}")
     return 0
 
@@ -423,11 +435,20 @@ def cmd_models(args) -> int:
 def cmd_new(args) -> int:
     from irflow import scaffold
 
+    import shlex
+
     fields = dict(f.split("=", 1) for f in args.field or []) or None
-    text, table = scaffold.new_config(args.recipe, args.corpus, queries=args.queries, qrels=args.qrels,
-                                      query_log=args.query_log, model=args.model, generator=args.generator,
-                                      teacher=args.teacher, fields=fields, budget_minutes=args.budget_minutes)
+    command = "irflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
+    text, table, choices = scaffold.new_config(args.recipe, args.corpus, queries=args.queries, qrels=args.qrels,
+                                               query_log=args.query_log, model=args.model, generator=args.generator,
+                                               teacher=args.teacher, fields=fields,
+                                               budget_minutes=args.budget_minutes, command=command)
     out = scaffold.write(args.out, text, args.force)
+    for line in choices.lines:
+        print(line)
+    for w in choices.warnings:
+        print(f"warning: {w}")
+    print()
     print(table)
     print(f"\nwrote {out}: irflow run {out}")
     return 0
@@ -447,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--store", help=f"store directory (default: $IRFLOW_STORE or ./{DEFAULT_STORE})")
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
-    def json_flag(sp, help=None):
+    def json_flag(sp, help="print the result as JSON instead of a table"):
         sp.add_argument("--json", action="store_true", help=help)
 
     r = sub.add_parser("run", help="run a recipe")
@@ -504,16 +525,17 @@ def build_parser() -> argparse.ArgumentParser:
     ds.set_defaults(func=cmd_dev_split)
 
     lin = sub.add_parser("lineage", help="the upstream chain of a dataset or model id (a unique prefix is enough)")
-    lin.add_argument("id")
+    lin.add_argument("id", help="a dataset or model id (or a unique prefix of one), e.g. from irflow models")
     common(lin, config=False)
     json_flag(lin)
     lin.set_defaults(func=cmd_lineage)
 
     q = sub.add_parser("sql", help="DuckDB SQL over the catalog tables and views of every stored dataset")
-    q.add_argument("query")
+    q.add_argument("query", help="one SQL statement, e.g. \"SELECT * FROM runs\" (tables: runs, stage_runs, "
+                                 "datasets, metrics, selections, aliases; every stored dataset is a view)")
     common(q, config=False)
     json_flag(q)
-    q.add_argument("--max-rows", type=int, default=40)
+    q.add_argument("--max-rows", type=int, default=40, help="print at most this many rows (default 40)")
     q.set_defaults(func=cmd_sql)
 
     rp = sub.add_parser("report", help="one self-contained HTML page about a run: metrics with confidence "
@@ -529,8 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=cmd_report)
 
     cp = sub.add_parser("compare", help="what differs between two runs: config, stages, metrics (B against A)")
-    cp.add_argument("run_a", metavar="RUN_A")
-    cp.add_argument("run_b", metavar="RUN_B")
+    cp.add_argument("run_a", metavar="RUN_A", help="the run compared against (a run id or a unique prefix)")
+    cp.add_argument("run_b", metavar="RUN_B", help="the run compared (a run id, a unique prefix, or latest)")
     cp.add_argument("--metric", default="ndcg@10", help="the per-query metric compared (default ndcg@10)")
     common(cp, config=False)
     json_flag(cp)
@@ -548,8 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve a config as a Prefect deployment on a cron schedule")
     common(sv)
-    sv.add_argument("--cron", required=True)
-    sv.add_argument("--name")
+    sv.add_argument("--cron", required=True, help="when to run, as a cron expression in UTC, e.g. \"0 2 * * *\" "
+                                                   "(every night at 02:00)")
+    sv.add_argument("--name", help="the deployment's name (default: the config file's name)")
     sv.set_defaults(func=cmd_serve)
 
     ex = sub.add_parser("export", help="a run's model (default: the one it selected) as a self-contained "
@@ -566,7 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=cmd_export)
 
     nw = sub.add_parser("new", help="a commented config for your own documents and this machine, with each "
-                                    "stage's estimated time and memory")
+                                    "stage's estimated time and memory",
+                        description="Write a config for your own documents. Every document longer than the encoder "
+                                    "reads (256 tokens) is cut into passages; without labels a share of the documents "
+                                    "(by their ids' hashes, with their duplicates) is held out of training for a "
+                                    "synthetic evaluation (a proxy), sized to the corpus (none when the corpus is too "
+                                    "small: the config says so). Prints what it chose and why.")
     nw.add_argument("recipe", choices=("gpl", "baselines"), help="gpl (adapt a model) or baselines (BM25, zero-shot)")
     nw.add_argument("--corpus", required=True, help="your documents: .jsonl(.gz), .parquet (or a folder of them), "
                                                     ".csv, .tsv, or a folder of .txt / .md / .html")
@@ -599,6 +627,7 @@ def _error(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     from irflow.processes import install_interrupt_handler, interrupted
 
     install_interrupt_handler()

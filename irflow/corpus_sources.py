@@ -204,7 +204,14 @@ def _jsonl_records(src, member: str, fields, defaults) -> Iterator[Record]:
     required = ("id", "text", *(("title",) if "title" in (fields or {}) else ()))
     for lineno, obj in json_objects(_text_lines(src, member), where):
         if keys is None:  # the first object says which keys the source has (an id or content ids)
-            keys = _resolve(fields, defaults, list(obj), f"{where}:{lineno}", "key")
+            keys, first = _resolve(fields, defaults, list(obj), f"{where}:{lineno}", "key"), lineno
+        elif keys["id"] is None:
+            # content ids for some lines and the file's own ids for others would mix two kinds of id
+            named = next((k for k in defaults["id"] if k in obj), None)
+            if named is not None:
+                raise IngestError(f"{where}:{lineno}: has an id ('{named}') but line {first} has none "
+                                  f"(keys: {', '.join(map(str, defaults['id']))}): give every line an id, or none "
+                                  "(then each gets a content id)")
         yield _record(obj, keys, f"{where}:{lineno}", (0, lineno), required)
 
 
@@ -446,9 +453,11 @@ def read_corpus(path: Path, out: Path, *, format: str = "auto", fields: dict[str
                         continue
                 elif did in seen:
                     raise IngestError(f"{where(loc)}: duplicate id '{did}' (first at {where(seen[did])})")
-                if max_words and _PASSAGE.fullmatch(did):
-                    raise IngestError(f"{where(loc)}: id '{did}' ends in '#<digits>', which passage ids use "
-                                      f"(max_words is set); rename it")
+                if format != "beir" and _PASSAGE.fullmatch(did):
+                    # a passage's document is its id before '#<n>' (document_id): the held-out split and the
+                    # proxy's per-document statistics would take 'a#1' and 'a#2' for passages of one document
+                    raise IngestError(f"{where(loc)}: id '{did}' ends in '#<digits>', which irflow's passage ids "
+                                      f"use (<document id>#<n>); rename it (e.g. '{did.replace('#', '-')}')")
                 seen[did] = loc
                 docs += 1
                 cut = cut_passages(did, text, max_words, stride)

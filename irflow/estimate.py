@@ -285,7 +285,16 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
     log_q = 0
     if getattr(d, "query_log", None):
         log_q = sum(1 for ln in Path(d.query_log).read_text(errors="replace").splitlines() if ln.strip())
-    queries = proxy_queries if proxy_queries is not None else (300 if beir else d.proxy.documents)
+    if proxy_queries is not None:
+        queries = proxy_queries
+    elif beir:
+        queries = 300
+    elif d.qrels is not None or d.proxy is None:
+        queries = 0 if d.proxy is None and d.qrels is None else 300
+    else:  # one query per held-out document: about the fraction of the documents (passages: an upper bound)
+        queries = round(d.proxy.fraction * t.num_rows)
+        if d.proxy.documents is not None:
+            queries = min(queries, d.proxy.documents)
     pairs = _train_positives(src) if beir and src.exists() else []
     per_query = Counter(q for q, _ in pairs)
     return CorpusSize(t.num_rows, round(mean, 1), queries, log_q, tuple(per_query[q] for q in sorted(per_query)),

@@ -21,6 +21,7 @@ import yaml
 from irflow.catalog import Catalog
 from irflow.errors import UserError
 from irflow.labels import stage_name
+from irflow.selection import NO_EVALUATION
 
 ROUTER_CONFIG = "router_config.json"  # a sentence-transformers Router's: an asymmetric model (irflow.adore)
 
@@ -80,7 +81,53 @@ def _corpus(catalog: Catalog, run_id: str) -> dict | None:
     return None
 
 
-def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict) -> str:
+def inference_settings(catalog: Catalog, run_id: str, model_id: str) -> dict | None:
+    """How run ``run_id`` encoded ``model_id`` when it evaluated it: the params of its ``dense_search``
+    (max_seq_length: tokens read, null: the model's own limit; similarity: cos normalises). None: the run
+    searched nothing with it (nothing evaluated)."""
+    for r in catalog.stage_runs(run_id, with_inputs=True):
+        if stage_name(r["name"]) == "dense_search" and (r.get("inputs") or {}).get("model") == [model_id]:
+            info = catalog.dataset(r["outputs"].get("run", "")) or {}
+            params = json.loads(info["params"]) if isinstance(info.get("params"), str) else (info.get("params") or {})
+            return {"max_seq_length": params.get("max_seq_length"), "similarity": params.get("similarity", "cos"),
+                    "search": r["name"]}
+    return None
+
+
+def _normalize_type() -> str:
+    """The Normalize module's type as this sentence-transformers writes it in modules.json."""
+    from sentence_transformers.models import Normalize
+
+    return f"{Normalize.__module__}.{Normalize.__qualname__}"
+
+
+def apply_inference_settings(folder: Path, settings: dict) -> list[str]:
+    """Make the sentence-transformers folder encode as the evaluation did: its ``max_seq_length`` and, for
+    cos, a Normalize module (so ``encode`` returns the unit vectors the run searched). Returns what changed."""
+    changed = []
+    config = folder / "sentence_bert_config.json"
+    want = settings.get("max_seq_length")
+    if want is not None and config.is_file():
+        c = json.loads(config.read_text())
+        if c.get("max_seq_length") != want:
+            was = c.get("max_seq_length") or "the model's own limit"
+            changed.append(f"max_seq_length {was} -> {want} (the run evaluated it at {want} tokens)")
+            config.write_text(json.dumps({**c, "max_seq_length": int(want)}, indent=2))
+    modules_file = folder / "modules.json"
+    modules = json.loads(modules_file.read_text())
+    if settings.get("similarity") == "cos" and not any(str(m.get("type")).rsplit(".", 1)[-1] == "Normalize"
+                                                       for m in modules) \
+            and not (folder / ROUTER_CONFIG).is_file():
+        n = len(modules)
+        modules.append({"idx": n, "name": str(n), "path": f"{n}_Normalize", "type": _normalize_type()})
+        (folder / f"{n}_Normalize").mkdir(exist_ok=True)
+        modules_file.write_text(json.dumps(modules, indent=2))
+        changed.append("a Normalize module added (the run compared unit vectors: similarity cos)")
+    return changed
+
+
+def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict,
+               settings: dict | None = None, changed: list[str] = ()) -> str:
     run = catalog.run(run_id) or {}
     config = run.get("config")
     config = json.loads(config) if isinstance(config, str) else (config or {})
@@ -89,6 +136,7 @@ def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: d
     corpus = _corpus(catalog, run_id)
     bases = _base_models(catalog, model_id) or [model_id]
     proxy = sel["evaluation"] != "labelled"
+    measured = sel["evaluation"] != NO_EVALUATION
     lines = [f"# {system}", "",
              f"A dense retriever (sentence-transformers) made by irflow's `{run.get('flow')}` recipe, run "
              f"`{run_id}`.", "",
@@ -117,7 +165,19 @@ def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: d
         if a["model_id"] == model_id:
             by = f"by run {a['run_id']}" if a["run_id"] else "by hand"
             lines += [f"Promoted to `{a['alias']}` {by} ({a['decided_at']:%Y-%m-%d %H:%M:%S} UTC): {a['reason']}", ""]
-    lines += ["## Metrics", "",
+    if settings:
+        length = settings["max_seq_length"] or "the model's own limit"
+        lines += ["## Inference settings", "",
+                  f"This folder encodes as the run evaluated it: passages and queries truncated at {length} tokens, "
+                  f"similarity {settings['similarity']}" + (" (unit vectors)" if settings["similarity"] == "cos" else "")
+                  + f", passages as `title + \" \" + text`. Measured by `{settings['search']}` of run `{run_id}`."
+                  + (" Set at export: " + "; ".join(changed) + "." if changed else ""), ""]
+    if not measured:
+        lines += ["## Metrics", "", "**Not measured.** " + sel["reason"] + ". Check it on queries of your own before "
+                  "you rely on it.", ""]
+        metrics = []
+    else:
+        lines += ["## Metrics", "",
               (f"Measured on a **proxy**: {sel['evaluation']}. Not relevance labels: generated queries whose one "
                "relevant passage is the one they were made from. Read it as a comparison between systems, not as "
                "the quality users will see." if proxy else "Measured on labelled queries (the dataset's qrels)."),
@@ -133,11 +193,31 @@ def model_card(catalog: Catalog, run_id: str, system: str, model_id: str, sel: d
     return "\n".join(lines)
 
 
+EXPORT_MARK = "irflow_export.json"  # what an exported folder holds: which run, system and model it is
+
+
+def check_replaceable(out: Path) -> None:
+    """--force replaces only a folder that an earlier ``irflow export`` wrote (it holds ``EXPORT_MARK``) or an
+    empty one: never whatever a mistyped --out names."""
+    if out.is_file() or out.is_symlink():
+        raise UserError(f"--out {out}: is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARK).is_file():
+        raise UserError(f"--out {out}: not an earlier irflow export (no {EXPORT_MARK} in it); --force replaces only "
+                        "exported folders: choose another folder, or empty this one yourself")
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not force:
+            raise UserError(f"--out {out}: exists and is not empty (choose another folder, or --force to replace an "
+                            "earlier export)")
+        check_replaceable(out)
+
+
 def export(catalog: Catalog, run_id: str, out: str | Path, system: str | None = None, fmt: str = "st",
            force: bool = False) -> Exported:
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise UserError(f"--out {out}: exists and is not empty (choose another folder, or --force to replace it)")
+    _check_out(out, force)
     system, model_id, sel = _model_of(catalog, run_id, system)
     return _write(catalog, run_id, system, model_id, sel, out, fmt)
 
@@ -145,8 +225,7 @@ def export(catalog: Catalog, run_id: str, out: str | Path, system: str | None = 
 def export_alias(catalog: Catalog, alias: str, out: str | Path, fmt: str = "st", force: bool = False) -> Exported:
     """The model ``alias`` holds (its latest promotion), with the model card of the run that promoted it."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise UserError(f"--out {out}: exists and is not empty (choose another folder, or --force to replace it)")
+    _check_out(out, force)
     row = catalog.alias(alias)
     if row is None:
         raise UserError(f"alias {alias} holds no model yet (irflow models --history says what was decided)")
@@ -171,7 +250,15 @@ def _write(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict,
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(path, staging, ignore=shutil.ignore_patterns("checkpoints", "irflow_*.json", "README.md"))
-    (staging / "README.md").write_text(model_card(catalog, run_id, system, model_id, sel))
+    settings = inference_settings(catalog, run_id, model_id)
+    changed = apply_inference_settings(staging, settings) if settings else []
+    if settings:
+        (staging / EXPORT_MARK).write_text(json.dumps({"run_id": run_id, "system": system, "model_id": model_id,
+                                                       "inference": settings}, indent=2))
+    else:
+        (staging / EXPORT_MARK).write_text(json.dumps({"run_id": run_id, "system": system, "model_id": model_id},
+                                                      indent=2))
+    (staging / "README.md").write_text(model_card(catalog, run_id, system, model_id, sel, settings, changed))
     onnx = None
     if fmt == "onnx":
         from irflow import onnx_inference
@@ -185,6 +272,7 @@ def _write(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict,
                        "from irflow.onnx_inference import load\nmodel = load(\"path/to/this/folder/onnx\", threads=2)\n"
                        "vectors = encode_texts(model, [\"a query\"], batch_size=32, normalize=False)\n```\n")
     if out.exists():
+        check_replaceable(out)
         shutil.rmtree(out)
     staging.rename(out)  # the folder appears whole, or not at all
     return Exported(out, run_id, system, model_id, sel["system"] == system, onnx)

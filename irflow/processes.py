@@ -123,6 +123,37 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
         pass
 
 
+_MAIN_LOCK = threading.Lock()
+
+
+def run_in_spawned_child(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a fresh spawned Python process that dies with this one; its result.
+
+    A spawned child re-runs the caller's ``__main__`` module before ``fn``: a script read on standard input
+    (``python - <<EOF``) cannot be re-run (the child dies: BrokenProcessPool), and a script without an
+    ``if __name__ == "__main__"`` guard would run again, whole, in the child. ``fn`` lives in irflow and needs
+    nothing of ``__main__``, so the child is started with ``__main__``'s file hidden from multiprocessing
+    (under a lock: stages run in threads) and imports irflow alone."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=set_parent_death_signal) as pool:
+        main = sys.modules.get("__main__")
+        with _MAIN_LOCK:
+            saved = {k: main.__dict__.pop(k) for k in ("__file__",) if main is not None and k in main.__dict__}
+            spec = getattr(main, "__spec__", None)
+            if main is not None:
+                main.__spec__ = None
+            try:
+                future = pool.submit(fn, *args, **kwargs)  # the child process starts here
+            finally:
+                if main is not None:
+                    main.__dict__.update(saved)
+                    main.__spec__ = spec
+        return future.result()
+
+
 def dying_with_parent(cmd: list[str], sig: int = signal.SIGTERM,
                       own_session: bool = False) -> tuple[list[str], dict]:
     """``cmd`` and the Popen keywords that start it so that it gets ``sig`` when the thread that

@@ -61,6 +61,15 @@ class RecipeConfig(Params):
                                    "named alias if it beats the alias's current model on the run's evaluation "
                                    "(irflow.promotion; off unless promote.alias is set; never part of a key)")
 
+    @model_validator(mode="after")
+    def _promotion_needs_an_evaluation(self):
+        d = getattr(self, "dataset", None)
+        if self.promote.alias is not None and d is not None and getattr(d, "own", False) and not d.labelled \
+                and d.proxy is None:
+            raise ValueError("promote.alias: promotion compares models on the run's evaluation, and dataset.proxy: "
+                             "null evaluates nothing (give the proxy back, or labels)")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _resolve_follows(cls, data):
@@ -137,15 +146,21 @@ class RunResult:
         return {s.name for s in self.stages if s.status == "cached"}
 
     def corpus_changes(self) -> str | None:
-        """"N of M passages new or changed" when a map stage of this run reused rows of earlier runs
-        (irflow.row_reuse): its largest input; None when no stage reused rows."""
+        """What row reuse (irflow.row_reuse) did to the corpus's encoding, None when no stage reused rows: of the
+        largest ``encode_corpus`` that reused rows, how many passages are new or changed since the earlier
+        runs it reused from, or (reused only from this run's other encodings) how many it encoded."""
         reusing = [s for s in self.stages if s.rows and s.rows.get("reused")]
         if not reusing:
             return None
-        big = max(reusing, key=lambda s: s.rows["input"])
-        n = sum(1 for s in self.stages if s.rows and s.rows.get("reused"))
-        return (f"{big.rows['computed']} of {big.rows['input']} passages new or changed ({big.name}); "
-                f"{n} map stage(s) reused the rows of unchanged ones")
+        encodes = [s for s in reusing if labels.stage_name(s.name) == "encode_corpus"] or reusing
+        big = max(encodes, key=lambda s: s.rows["input"])
+        rows = big.rows
+        earlier = {r: n for r, n in (rows.get("reused_from") or {}).items() if r != self.run_id}
+        done = f"{big.name}: {rows['computed']:,} encoded, {rows['reused']:,} reused"
+        if earlier:
+            return (f"{rows['input'] - sum(earlier.values()):,} of {rows['input']:,} passages new or changed since "
+                    f"run {', '.join(sorted(earlier))} ({done})")
+        return f"{done} of {rows['input']:,} passages (from this run's other encodings)"
 
     def stage(self, name: str) -> StageResult:
         return next(s for s in self.stages if s.name == name)
@@ -331,6 +346,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         evaluated = [ev for ev in evaluations if ev["metrics"].kind != PENDING]
         selected = _select(run, evaluated)
         rows = report(run, evaluated, selected)
+        _warn_if_saturated(run, rows)
         check_interrupted()
         # the last act of a run: its models are published, its metrics recorded; one INSERT, or nothing
         promotion = _promote(run, c, evaluated, selected, rows)
@@ -359,14 +375,65 @@ def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict 
     if run.start_system is None:
         return None
     per_query = {s: v for s, v in _per_query(evaluations, metric).items() if s in run.dense_models}
-    if run.start_system not in per_query:
+    if run.evaluation == selection.NO_EVALUATION and not evaluations:
+        sel = selection.unmeasured(list(run.dense_models), run.start_system, metric)
+        per_query = dict.fromkeys(run.dense_models, {})
+    elif run.start_system not in per_query:
         return None
-    sel = selection.select(per_query, run.start_system, run.evaluation, metric, caveat=run.selection_caveat)
+    else:
+        units = _proxy_documents(run) if run.evaluation.startswith("proxy") else None
+        if units:
+            # only held-out documents no compared model trained on (a start continued from an alias's model
+            # trained on an earlier night's corpus, perhaps under another fraction or seed)
+            from irflow.promotion import trained_documents
+            from irflow.store import DatasetRef
+
+            seen = set().union(*(trained_documents(run.catalog, per.id) for s, per in run.dense_models.items()
+                                 if s in per_query and isinstance(per, DatasetRef)))
+            if seen:
+                per_query = {s: {q: v for q, v in values.items() if units.get(q) not in seen}
+                             for s, values in per_query.items()}
+        sel = selection.select(per_query, run.start_system, run.evaluation, metric, caveat=run.selection_caveat,
+                               units=units, unit_name="held-out documents" if units else "queries")
     out = {**sel.to_dict(), "model_id": run.dense_models[sel.system].id,
            "models": {s: run.dense_models[s].id for s in per_query}}
     run.catalog.record_selection(run.run_id, out)
     log.info("selected model: %s (%s)", sel.system, sel.reason)
     return out
+
+
+SATURATED = 0.95  # a proxy on which BM25 scores above this tells nothing about dense models
+
+
+def _warn_if_saturated(run: Run, rows: list[dict]) -> None:
+    """A proxy whose queries BM25 answers almost perfectly measures string matching: say so."""
+    if not run.evaluation.startswith("proxy"):
+        return
+    for r in rows:
+        value = r.get("ndcg@10")
+        if r["system"].startswith("bm25") and value is not None and value > SATURATED:
+            log.warning("the proxy is saturated: %s scores %.4f nDCG@10 on it (above %.2f), so its queries are "
+                        "matched by their words; it tells little about dense models. A query log "
+                        "(dataset.query_log) or another dataset.proxy.queries source measures retrieval better",
+                        r["system"], value, SATURATED)
+
+
+def _proxy_documents(run: Run) -> dict[str, str] | None:
+    """A proxy's query -> the held-out document its relevant passage belongs to (the unit its queries share),
+    read from the judgements this run's evaluations read; None when there are none."""
+    from irflow.corpus_sources import document_id
+    from irflow.store import DatasetRef
+
+    for s in run.catalog.stage_runs(run.run_id, with_inputs=True):
+        qrels = (s.get("inputs") or {}).get("qrels")
+        if labels.stage_name(s["name"]) == "evaluate" and qrels:
+            info = run.catalog.dataset(qrels[0]) or {}
+            if not info.get("path"):
+                return None
+            t = DatasetRef(qrels[0], info.get("name") or "qrels", "table", "qrels", info["path"]).table(
+                columns=["query_id", "doc_id"])
+            return {q: document_id(d) for q, d in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist())}
+    return None
 
 
 def _per_query(evaluations: list[dict], metric: str) -> dict[str, dict[str, float]]:
@@ -398,8 +465,9 @@ def _promote(run: Run, c: RecipeConfig, evaluations: list[dict], selected: dict 
             evaluated.setdefault(alias, s["inputs"]["model"][0])
     partial = (f"--to left {len(_unique(s['name'] for s in run.skipped))} stage(s) out: a partial run promotes "
                "nothing") if run.skipped else None
+    units = _proxy_documents(run) if run.evaluation.startswith("proxy") else None
     p = promotion.promote(run.catalog, run.store, run.run_id, c.promote, selected, _per_query(evaluations, metric),
-                          evaluated, run.evaluation, metric, partial).to_dict()
+                          evaluated, run.evaluation, metric, partial, units).to_dict()
     publish_summary(run, rows, selected, p)
     return p
 

@@ -1,7 +1,8 @@
 """``irflow new``: a commented config for a user's own documents and this machine.
 
-It reads the corpus as a run would (so its errors are the run's), counts documents, passages and words,
-cuts long documents into passages, picks what can run here -- the query source (a query log, a T5
+It reads the corpus once, as a run would (so its errors are the run's), counts each document's words and
+measures tokens per word with the model's tokenizer, cuts every document longer than the encoder reads
+into passages, sizes the held-out set (a fraction of the documents, by their ids' hashes) to the corpus, picks what can run here -- the query source (a query log, a T5
 generator by local folder or hub id, else the best offline choice and its measured caveat), the teacher
 (a cross-encoder, else the BM25 + MiniLM fusion) -- sizes training to a time budget with the rates
 measured on this kind of hardware (``irflow.estimate``), and writes the estimate into the config.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -21,7 +23,12 @@ from irflow.errors import ConfigError, UserError
 RECIPES = ("gpl", "baselines")
 T5_HUB = "BeIR/query-gen-msmarco-t5-base-v1"
 CE_HUB = "cross-encoder/ms-marco-MiniLM-L-6-v2"
-LONG_WORDS = 350  # a document above this many words (p90) is cut: ~450 tokens, past MiniLM's 256
+ENCODER_TOKENS = 256  # what the evaluated encoder reads (dense.max_seq_length written below)
+PASSAGE_FILL = 0.9  # a passage's words fill this share of what the encoder reads (the rest: its title, a margin)
+PROXY_TARGET = 200  # held-out documents aimed at: enough for a paired test per document, few for training to lose
+PROXY_FRACTION = (0.05, 0.2)  # the held-out fraction's bounds
+MIN_PROXY_DOCUMENTS = 20  # below this many held-out documents the proxy decides nothing (irflow.selection)
+RATIO_SAMPLE = 5000  # documents tokenised to measure tokens per word
 
 
 def _available(name: str) -> bool:
@@ -34,23 +41,99 @@ def _available(name: str) -> bool:
         return False
 
 
-def _words(path: Path, fmt: str, fields: dict | None) -> tuple[int, list[int]]:
-    import pyarrow.compute as pc
+@dataclass(frozen=True)
+class CorpusProfile:
+    """A corpus as ``irflow new`` read it, once: each document's words and tokens."""
+
+    documents: int
+    words: list[int]  # per document (title + text), in corpus order
+    tokens: list[int]  # per document, counted with the model's tokenizer (beyond RATIO_SAMPLE, or without
+    # the tokenizer: words x the measured or prior tokens per word)
+    measured_with: str  # the tokenizer, or "prior"
+
+
+def _profile(path: Path, fmt: str, fields: dict | None, model: str) -> CorpusProfile:
     import pyarrow.parquet as pq
 
     from irflow.corpus_sources import read_corpus
+    from irflow.estimate import WORDS_TO_TOKENS
 
     with tempfile.TemporaryDirectory(prefix="irflow-new-") as tmp:
         out = Path(tmp) / "c.parquet"
         stats = read_corpus(path, out, format=fmt, fields=fields)
-        t = pq.read_table(out, columns=["text"])
-    return stats.documents, sorted(pc.list_value_length(pc.utf8_split_whitespace(t.column("text"))).to_pylist())
+        t = pq.read_table(out, columns=["title", "text"])
+    texts = [f"{a or ''} {b or ''}".strip() for a, b in zip(t.column("title").to_pylist(), t.column("text").to_pylist())]
+    words = [len(x.split()) for x in texts]
+    tokenizer = _tokenizer(model)
+    if tokenizer is None:
+        return CorpusProfile(stats.documents, words, [round(w * WORDS_TO_TOKENS) for w in words], "prior")
+    counted = [len(ids) for ids in tokenizer(texts[:RATIO_SAMPLE], add_special_tokens=False, truncation=False,
+                                             verbose=False)["input_ids"]]
+    ratio = sum(counted) / max(1, sum(words[:RATIO_SAMPLE]))
+    tokens = counted + [round(w * ratio) for w in words[RATIO_SAMPLE:]]
+    return CorpusProfile(stats.documents, words, tokens, "the model's tokenizer")
+
+
+def _tokenizer(model: str):
+    from irflow.models import resolve
+
+    try:
+        from transformers import AutoTokenizer
+
+        path = resolve(model).path
+        return AutoTokenizer.from_pretrained(path) if Path(path).is_dir() else None
+    except Exception:  # noqa: BLE001 -- a hub model not here: the English prior stands in
+        return None
+
+
+def passage_settings(profile: CorpusProfile, encoder_tokens: int = ENCODER_TOKENS
+                     ) -> tuple[dict | None, int, float]:
+    """(dataset.passages, how many documents are longer than the encoder reads, the long documents' tokens per
+    word): judged per document; passages sized so that a long document's passage fits."""
+    limit = encoder_tokens - 2  # [CLS] and [SEP]
+    long_docs = [i for i in range(profile.documents) if profile.tokens[i] > limit]
+    if not long_docs:
+        return None, 0, 0.0
+    ratio = sum(profile.tokens[i] for i in long_docs) / max(1, sum(profile.words[i] for i in long_docs))
+    words = max(32, int(limit * PASSAGE_FILL / ratio) // 10 * 10)
+    return {"max_words": words, "stride": max(1, words * 3 // 4)}, len(long_docs), ratio
+
+
+def cut_count(words: list[int], max_words: int, stride: int) -> int:
+    """How many passages ``irflow.corpus_sources.cut_passages`` makes of documents of these word counts."""
+    n = 0
+    for w in words:
+        n += 1 if w <= max_words else 1 + max(0, -(-(w - max_words) // stride))
+    return n
+
+
+def proxy_fraction(documents: int) -> float:
+    """The held-out fraction aimed at PROXY_TARGET documents, within PROXY_FRACTION, two significant digits."""
+    lo, hi = PROXY_FRACTION
+    f = min(hi, max(lo, PROXY_TARGET / max(1, documents)))
+    return float(f"{f:.2g}")
+
+
+@dataclass
+class Choices:
+    """What ``irflow new`` chose, why, and what it warns of: printed on the terminal and written as the
+    config's header."""
+
+    lines: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def add(self, what: str) -> None:
+        self.lines.append(what)
+
+    def warn(self, what: str) -> None:
+        self.warnings.append(what)
 
 
 def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: str | None = None,
                query_log: str | None = None, model: str = "all-MiniLM-L6-v2", generator: str | None = None,
-               teacher: str | None = None, fields: dict | None = None, budget_minutes: float = 60.0) -> tuple[str, str]:
-    """(the config's YAML text with comments, the estimate table)."""
+               teacher: str | None = None, fields: dict | None = None, budget_minutes: float = 60.0,
+               command: str | None = None) -> tuple[str, str, Choices]:
+    """(the config's YAML text with comments, the estimate table, the choices and warnings)."""
     from irflow import estimate as est
     from irflow.beir import is_beir_source
 
@@ -64,26 +147,56 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     if is_beir_source(corpus):
         raise ConfigError(f"{corpus} is a BEIR dataset: start from configs/baselines_scifact.yaml (dataset.source)")
     read = src / "corpus.jsonl" if src.is_dir() and (src / "corpus.jsonl").is_file() else src
-    docs, words = _words(read, "auto", fields)
-    p90 = words[int(0.9 * (len(words) - 1))] if words else 0
-    passages = {"max_words": 200, "stride": 150} if p90 > LONG_WORDS else None
+    profile = _profile(read, "auto", fields, model)
+    docs = profile.documents
+    passages, long_docs, ratio = passage_settings(profile)
     hw = est.hardware()
     labelled = qrels is not None
-    proxy_docs = max(20, min(200, docs // 10))
+    choices = Choices()
+    if passages and labelled:
+        # judgements name whole documents: cut, they would name none of the passages
+        choices.warn(f"{long_docs:,} document(s) are longer than the encoder reads ({ENCODER_TOKENS} tokens) and are "
+                     "not cut, because your judgements (--qrels) name whole documents: the encoder reads the first "
+                     f"{ENCODER_TOKENS} tokens of each. Judge passages (<document id>#<n>) and set dataset.passages "
+                     "to cut them")
+        passages = None
+    n_passages = cut_count(profile.words, passages["max_words"], passages["stride"]) if passages else docs
+    choices.add(f"corpus: {_n(docs, 'document')} -> {_n(n_passages, 'passage')}"
+                + (f": {long_docs:,} longer than the encoder reads ({ENCODER_TOKENS} tokens; counted with "
+                   f"{profile.measured_with}) cut into passages of {passages['max_words']} words every "
+                   f"{passages['stride']} ({ratio:.2f} tokens a word in them)" if passages else
+                   f": {long_docs:,} longer than the encoder reads ({ENCODER_TOKENS} tokens), not cut" if long_docs else
+                   f": none longer than the encoder reads ({ENCODER_TOKENS} tokens), none cut"))
 
-    d: dict = {"source": corpus}
+    d: dict = {"source": str(src.resolve())}
     if fields:
         d["fields"] = fields
     if passages:
         d["passages"] = passages
+    fraction = proxy_fraction(docs)
+    expected = fraction * docs
+    evaluates = True
     if labelled:
-        d.update(queries=queries, qrels=qrels)
+        d.update(queries=str(Path(queries).expanduser().resolve()), qrels=str(Path(qrels).expanduser().resolve()))
+        choices.add(f"evaluation: labelled ({queries}, {qrels})")
+    elif expected < MIN_PROXY_DOCUMENTS:
+        d["proxy"] = None
+        evaluates = False
+        choices.add("evaluation: none (dataset.proxy: null)")
+        choices.warn(f"{_n(docs, 'document')} are too few to evaluate without labels: a synthetic held-out set needs "
+                     f"about {MIN_PROXY_DOCUMENTS} held-out documents (at most {PROXY_FRACTION[1]:.0%} of the corpus), "
+                     f"so at least {int(MIN_PROXY_DOCUMENTS / PROXY_FRACTION[1])} documents. "
+                     + ("The run trains and hands out the trained model unmeasured (GPL without evaluation data); "
+                        "give --queries and --qrels to measure it" if recipe == "gpl" else
+                        "The run hands out the starting model, unmeasured"))
     else:
-        d["proxy"] = {"documents": proxy_docs}
+        d["proxy"] = {"fraction": fraction}
+        choices.add(f"evaluation: a synthetic held-out set (a proxy): documents whose id hashes below {fraction:g} "
+                    f"(about {expected:.0f} of {docs:,}) and their duplicates are set aside before training, one ICT "
+                    "query each; a document once held out stays out as the corpus changes")
     if query_log:
-        d["query_log"] = query_log
+        d["query_log"] = str(Path(query_log).expanduser().resolve())
     cfg: dict = {"flow": recipe, "dataset": d}
-    notes: list[str] = []
     if recipe == "baselines":
         cfg.update(bm25={"variants": ["flat"]}, dense={"model": model})
     else:
@@ -93,20 +206,22 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
             gen = {"source": "t5", "model": generator or T5_HUB, "queries_per_passage": 3}
             why = "a T5 query generator (the paper's)"
         else:
-            gen, why = {"source": "ict"}, (
-                f"ict: no query log and no T5 generator here ({T5_HUB} is not downloadable; give --generator DIR). "
-                "Measured: model-free queries lowered GPL's student below zero-shot on SciFact and NFCorpus "
-                "(bench/results/model_free.json), so the run will most likely keep the starting model; a query "
-                "log (--query-log) is the offline source that gained")
-        notes.append(f"generate: {why}")
+            gen, why = {"source": "ict"}, (f"ict: no query log and no T5 generator here ({T5_HUB} is not downloadable; "
+                                           "give --generator DIR)")
+            if evaluates:
+                choices.warn("model-free queries (ict) lowered GPL's student below zero-shot on SciFact and NFCorpus "
+                             "(bench/results/model_free.json), and a proxy of their own kind cannot select the student: "
+                             "the run will most likely keep the starting model. A query log (--query-log) is the "
+                             "offline source that gained")
+        choices.add(f"training queries: {why}")
         if teacher or _available(CE_HUB):
             t = {"type": "cross_encoder", "model": teacher or CE_HUB}
-            notes.append("teacher: a cross-encoder (the paper's)")
+            choices.add("teacher: a cross-encoder (the paper's)")
         else:
             t = {"type": "fusion", "method": "zscore", "weights": {"bm25": 0.3, "minilm": 0.7},
                  "score_every_candidate": True}
-            notes.append(f"teacher: BM25 + MiniLM fusion (no cross-encoder here: {CE_HUB} is not downloadable; "
-                         "give --teacher DIR)")
+            choices.add(f"teacher: BM25 + MiniLM fusion (no cross-encoder here: {CE_HUB} is not downloadable; "
+                        "give --teacher DIR)")
         cfg.update(generate=gen,
                    mine={"miners": [{"name": "bm25", "type": "bm25"},
                                     {"name": "minilm", "type": "dense", "model": model}], "depth": 50},
@@ -114,12 +229,15 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                    train={"model": model, "similarity": "cos", "batch_size": 16, "max_seq_length": 200,
                           "lr": 2.0e-5, "warmup_steps": 25, "steps": 100, "checkpoint_every": 50,
                           "qgen": {"enabled": False}},
-                   bm25={"variants": ["flat"]}, dense={"batch_size": 64, "max_seq_length": 256},
+                   bm25={"variants": ["flat"]}, dense={"batch_size": 64, "max_seq_length": ENCODER_TOKENS},
                    hybrid={"method": "zscore", "sparse_weight": 0.3, "depth": 100})
 
+    proxy_queries = 0 if labelled or not evaluates else round(expected)
+    size = est.CorpusSize(n_passages, round(_mean_passage_words(profile, passages), 1), proxy_queries,
+                          _log_queries(query_log))
     # size training to the budget, then estimate every stage of the plan
     text = yaml.safe_dump(cfg, sort_keys=False)
-    c, stages, size = _plan(text, labelled, proxy_docs)
+    c, stages = _plan(text)
     if recipe == "gpl":
         one = est.estimate(c, ["train_student[gpl]"], size, hw)[0].seconds
         per_step = max(1e-3, (one - 3) / c.train.steps)
@@ -128,8 +246,8 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
         steps = int(min(140_000, max(50, left / per_step)))
         cfg["train"]["steps"] = steps
         cfg["train"]["checkpoint_every"] = max(50, steps // 10)
-        notes.append(f"train.steps: {steps}, what fits --budget-minutes {budget_minutes:g} here (the paper: 140,000 "
-                     "steps on a GPU)")
+        choices.add(f"train.steps: {steps:,}, what fits --budget-minutes {budget_minutes:g} here with the rest of "
+                    "the run (the paper: 140,000 steps on a GPU)")
         text = yaml.safe_dump(cfg, sort_keys=False)
         # the stages and the corpus are those planned above: only train.steps changed
         from irflow.recipe import load_config
@@ -137,19 +255,35 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
         c = load_config(yaml.safe_load(text))
     estimates = est.estimate(c, stages, size, hw)
     table = est.format_estimates(estimates, hw)
-    evaluation = (f"labelled ({queries}, {qrels})" if labelled else
-                  f"a synthetic held-out set: {proxy_docs} documents set aside, one ICT query each (a proxy)")
-    header = [f"irflow new {recipe} --corpus {corpus}", "",
-              f"corpus: {docs:,} documents -> {size.passages:,} passages, {size.mean_words:.0f} words each on average"
-              + (f" (documents over {LONG_WORDS} words at p90 ({p90}): cut into passages)" if passages else ""),
-              f"evaluation: {evaluation}", f"machine: {hw.describe()}", *notes, "", *table.splitlines(), "",
+    header = [command or f"irflow new {recipe} --corpus {corpus}", "", *choices.lines,
+              f"machine: {hw.describe()}", *(f"warning: {w}" for w in choices.warnings), "", *table.splitlines(), "",
               "irflow run THIS_FILE; then irflow export latest --out DIR (the model the run selected)"]
-    return "\n".join("# " + ln if ln else "#" for ln in header) + "\n" + text, table
+    return "\n".join("# " + ln if ln else "#" for ln in header) + "\n" + text, table, choices
 
 
-def _plan(text: str, labelled: bool, proxy_docs: int):
-    """The config model, the stage labels a first run computes, and the corpus's size."""
-    from irflow import estimate as est
+def _n(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def _mean_passage_words(profile: CorpusProfile, passages: dict | None) -> float:
+    if not profile.words:
+        return 0.0
+    if not passages:
+        return sum(profile.words) / len(profile.words)
+    m, stride = passages["max_words"], passages["stride"]
+    # a cut document's passages hold max_words each (the last fewer): close enough for an estimate
+    total = sum(w if w <= m else m * (1 + -(-(w - m) // stride)) for w in profile.words)
+    return total / cut_count(profile.words, m, stride)
+
+
+def _log_queries(query_log: str | None) -> int:
+    if not query_log:
+        return 0
+    return sum(1 for ln in Path(query_log).expanduser().read_text(errors="replace").splitlines() if ln.strip())
+
+
+def _plan(text: str):
+    """The config model and the stage labels a first run computes."""
     from irflow.recipe import get_recipe, load_config, plan
 
     c = load_config(yaml.safe_load(text))
@@ -165,8 +299,7 @@ def _plan(text: str, labelled: bool, proxy_docs: int):
         shutil.rmtree(store, ignore_errors=True)
         if old is None:
             os.environ.pop("PREFECT_HOME", None)
-    size = est.corpus_size(c.dataset, None if labelled else proxy_docs)
-    return c, stages, size
+    return c, stages
 
 
 def write(out: str | Path, text: str, force: bool = False) -> Path:

@@ -287,9 +287,22 @@ def test_document_id_and_passage_settings(tmp_path, docs):
         with pytest.raises(ValueError):
             cs.read_corpus(path, tmp_path / "out.parquet", **bad)
     hashed = write_jsonl(tmp_path / "h.jsonl", [{**docs[0], "_id": "doc#3"}, *docs[1:]])
-    cs.read_corpus(hashed, tmp_path / "out.parquet")  # fine while nothing is cut
-    with pytest.raises(IngestError, match=rf"{hashed}:1: id 'doc#3' ends in '#<digits>'"):
-        cs.read_corpus(hashed, tmp_path / "out.parquet", max_words=50)
+    # refused cut or not: the held-out split would take 'doc#3' for a passage of a document 'doc'
+    for max_words in (None, 50):
+        with pytest.raises(IngestError, match=rf"{hashed}:1: id 'doc#3' ends in '#<digits>'.*'doc-3'"):
+            cs.read_corpus(hashed, tmp_path / "out.parquet", max_words=max_words)
+
+
+def test_jsonl_ids_on_some_lines_only_are_refused(tmp_path, docs):
+    """Line 1 without an id gives every line a content id; a later line's own id would then be dropped
+    silently: refused, naming both lines."""
+    first = {k: v for k, v in docs[0].items() if k != "_id"}
+    path = write_jsonl(tmp_path / "mixed.jsonl", [first, *docs[1:4]])
+    with pytest.raises(IngestError, match=rf"{path}:2: has an id \('_id'\) but line 1 has none"):
+        cs.read_corpus(path, tmp_path / "out.parquet")
+    none = write_jsonl(tmp_path / "none.jsonl", [{k: v for k, v in d.items() if k != "_id"} for d in docs[:4]])
+    stats = cs.read_corpus(none, tmp_path / "out.parquet")
+    assert stats.documents == 4
 
 
 # ---- bad input -------------------------------------------------------------------------------

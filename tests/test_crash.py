@@ -335,3 +335,20 @@ def test_prefect_failure_records_of_a_converted_ctrl_c_stay_off_the_console(monk
     emit("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception')")
     emit("irflow", "run interrupted; staging reclaimed")
     assert out.getvalue().splitlines() == [failed, "run interrupted; staging reclaimed"]
+
+
+def test_spawned_children_need_nothing_of_the_callers_main_module(tmp_path):
+    """BM25 runs in a spawned child. A script read on standard input (`python - <<EOF`) used to kill that
+    child (BrokenProcessPool: it re-imports `<stdin>`), and a script without a `__main__` guard ran again,
+    whole, in the child."""
+    import subprocess
+    import sys
+
+    body = ("import os\nfrom irflow.processes import run_in_spawned_child\nprint('script ran')\n"
+            "print('child', run_in_spawned_child(os.getpid) != os.getpid())\n")
+    piped = subprocess.run([sys.executable, "-"], input=body, capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and "child True" in piped.stdout, piped.stderr[-2000:]
+    script = tmp_path / "unguarded.py"
+    script.write_text(body)
+    ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.count("script ran") == 1, ran.stdout + ran.stderr[-2000:]

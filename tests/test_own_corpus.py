@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "irflow" / "samples" / "scifact-sample.zip"
 N_DOCS = 120
 # what makes a tiny run: the config `irflow new` wrote, with the work cut to seconds
-TINY = ["train.steps=2", "train.batch_size=4", "train.max_seq_length=32", "train.warmup_steps=1",
+# (training reads 24 tokens, evaluation 32: the exported folder must encode as the evaluation did)
+TINY = ["train.steps=2", "train.batch_size=4", "train.max_seq_length=24", "train.warmup_steps=1",
         "dense.max_seq_length=32", "dense.batch_size=32", "label.negatives_per_positive=1", "mine.depth=10",
         "runtime.threads=1"]
 
@@ -77,14 +78,33 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
     assert sel["system"] in sel["models"] and sel["evaluation"] == r["evaluation"] and sel["reason"]
     assert set(sel["models"]) == {"dense-bi", "gpl-student"}  # irflow new leaves the QGen baseline off
 
-    # the exported folder is the selected model: SentenceTransformer loads it and encodes as the stored one does
+    # the exported folder is the model that was measured: SentenceTransformer loads it and encodes the evaluated
+    # passages into the embeddings the run searched (the same sequence length, pooling and normalisation)
+    from irflow.labels import stage_name
+    from irflow.text import passage_texts
+
     catalog = Catalog(own["store"] / "catalog.duckdb")
-    stored = catalog.dataset(sel["model_id"])["path"]
-    texts = [d["text"] for d in own["docs"][:8]]
-    exported = SentenceTransformer(str(first["exported"]), device="cpu").encode(texts)
-    np.testing.assert_allclose(exported, SentenceTransformer(stored, device="cpu").encode(texts), atol=1e-6)
+    runs = catalog.stage_runs(r["run_id"], with_inputs=True)
+    corpus_id = next(s["outputs"]["corpus"] for s in runs if s["name"] == "ingest_corpus")
+    encoded = next(s for s in runs if stage_name(s["name"]) == "encode_corpus"
+                   and s["inputs"]["model"] == [sel["model_id"]] and s["inputs"]["corpus"] == [corpus_id])
+    stored = pq.read_table(catalog.dataset(encoded["outputs"]["embeddings"])["path"])
+    passages = pq.read_table(catalog.dataset(corpus_id)["path"])
+    exported_model = SentenceTransformer(str(first["exported"]), device="cpu")
+    assert exported_model.max_seq_length == 32  # the evaluation's, not training's 24
+    vectors = exported_model.encode(passage_texts(passages), batch_size=64)
+    diff = np.abs(vectors - np.array(stored.column("embedding").to_pylist(), dtype=np.float32)).max()
+    assert diff < 1e-5, diff
+    assert json.loads((first["exported"] / "irflow_export.json").read_text())["inference"]["max_seq_length"] == 32
     card = (first["exported"] / "README.md").read_text()
     assert "**proxy**" in card and r["run_id"] in card and sel["reason"] in card and "irflow run" in card
+    assert "truncated at 32 tokens" in card and "-> 32 (the run evaluated it at 32 tokens)" in card
+    # --force replaces an earlier export, never a folder export did not write
+    mine = own["root"] / "my-project"
+    mine.mkdir(exist_ok=True)
+    (mine / "notes.txt").write_text("mine")
+    code, out, err = run_cli("export", r["run_id"], "--out", mine, "--store", own["store"], "--force")
+    assert code == 2 and "not an earlier irflow export" in err and (mine / "notes.txt").read_text() == "mine"
 
     # the same documents as Parquet and as CSV with other column names: the same corpus, so the run
     # reads the file and reuses everything after it
@@ -132,6 +152,35 @@ def test_held_out_documents_never_reach_training(own):
     assert set(proxy) <= held
 
 
+def test_a_small_corpus_gets_a_config_that_runs_and_says_what_it_chose(own, tmp_path):
+    """15 documents, one of them a long page: `irflow new` cuts the long one (judged per document, not by a
+    percentile), says the corpus is too small to hold documents out, and writes a config that runs: the
+    trained model handed out unmeasured, named so on the terminal, in the result and on the card."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    for d in own["docs"][:14]:  # short notes, and one long page
+        (folder / f"{d['_id']}.txt").write_text(" ".join(d["text"].split()[:60]))
+    (folder / "manual.md").write_text("# Manual\n\n" + " ".join(d["text"] for d in own["docs"][14:20]))
+    cfg = tmp_path / "small.yaml"
+    code, out, err = run_cli("new", "gpl", "--corpus", folder, "--model", own["bi"], "--teacher", own["ce"],
+                             "--budget-minutes", "1", "--out", cfg)
+    assert code == 0, err
+    assert "corpus: 15 documents -> " in out and "1 longer than the encoder reads (256 tokens" in out
+    assert "evaluation: none (dataset.proxy: null)" in out and "warning: 15 documents are too few" in out
+    written = yaml.safe_load(cfg.read_text())
+    assert written["dataset"]["proxy"] is None and written["dataset"]["passages"]["max_words"] > 0
+    assert Path(written["dataset"]["source"]).is_absolute()
+    assert cfg.read_text().startswith(f"# irflow new gpl --corpus {folder}")
+    code, out, err = run_cli("run", cfg, "--store", tmp_path / "store", "--json", "--no-estimate", *_sets(*TINY))
+    assert code == 0, err[-3000:]
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["metrics"] == [] and r["evaluation"].startswith("none")
+    assert r["selected"]["system"] == "gpl-student" and "not measured" in r["selected"]["reason"]
+    code, out, err = run_cli("export", r["run_id"], "--out", tmp_path / "m", "--store", tmp_path / "store")
+    assert code == 0, err
+    assert "**Not measured.**" in (tmp_path / "m" / "README.md").read_text()
+
+
 def test_a_folder_of_text_files_with_a_labelled_set(own):
     """A folder of .txt / .md / .html documents (ids are their paths) with a small labelled set beside it:
     the evaluation is labelled, the baseline model is exported."""
@@ -164,7 +213,8 @@ def test_a_folder_of_text_files_with_a_labelled_set(own):
     assert all(m["num_queries"] == 5 for m in r["metrics"])
     assert r["selected"]["system"] == "dense-bi"
     out_dir = own["root"] / "exported-notes"
-    assert run_cli("export", "latest", "--out", out_dir, "--store", own["store"], "--format", "onnx")[0] == 0
+    code, out, err = run_cli("export", "latest", "--out", out_dir, "--store", own["store"], "--format", "onnx")
+    assert code == 0, err
     texts = ["a query", docs[0]["text"]]
     torch_vectors = SentenceTransformer(str(out_dir), device="cpu").encode(texts)
     assert torch_vectors.shape == (2, 32)
@@ -205,3 +255,23 @@ def test_bad_input_is_one_line_and_exit_2(own, tmp_path, case):
     assert code == 2 and len(lines) == 1 and expect in lines[0] + err, err[-2000:]
     if store.exists():  # nothing of the corpus was stored
         assert not list((store / "objects").glob("corpus-*"))
+
+
+def test_export_settings_make_a_model_without_normalize_encode_unit_vectors(tmp_path):
+    """A model evaluated with similarity cos but saved without a Normalize module: the exported folder gets
+    one (and the evaluated sequence length), so plain `encode` returns the vectors the run searched."""
+    from sentence_transformers import SentenceTransformer
+
+    from irflow.export import apply_inference_settings
+
+    folder = make_tiny_bi_encoder(tmp_path / "plain", normalize=False)
+    texts = ["a query about cells", "a passage " * 40]
+    raw = SentenceTransformer(str(folder), device="cpu")
+    raw.max_seq_length = 16
+    expected = raw.encode(texts, normalize_embeddings=True)
+    changed = apply_inference_settings(folder, {"max_seq_length": 16, "similarity": "cos"})
+    assert len(changed) == 2 and "-> 16 (the run evaluated it at 16 tokens)" in changed[0]
+    exported = SentenceTransformer(str(folder), device="cpu")
+    assert exported.max_seq_length == 16
+    np.testing.assert_allclose(exported.encode(texts), expected, atol=1e-6)
+    assert apply_inference_settings(folder, {"max_seq_length": 16, "similarity": "cos"}) == []  # idempotent

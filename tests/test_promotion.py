@@ -45,7 +45,7 @@ def own(tmp_path_factory):
 
 
 def _baselines(own, model) -> dict:
-    return {"flow": "baselines", "dataset": {"source": str(own["root"] / "docs.jsonl"), "proxy": {"documents": 20}},
+    return {"flow": "baselines", "dataset": {"source": str(own["root"] / "docs.jsonl"), "proxy": {"fraction": 0.2}},
             "dense": {"model": str(model), **DENSE}, "promote": {"alias": "production"}, "runtime": {"threads": 1}}
 
 
@@ -160,8 +160,11 @@ def test_export_of_the_alias_loads_offline(own, minilm, worse):
     texts = [d["text"] for d in own["docs"][:4]]
     held = minilm["result"].selected["model_id"]
     stored = own["catalog"]().dataset(held)["path"]
-    np.testing.assert_allclose(SentenceTransformer(str(out_dir), device="cpu").encode(texts),
-                               SentenceTransformer(stored, device="cpu").encode(texts), atol=1e-6)
+    # the exported folder encodes as the run evaluated the model: at dense.max_seq_length, not MiniLM's 256
+    evaluated = SentenceTransformer(stored, device="cpu")
+    evaluated.max_seq_length = DENSE["max_seq_length"]
+    np.testing.assert_allclose(SentenceTransformer(str(out_dir), device="cpu").encode(texts), evaluated.encode(texts),
+                               atol=1e-6)
     card = (out_dir / "README.md").read_text()
     assert f"Promoted to `production` by run {minilm['result'].run_id}" in card
 
@@ -170,7 +173,7 @@ def test_training_continues_from_the_alias_model(own, minilm, worse):
     held = own["catalog"]().alias("production")["model_id"]
     # seconds of work: a dense miner and a fusion teacher (no JVM, no cross-encoder); cos, as the baselines
     # above, so the zero-shot and MiniLM corpus embeddings are theirs (cached)
-    cfg = {"flow": "gpl", "dataset": {"source": str(own["root"] / "docs.jsonl"), "proxy": {"documents": 20}},
+    cfg = {"flow": "gpl", "dataset": {"source": str(own["root"] / "docs.jsonl"), "proxy": {"fraction": 0.2}},
            "generate": {"source": "crop"}, "mine": {"miners": [{"type": "dense", "model": str(own["bi"]),
                                                                 "name": "bi"}], "depth": 10},
            "teacher": {"type": "fusion"}, "label": {"negatives_per_positive": 1},

@@ -333,7 +333,11 @@ def test_compare_names_exactly_the_changed_key(gpl):
     # only the evaluations read the key; everything else B reused
     assert {n for n, s in stages.items() if s.b == "computed"} == {n for n in stages if n.startswith("evaluate[")}
     assert all(s.b == "cached" for n, s in stages.items() if not n.startswith("evaluate["))
-    assert {n: s.a for n, s in stages.items()} == {s.name: s.status for s in a.stages}
+    # a label the run called twice (one cache key: computed once, cached once) reads computed
+    computed_a = {s.name for s in a.stages if s.status == "computed"}
+    assert {n: s.a for n, s in stages.items()} == {s.name: "computed" if s.name in computed_a else s.status
+                                                   for s in a.stages}
+    assert stages["bm25_index[flat]"].a == "computed"
     # SciFact's query ids are never doc ids: the same rankings score the same; every query a tie
     assert {s.system for s in diff.systems} == {m["system"] for m in a.metrics}
     for s in diff.systems:

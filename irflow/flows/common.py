@@ -24,6 +24,7 @@ from irflow.follows import Follow
 from irflow.params import ModelName, Params
 from irflow.recipe import RecipeConfig
 from irflow.runner import Run
+from irflow.selection import NO_EVALUATION
 from irflow.store import DatasetRef
 from irflow.tasks.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
 from irflow.tasks.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
@@ -53,9 +54,7 @@ def same_kind(proxy_source: str, training_source: str) -> bool:
     return proxy_source == training_source or {proxy_source, training_source} <= SPAN_SOURCES
 
 
-class ProxyConfig(Params):
-    documents: PositiveInt = Field(200, description="documents held out for the synthetic evaluation")
-    seed: int = Field(0, description="which documents are held out (a hash of seed and document id)")
+class ProxyConfig(HoldoutParams):
     queries: Annotated[Union[ICTSource, ProxyT5, CropSource], Field(discriminator="source")] = Field(
         ICTSource(source="ict"), description="how the held-out passages' queries are made: ict (a sentence of the "
                                              "passage, offline), crop (a span), or t5 with a model. A proxy made "
@@ -63,7 +62,8 @@ class ProxyConfig(Params):
                                              "trained on them")
 
     def describe(self) -> str:
-        return f"{self.queries.source} queries of {self.documents} held-out documents"
+        cap = f", at most {self.documents}" if self.documents is not None else ""
+        return f"{self.queries.source} queries of the held-out documents (fraction {self.fraction:g}{cap})"
 
 
 class DatasetConfig(IngestParams):
@@ -91,8 +91,12 @@ class DatasetConfig(IngestParams):
                                                 "(TSV query_id, doc_id, relevance; or TREC qrels)")
     query_log: str | None = Field(None, description="your own documents: query texts without labels (a search "
                                                     "log), for generate.source: unlabelled")
-    proxy: ProxyConfig = Field(ProxyConfig(), description="your own documents without labels: the synthetic "
-                                                          "held-out evaluation (a proxy, reported as one)")
+    proxy: ProxyConfig | None = Field(ProxyConfig(), description="your own documents without labels: the synthetic "
+                                                                 "held-out evaluation (a proxy, reported as one); "
+                                                                 "null: none (a corpus too small to hold documents "
+                                                                 "out): the run trains and hands out the trained model "
+                                                                 "unmeasured, as GPL's script does without "
+                                                                 "evaluation data")
 
     @field_validator("md5", mode="before")
     @classmethod
@@ -110,6 +114,9 @@ class DatasetConfig(IngestParams):
                 have, lack = ("queries", "qrels") if self.qrels is None else ("qrels", "queries")
                 raise ValueError(f"{lack}: a labelled set needs both queries and qrels ({have} is set); without "
                                  "labels leave both out (the evaluation is then a synthetic proxy)")
+            if self.proxy is None and self.qrels is not None:
+                raise ValueError("proxy: null is for documents without labels; with queries and qrels the evaluation "
+                                 "is labelled (leave proxy out)")
             for key in ("queries", "qrels", "query_log"):
                 path = getattr(self, key)
                 if path is not None and not Path(path).expanduser().is_file():
@@ -227,9 +234,9 @@ class Dataset:
     name: str
     split: str
     corpus: DatasetRef  # what every evaluated system searches
-    queries: DatasetRef
-    qrels: DatasetRef
-    test_queries: DatasetRef
+    queries: DatasetRef | None
+    qrels: DatasetRef | None
+    test_queries: DatasetRef | None  # None: nothing is evaluated (dataset.proxy: null)
     train_corpus: DatasetRef | None = None  # what training queries and pairs come from (None: corpus)
     query_log: DatasetRef | None = None  # your own documents: query texts without labels
     proxy: str | None = None  # without labels: how the synthetic evaluation was made (None: labelled)
@@ -241,6 +248,8 @@ class Dataset:
     @property
     def evaluation(self) -> str:
         """What the metrics are measured on: labelled, or a proxy and how it was made."""
+        if self.test_queries is None:
+            return NO_EVALUATION
         return "labelled" if self.proxy is None else f"proxy ({self.proxy})"
 
 
@@ -277,6 +286,8 @@ def _own_documents(run: Run, d: DatasetConfig, source: DatasetRef) -> Dataset:
     # No labels: documents set aside before anything trains; each held-out passage's generated queries
     # have it as their one relevant passage.
     p = d.proxy
+    if p is None:
+        return Dataset(d.display_name, d.split, corpus, None, None, None, query_log=log_queries)
     parts = holdout(run, p.to(HoldoutParams), corpus=corpus)
     q = p.queries
     if isinstance(q, ProxyT5):
@@ -290,8 +301,11 @@ def _own_documents(run: Run, d: DatasetConfig, source: DatasetRef) -> Dataset:
 
 def bm25_runs(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, *, prefix: str = "bm25",
               tag_suffix: str = "") -> dict[str, DatasetRef]:
-    """System name -> run, one per BM25 variant (an index each, cached apart from the search)."""
+    """System name -> run, one per BM25 variant (an index each, cached apart from the search); none without
+    queries (nothing evaluated)."""
     runs = {}
+    if queries is None:
+        return runs
     for variant in c.variants:
         tag = variant + tag_suffix
         index = bm25_index(run, BM25IndexParams(variant=variant), tag=tag, corpus=corpus)
@@ -304,7 +318,9 @@ def bm25_runs(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, 
 def dense_run(run: Run, c: DenseRetrieval, corpus: DatasetRef, queries: DatasetRef, *, model: DatasetRef,
               system: str, tag: str) -> DatasetRef:
     """Encode the corpus (cached on corpus + model + encoding settings: shared by every query set),
-    then search it."""
+    then search it. None without queries (nothing evaluated)."""
+    if queries is None:
+        return None
     embeddings = encode_corpus(run, c.to(EncodeParams), tag=tag, corpus=corpus, model=model)
     return dense_search(run, c.to(DenseSearchParams, system=system), tag=tag, embeddings=embeddings,
                         queries=queries, model=model)
@@ -318,6 +334,8 @@ def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, 
     """One evaluate stage per system (a changed system re-evaluates alone), on the test queries; the
     corpus lets it count the judged queries with no judged document in it."""
     run.evaluation = data.evaluation
+    if data.test_queries is None:
+        return []
     name = data.name if data.proxy is None else f"{data.name} (proxy)"
     p = c.to(EvaluateParams, dataset=name, split=data.split)
     return [evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
@@ -329,7 +347,7 @@ def hybrid_runs(run: Run, c: HybridConfig, runs: dict[str, DatasetRef], sparse: 
     """System name -> fused test run: ``hybrid`` (BM25 + the zero-shot model) and, with ``students``,
     BM25 + each trained model (``hybrid-<model>``); none unless ``enabled``. A user who deploys BM25 +
     dense wants to know what adaptation adds to that system, not only to the dense model alone."""
-    if not c.enabled:
+    if not c.enabled or sparse not in runs:
         return {}
     fused = {"hybrid": fuse(run, c.params(sparse, zero_shot), tag="hybrid", rankings=[runs[sparse], runs[zero_shot]])}
     for name in students if c.students else ():

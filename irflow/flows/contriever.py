@@ -83,7 +83,7 @@ class ContrieverConfig(RecipeConfig):
             raise ValueError(f"dense.similarity: the evaluated model uses train.similarity ({self.train.similarity}); "
                              f"got {self.dense.similarity}")
         d = self.dataset
-        if d.own and not d.labelled and same_kind(d.proxy.queries.source, self.generate.source):
+        if d.own and not d.labelled and d.proxy is not None and same_kind(d.proxy.queries.source, self.generate.source):
             raise ValueError(f"dataset.proxy.queries: {d.proxy.queries.source} queries are of the kind of "
                              f"generate.source ({self.generate.source}); a proxy of the training pairs' own kind "
                              f"favours the trained model whether or not it retrieves better "

@@ -418,7 +418,7 @@ def same_generator(c: GPLConfig) -> bool:
     """Whether the training queries and the proxy's (own documents, no labels) come from one generator, or
     from two that cut their queries out of the passage alike (ict, crop)."""
     d = c.dataset
-    if not d.own or d.labelled:
+    if not d.own or d.labelled or d.proxy is None:
         return False
     proxy, train = d.proxy.queries.source, c.generate.source
     return same_kind(proxy, train)

@@ -76,9 +76,19 @@ def config_changes(a: dict, b: dict) -> list[ConfigChange]:
             if fa.get(k, ABSENT) != fb.get(k, ABSENT)]
 
 
+def _by_label(stages: list[dict]) -> dict[str, dict]:
+    """label -> the stage run; a label a run called twice (one cache key: computed once, then cached) is
+    computed if either call computed it."""
+    out: dict[str, dict] = {}
+    for s in stages:
+        if s["name"] not in out or s["status"] == "computed":
+            out[s["name"]] = s
+    return out
+
+
 def stage_changes(a: list[dict], b: list[dict]) -> list[StageChange]:
     """Every stage of either run, in A's order and then B's new ones."""
-    by_a, by_b = {s["name"]: s for s in a}, {s["name"]: s for s in b}
+    by_a, by_b = _by_label(a), _by_label(b)
     names = list(by_a) + [n for n in by_b if n not in by_a]
     out = []
     for n in names:

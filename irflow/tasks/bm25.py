@@ -29,7 +29,7 @@ from pydantic import Field, PositiveInt
 from irflow.java import LuceneBM25Searcher, anserini_jar, java_binary
 from irflow.pairs import candidate_pairs, scored_run
 from irflow.params import Params
-from irflow.processes import dying_with_parent, set_parent_death_signal
+from irflow.processes import dying_with_parent, run_in_spawned_child
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef, parquet_batches
@@ -115,13 +115,8 @@ def search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: f
     that Lucene runs in cannot be stopped once started, so in this process its heap and buffers
     (0.5-1 GB after one search of the RocketQA demo) would stay for good, beside every later stage's
     models; the child returns all of it when the search ends, for a few seconds of start-up."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=set_parent_death_signal) as pool:
-        return pool.submit(_search, index_dir, qids, texts, k1=k1, b=b, top_k=top_k, fields=fields,
-                           remove_query=remove_query, threads=threads, batch_size=batch_size, heap=heap).result()
+    return run_in_spawned_child(_search, index_dir, qids, texts, k1=k1, b=b, top_k=top_k, fields=fields,
+                                remove_query=remove_query, threads=threads, batch_size=batch_size, heap=heap)
 
 
 def _search(index_dir: str, qids: list[str], texts: list[str], *, k1: float, b: float, top_k: int,
@@ -172,12 +167,7 @@ class BM25ScoreParams(BM25Weights):
 def score_pairs(index_dir: str, pairs: list[tuple[str, str]], qtext: dict[str, str], *, k1: float, b: float,
                 heap: str = "2g") -> list[float]:
     """BM25 of each (query id, doc id) pair, in a spawned child process (see ``search``)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=set_parent_death_signal) as pool:
-        return pool.submit(_score_pairs, index_dir, pairs, qtext, k1=k1, b=b, heap=heap).result()
+    return run_in_spawned_child(_score_pairs, index_dir, pairs, qtext, k1=k1, b=b, heap=heap)
 
 
 def _score_pairs(index_dir: str, pairs: list[tuple[str, str]], qtext: dict[str, str], *, k1: float, b: float,

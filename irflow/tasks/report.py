@@ -13,8 +13,11 @@ score 0, as in the numbers BEIR, Pyserini and MTEB publish.
 from __future__ import annotations
 
 import json
+import logging
 
 from irflow.runner import Run
+
+log = logging.getLogger("irflow")
 
 COLUMNS = ["ndcg@10", "recall@100", "map@100", "mrr@10"]
 #: Counts carried from the evaluation's metrics table into each row (not metrics: shown as integers).
@@ -132,6 +135,13 @@ def publish_summary(run: Run, rows: list[dict], selected: dict | None, promotion
 def report(run: Run, evals: list[dict], selected: dict | None = None) -> list[dict]:
     rows = record_metrics(run, evals)
     try:
+        from prefect.context import FlowRunContext
+
+        if FlowRunContext.get() is None:  # outside a Prefect flow run (tests, dry runs): no artifact store
+            return rows
+    except ImportError:
+        return rows
+    try:
         from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
         description = f"irflow run {run.run_id}"
@@ -145,6 +155,7 @@ def report(run: Run, evals: list[dict], selected: dict | None = None) -> list[di
                                               str(where / "histogram.png"), s["outputs"]["histogram"])
                 create_markdown_artifact(key=_artifact_key(s["name"]),
                                          markdown=markdown, description=description)
-    except Exception:  # noqa: BLE001 -- outside a Prefect run (tests, dry runs) there is no artifact store
-        pass
+    except Exception as e:  # noqa: BLE001 -- the artifacts are a view; the run's results are in the catalog
+        log.warning("report: the Prefect artifacts of run %s were not written (%s: %s); the metrics are in the "
+                    "catalog (irflow report)", run.run_id, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
     return rows
