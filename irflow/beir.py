@@ -194,7 +194,9 @@ def json_objects(lines: Iterable[tuple[int, str]], where: str) -> Iterator[tuple
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise IngestError(f"{where}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            # json's own message can end in "at" ("Invalid control character at"): one "at" before the column
+            msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg
+            raise IngestError(f"{where}:{lineno}: malformed JSON ({msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise IngestError(f"{where}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         yield lineno, obj

@@ -75,7 +75,9 @@ def cmd_run(args) -> int:
         print(changed)
     if result.skipped:
         print(f"not run (--to {', '.join(args.to_stage)}): {', '.join(result.skipped)}")
-    if result.evaluation != "labelled":
+    if result.evaluation.startswith("none"):
+        print(f"evaluation: {result.evaluation} -- nothing was measured")
+    elif result.evaluation != "labelled":
         print(f"evaluation: {result.evaluation} -- a proxy, not relevance labels")
     if result.selected:
         sel = result.selected

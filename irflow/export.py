@@ -106,13 +106,17 @@ def apply_inference_settings(folder: Path, settings: dict) -> list[str]:
     cos, a Normalize module (so ``encode`` returns the unit vectors the run searched). Returns what changed."""
     changed = []
     config = folder / "sentence_bert_config.json"
+    tokenizer = folder / "tokenizer_config.json"  # sentence-transformers 6 keeps the length there when unset above
     want = settings.get("max_seq_length")
     if want is not None and config.is_file():
         c = json.loads(config.read_text())
-        if c.get("max_seq_length") != want:
-            was = c.get("max_seq_length") or "the model's own limit"
-            changed.append(f"max_seq_length {was} -> {want} (the run evaluated it at {want} tokens)")
+        t = json.loads(tokenizer.read_text()) if tokenizer.is_file() else {}
+        was = c.get("max_seq_length") or t.get("model_max_length")
+        if was != want:
+            changed.append(f"max_seq_length {was or 'unset'} -> {want} (the run evaluated it at {want} tokens)")
             config.write_text(json.dumps({**c, "max_seq_length": int(want)}, indent=2))
+            if "model_max_length" in t:
+                tokenizer.write_text(json.dumps({**t, "model_max_length": int(want)}, indent=2))
     modules_file = folder / "modules.json"
     modules = json.loads(modules_file.read_text())
     if settings.get("similarity") == "cos" and not any(str(m.get("type")).rsplit(".", 1)[-1] == "Normalize"

@@ -114,6 +114,15 @@ class StageResult:
         return next(iter(self.outputs.values())) if len(self.outputs) == 1 else None
 
 
+def _passages(catalog, corpus_id: str) -> dict[str, int]:
+    """A stored corpus's passage id -> a hash of its title and text."""
+    from irflow.store import DatasetRef
+
+    info = catalog.dataset(corpus_id) or {}
+    t = DatasetRef(corpus_id, "corpus", "table", "corpus", info["path"]).table(columns=["doc_id", "title", "text"])
+    return {i: hash((a, b)) for i, a, b in zip(*(t.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
+
+
 @dataclass
 class RunResult:
     run_id: str
@@ -146,21 +155,32 @@ class RunResult:
         return {s.name for s in self.stages if s.status == "cached"}
 
     def corpus_changes(self) -> str | None:
-        """What row reuse (irflow.row_reuse) did to the corpus's encoding, None when no stage reused rows: of the
-        largest ``encode_corpus`` that reused rows, how many passages are new or changed since the earlier
-        runs it reused from, or (reused only from this run's other encodings) how many it encoded."""
+        """What changed in the corpus since the run whose rows this one reused (irflow.row_reuse), counted
+        from the two runs' ingested corpora: "N of M passages new or changed since run X (, K removed)", with
+        what the largest ``encode_corpus`` computed and reused; None when no stage reused rows."""
         reusing = [s for s in self.stages if s.rows and s.rows.get("reused")]
         if not reusing:
             return None
         encodes = [s for s in reusing if labels.stage_name(s.name) == "encode_corpus"] or reusing
         big = max(encodes, key=lambda s: s.rows["input"])
-        rows = big.rows
-        earlier = {r: n for r, n in (rows.get("reused_from") or {}).items() if r != self.run_id}
-        done = f"{big.name}: {rows['computed']:,} encoded, {rows['reused']:,} reused"
-        if earlier:
-            return (f"{rows['input'] - sum(earlier.values()):,} of {rows['input']:,} passages new or changed since "
-                    f"run {', '.join(sorted(earlier))} ({done})")
-        return f"{done} of {rows['input']:,} passages (from this run's other encodings)"
+        done = f"{big.name}: {big.rows['computed']:,} encoded, {big.rows['reused']:,} reused"
+        earlier = {r for s in reusing for r in (s.rows.get("reused_from") or {}) if r != self.run_id}
+        ingested = next((s for s in self.stages if labels.stage_name(s.name) in ("ingest_corpus", "ingest")), None)
+        if not earlier or ingested is None or "corpus" not in ingested.outputs:
+            return f"{done} of {big.rows['input']:,} passages (from this run's other encodings)"
+        from irflow.catalog import Catalog
+
+        catalog = Catalog(Path(self.store) / "catalog.duckdb")
+        previous = max(earlier, key=lambda r: str((catalog.run(r) or {}).get("started_at") or ""))
+        before = next((s["outputs"].get("corpus") for s in catalog.stage_runs(previous)
+                       if labels.stage_name(s["name"]) in ("ingest_corpus", "ingest")), None)
+        if before is None:
+            return f"{done} of {big.rows['input']:,} passages"
+        now, then = _passages(catalog, ingested.outputs["corpus"]), _passages(catalog, before)
+        changed = sum(1 for k, v in now.items() if then.get(k) != v)
+        removed = len(then.keys() - now.keys())
+        return (f"{changed:,} of {len(now):,} passages new or changed since run {previous}"
+                + (f", {removed:,} removed" if removed else "") + f" ({done})")
 
     def stage(self, name: str) -> StageResult:
         return next(s for s in self.stages if s.name == name)

@@ -130,11 +130,14 @@ class RuntimeConfig(Params):
     jvm_heap: str = Field("2g", pattern=r"^\d+[kmgKMG]?$",
                           description="maximum heap of the JVM that runs Lucene (BM25), e.g. 2g; the JVM "
                                       "shares the process with torch, and its own default is a quarter of RAM")
-    recompute_activations: bool = Field(
-        True, description="training keeps only each transformer layer's input and recomputes the layer in the "
-                          "backward pass (activation checkpointing): the same weights, bit for bit, with the "
-                          "activation memory of one layer instead of all of them, for more compute (a "
-                          "MiniLM step on 2 CPU cores: 1.3-1.5x the CPU time) (false: keep every activation)")
+    recompute_activations: bool | Literal["auto"] = Field(
+        "auto", description="training keeps only each transformer layer's input and recomputes the layer in the "
+                            "backward pass (activation checkpointing): the same weights, bit for bit, with the "
+                            "activation memory of one layer instead of all of them, for more compute (a MiniLM "
+                            "step on 2 CPU cores: 1.3-1.5x the CPU time). auto: on only when a step's activations "
+                            "(estimated from the batch, the sequence length and the model's size) would take "
+                            "more than half the memory available to the device, said in the log; true / false: "
+                            "always / never")
 
     executor: str = Field("local", description="local: stages and their shards run in this process, one after "
                                                "another; ray: shards run as Prefect tasks on Ray workers, and "
@@ -279,7 +282,7 @@ class StageRuntime:
     precision: str = "fp32"
     threads: int = 2
     jvm_heap: str = "2g"
-    recompute_activations: bool = True
+    recompute_activations: bool | str = "auto"  # RuntimeConfig.recompute_activations (auto: by need)
     workdir: Path | None = None  # scratch, removed after the stage
     resume_dir: Path | None = None  # survives a crash; checkpoints and shards of this cache key
     work: str | None = None

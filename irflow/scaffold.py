@@ -47,6 +47,7 @@ class CorpusProfile:
 
     documents: int
     words: list[int]  # per document (title + text), in corpus order
+    text_words: list[int]  # per document, its text's (what dataset.passages cuts)
     tokens: list[int]  # per document, counted with the model's tokenizer (beyond RATIO_SAMPLE, or without
     # the tokenizer: words x the measured or prior tokens per word)
     measured_with: str  # the tokenizer, or "prior"
@@ -64,14 +65,15 @@ def _profile(path: Path, fmt: str, fields: dict | None, model: str) -> CorpusPro
         t = pq.read_table(out, columns=["title", "text"])
     texts = [f"{a or ''} {b or ''}".strip() for a, b in zip(t.column("title").to_pylist(), t.column("text").to_pylist())]
     words = [len(x.split()) for x in texts]
+    text_words = [len((b or "").split()) for b in t.column("text").to_pylist()]
     tokenizer = _tokenizer(model)
     if tokenizer is None:
-        return CorpusProfile(stats.documents, words, [round(w * WORDS_TO_TOKENS) for w in words], "prior")
+        return CorpusProfile(stats.documents, words, text_words, [round(w * WORDS_TO_TOKENS) for w in words], "prior")
     counted = [len(ids) for ids in tokenizer(texts[:RATIO_SAMPLE], add_special_tokens=False, truncation=False,
                                              verbose=False)["input_ids"]]
     ratio = sum(counted) / max(1, sum(words[:RATIO_SAMPLE]))
     tokens = counted + [round(w * ratio) for w in words[RATIO_SAMPLE:]]
-    return CorpusProfile(stats.documents, words, tokens, "the model's tokenizer")
+    return CorpusProfile(stats.documents, words, text_words, tokens, "the model's tokenizer")
 
 
 def _tokenizer(model: str):
@@ -160,7 +162,7 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                      f"{ENCODER_TOKENS} tokens of each. Judge passages (<document id>#<n>) and set dataset.passages "
                      "to cut them")
         passages = None
-    n_passages = cut_count(profile.words, passages["max_words"], passages["stride"]) if passages else docs
+    n_passages = cut_count(profile.text_words, passages["max_words"], passages["stride"]) if passages else docs
     choices.add(f"corpus: {_n(docs, 'document')} -> {_n(n_passages, 'passage')}"
                 + (f": {long_docs:,} longer than the encoder reads ({ENCODER_TOKENS} tokens; counted with "
                    f"{profile.measured_with}) cut into passages of {passages['max_words']} words every "
@@ -192,8 +194,8 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     else:
         d["proxy"] = {"fraction": fraction}
         choices.add(f"evaluation: a synthetic held-out set (a proxy): documents whose id hashes below {fraction:g} "
-                    f"(about {expected:.0f} of {docs:,}) and their duplicates are set aside before training, one ICT "
-                    "query each; a document once held out stays out as the corpus changes")
+                    f"(about {expected:.0f} of {docs:,}) and their duplicates are set aside before training, an ICT "
+                    "query per passage of theirs; a document once held out stays out as the corpus changes")
     if query_log:
         d["query_log"] = str(Path(query_log).expanduser().resolve())
     cfg: dict = {"flow": recipe, "dataset": d}
@@ -266,14 +268,15 @@ def _n(count: int, noun: str) -> str:
 
 
 def _mean_passage_words(profile: CorpusProfile, passages: dict | None) -> float:
-    if not profile.words:
+    words = profile.text_words
+    if not words:
         return 0.0
     if not passages:
-        return sum(profile.words) / len(profile.words)
+        return sum(words) / len(words)
     m, stride = passages["max_words"], passages["stride"]
     # a cut document's passages hold max_words each (the last fewer): close enough for an estimate
-    total = sum(w if w <= m else m * (1 + -(-(w - m) // stride)) for w in profile.words)
-    return total / cut_count(profile.words, m, stride)
+    total = sum(w if w <= m else m * (1 + -(-(w - m) // stride)) for w in words)
+    return total / cut_count(words, m, stride)
 
 
 def _log_queries(query_log: str | None) -> int:

@@ -313,6 +313,9 @@ def test_malformed_json_and_bad_utf8_name_the_line(tmp_path, docs):
     with pytest.raises(IngestError, match=rf"{tmp_path / 'c.jsonl'}:7: malformed JSON"):
         cs.read_corpus(tmp_path / "c.jsonl", tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
+    (tmp_path / "t.jsonl").write_text('{"_id": "x", "text": "a\tb"}\n')  # a raw tab inside a string
+    with pytest.raises(IngestError, match=r"t.jsonl:1: malformed JSON \(Invalid control character at column 24\)"):
+        cs.read_corpus(tmp_path / "t.jsonl", tmp_path / "out.parquet")
     raw = [line.encode() for line in lines[:6]] + [b'{"_id": "x", "text": "caf\xe9"}\n']
     (tmp_path / "b.jsonl").write_bytes(b"".join(raw))
     with pytest.raises(IngestError, match=rf"{tmp_path / 'b.jsonl'}:7: invalid UTF-8"):

@@ -120,6 +120,24 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
         assert computed == {"ingest_corpus"}, computed
         assert again["selected"]["model_id"] == sel["model_id"]
 
+    # 6 more documents: the summary counts the passages new since the last run, from the two corpora
+    from irflow.corpus_sources import document_id
+
+    with zipfile.ZipFile(SAMPLE) as z:
+        name = min((n for n in z.namelist() if n.endswith("corpus.jsonl")), key=len)
+        more = z.read(name).decode().splitlines()[N_DOCS:N_DOCS + 6]
+    grown = own["root"] / "grown.jsonl"
+    grown.write_text(jsonl.read_text() + "\n".join(more) + "\n")
+    code, out, err = run_cli("run", first["config"], "--store", own["store"], "--no-estimate", "--json",
+                             *_sets(*TINY, f"dataset.source={grown}", "dataset.fields=null"))
+    assert code == 0, err[-3000:]
+    stages = json.loads(out.strip().splitlines()[-1])["stages"]
+    corpus = pq.read_table(catalog.dataset(next(s["outputs"]["corpus"] for s in stages
+                                                 if s["name"] == "ingest_corpus"))["path"])
+    added = {json.loads(ln)["_id"] for ln in more}
+    new = sum(1 for i in corpus.column("doc_id").to_pylist() if document_id(i) in added)
+    assert f"{new} of {corpus.num_rows} passages new or changed since run " in out, out
+
 
 def test_held_out_documents_never_reach_training(own):
     """The proxy's passages are set aside before anything trains: no training query is made from them and

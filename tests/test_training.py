@@ -956,3 +956,23 @@ def test_an_abort_counts_even_when_torchrun_names_the_peer_that_saw_it_as_the_ro
                     "Root Cause (first observed failure):\n[0]:\n  exitcode  : 1 (pid: 12)\n")
     assert _killing_signal(python_error) is None  # torchrun stopping the other rank is not a crash
     assert _killing_signal("failed (exitcode: -11) local_rank: 1 (pid: 3)") == 11
+
+
+def test_recompute_activations_auto_turns_on_only_when_a_step_would_not_fit(env, monkeypatch):
+    """auto: off for a batch whose activations take a small share of the free memory, on past half of it;
+    the reason gives the estimate. The choice is runtime, never keyed (the weights are the same)."""
+    from sentence_transformers import SentenceTransformer
+
+    from irflow.runtime import StageRuntime
+
+    m = SentenceTransformer(str(env["bi"]), device="cpu")
+    m.max_seq_length = 200
+    rt = StageRuntime(precision="bf16")
+    monkeypatch.setattr(training, "available_memory", lambda device: 8 * 2**30)
+    on, why = training.recompute_needed(m, rt, 48, "cpu")  # GPL's batch of 16: query, positive, negative
+    assert not on and "48 sequences of up to 200 tokens" in why and "of the 8.0 GiB free" in why
+    monkeypatch.setattr(training, "available_memory", lambda device: 2**20)
+    on, why = training.recompute_needed(m, rt, 48, "cpu")
+    assert on and "more than 50%" in why
+    assert RuntimeConfig().recompute_activations == "auto"
+    assert RuntimeConfig(recompute_activations=True).recompute_activations is True

@@ -490,8 +490,11 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
                  len(ex["q"]), plan.total_steps(p), p.batch_size, world, device, rt.precision)
         if p.moco.enabled and not moco:
             log.info("train_student: moco applies to loss mnrl only; %s trains without it", p.loss)
+    # sequences a step encodes per example: the query, the positive and the negative(s)
+    texts = 2 + (max(map(len, ex["negs"]), default=0) if p.loss == "listwise_kl" else int("n" in ex))
     if moco is None:
-        history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]")
+        history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]",
+                             texts_per_example=texts)
     else:  # the loop trains the query encoder inside MoCo; `model` is that encoder, saved below
         history = train_loop(moco, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]",
                              step_info=lambda: {"candidates": moco.loss_fn.last_candidates},
