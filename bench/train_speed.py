@@ -52,6 +52,10 @@ def triples(n: int) -> list[tuple[str, str, str, float]]:
     return out
 
 
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _precision() -> str:
     from irflow.runtime import resolve_precision
 
@@ -73,7 +77,7 @@ def arm_st(data, steps: int) -> dict:
     plan = BatchPlan(len(data), BATCH, SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     bf16 = _precision() == "bf16"
-    times, losses = [], []
+    times, losses, peaks = [], [], []
     model.train()
     for step in range(steps):
         idx = plan.at(step)
@@ -85,8 +89,9 @@ def arm_st(data, steps: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter())
+        peaks.append(_peak_mb())
         losses.append(float(loss.detach()))
-    return {"times": times, "losses": losses}
+    return {"times": times, "losses": losses, "peak_mb_by_step": peaks}
 
 
 def arm_irflow(data, steps: int, recompute) -> dict:
@@ -101,15 +106,20 @@ def arm_irflow(data, steps: int, recompute) -> dict:
     dtext = {**{f"p{i}": t[1] for i, t in enumerate(data)}, **{f"n{i}": t[2] for i, t in enumerate(data)}}
     p = TrainStudentParams(loss="margin_mse", similarity="dot", batch_size=BATCH, max_seq_length=MAX_LEN, lr=LR,
                            steps=steps, warmup_steps=0, checkpoint_every=0, seed=SEED)
-    times = []
-    training._on_step = lambda step: times.append(time.perf_counter())
+    times, peaks = [], []
+
+    def tick(step):
+        times.append(time.perf_counter())
+        peaks.append(_peak_mb())
+
+    training._on_step = tick
     with tempfile.TemporaryDirectory() as out:
         rt = StageRuntime(precision=_precision(), threads=os.cpu_count() or 2, work="train",
                           recompute_activations=recompute, workdir=out)
         fit_and_save({"ex": ex, "qtext": qtext, "dtext": dtext, "base_model": minilm_path(), "out": f"{out}/s",
                       "params": p.model_dump(mode="json")}, rt)
         history = json.loads(open(f"{out}/s/irflow_training.json").read())["history"]
-    return {"times": times, "losses": [h["loss"] for h in history]}
+    return {"times": times, "losses": [h["loss"] for h in history], "peak_mb_by_step": peaks}
 
 
 def child(arm: str, steps: int, out: str) -> None:
@@ -126,6 +136,24 @@ def child(arm: str, steps: int, out: str) -> None:
     del r["times"]
     with open(out, "w") as f:
         json.dump(r, f)
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per arm: the mean over reps of seconds per step, the highest peak, the first rep's mean loss; against
+    sentence-transformers: the time ratio and the mean absolute gap between the first reps' loss curves."""
+    base = "sentence-transformers"
+    summary = {}
+    for arm, rs in runs.items():
+        summary[arm] = {"seconds_per_step": round(sum(r["seconds_per_step"] for r in rs) / len(rs), 3),
+                        "peak_rss_mb": round(max(r["peak_rss_mb"] for r in rs)),
+                        "mean_loss": round(sum(rs[0]["losses"]) / len(rs[0]["losses"]), 4)}
+    if base in summary:
+        for arm, s in summary.items():
+            s["time_ratio"] = round(s["seconds_per_step"] / summary[base]["seconds_per_step"], 3)
+            s["peak_ratio"] = round(s["peak_rss_mb"] / summary[base]["peak_rss_mb"], 3)
+            gaps = [abs(x - y) for x, y in zip(runs[arm][0]["losses"], runs[base][0]["losses"])]
+            s["mean_abs_loss_gap_vs_st"] = round(sum(gaps) / len(gaps), 4)
+    return summary
 
 
 def main() -> None:
@@ -150,20 +178,10 @@ def main() -> None:
                 runs[arm].append(json.loads(open(f.name).read()))
             harness.log(f"rep {rep} {arm}: {runs[arm][-1]['seconds_per_step']:.3f} s/step, "
                         f"peak {runs[arm][-1]['peak_rss_mb']:.0f} MB")
-    base = "sentence-transformers"
-    summary = {}
-    for arm, rs in runs.items():
-        sps = sorted(r["seconds_per_step"] for r in rs)[len(rs) // 2]  # the median rep
-        summary[arm] = {"seconds_per_step": round(sps, 3), "peak_rss_mb": round(max(r["peak_rss_mb"] for r in rs)),
-                        "mean_loss": round(sum(rs[0]["losses"]) / len(rs[0]["losses"]), 4)}
-    if base in summary:
-        for arm, s in summary.items():
-            s["time_ratio"] = round(s["seconds_per_step"] / summary[base]["seconds_per_step"], 3)
-            gaps = [abs(x - y) for x, y in zip(runs[arm][0]["losses"], runs[base][0]["losses"])]
-            s["mean_abs_loss_gap_vs_st"] = round(sum(gaps) / len(gaps), 4)
-    harness.table(["arm", "s/step", "x sentence-transformers", "peak RSS MB", "mean loss", "loss gap vs ST"],
-                  [[arm, s["seconds_per_step"], s.get("time_ratio", ""), s["peak_rss_mb"], s["mean_loss"],
-                    s.get("mean_abs_loss_gap_vs_st", "")] for arm, s in summary.items()])
+    summary = summarize(runs)
+    harness.table(["arm", "s/step", "x sentence-transformers", "peak RSS MB", "x peak", "mean loss", "loss gap vs ST"],
+                  [[arm, s["seconds_per_step"], s.get("time_ratio", ""), s["peak_rss_mb"], s.get("peak_ratio", ""),
+                    s["mean_loss"], s.get("mean_abs_loss_gap_vs_st", "")] for arm, s in summary.items()])
     res = {"machine": {**harness.machine(), "load_at_arm_starts": load},
            "settings": {"steps": a.steps, "reps": a.reps, "batch": BATCH, "max_seq_length": MAX_LEN, "lr": LR,
                         "loss": "margin_mse (dot)", "model": "all-MiniLM-L6-v2"},
