@@ -10,7 +10,9 @@ triple; all-MiniLM-L6-v2, batch 16, max_seq_length 200, Margin-MSE on dot produc
 precision irflow resolves for training here (bf16 autocast where the CPU has AMX / AVX-512 BF16, else
 fp32), the same batches in the same order (irflow's BatchPlan).
 - sentence-transformers: its ``MarginMSELoss`` in a plain AdamW loop with clipping (its Trainer needs
-  ``accelerate``, which irflow does not install; the loop is what the Trainer runs per step);
+  ``accelerate``, which irflow does not install; the loop is what the Trainer runs per step), as it comes
+  (the positive and negative columns merged into one forward pass) and per column
+  (``column_merging_disabled``: one forward pass per column, as irflow);
 - irflow: ``train_student``'s process function (``fit_and_save``: the stage's model, loss, loop, schedule),
   with ``runtime.recompute_activations`` auto (the default) and true.
 Seconds per step between the end of step 1 and the end of the last step; the loss of every step (the
@@ -32,7 +34,7 @@ import time
 
 import harness
 
-ARMS = ("sentence-transformers", "irflow-auto", "irflow-recompute")
+ARMS = ("sentence-transformers", "sentence-transformers-per-column", "irflow-auto", "irflow-recompute")
 BATCH, MAX_LEN, LR, SEED = 16, 200, 2e-5, 42
 
 
@@ -62,8 +64,13 @@ def _precision() -> str:
     return resolve_precision("auto", "train", "cpu")
 
 
-def arm_st(data, steps: int) -> dict:
+def arm_st(data, steps: int, merge: bool = True) -> dict:
+    """``merge``: sentence-transformers 6's default, the positive and negative columns in one forward pass
+    padded to the longer; False (``column_merging_disabled``): a forward pass per column, as irflow does."""
+    import contextlib
+
     import torch
+    from sentence_transformers.base.losses.merged_forward import column_merging_disabled
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MarginMSELoss
 
@@ -82,7 +89,8 @@ def arm_st(data, steps: int) -> dict:
     for step in range(steps):
         idx = plan.at(step)
         feats = [model.tokenize([data[i][c] for i in idx]) for c in range(3)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+                (contextlib.nullcontext() if merge else column_merging_disabled()):
             loss = loss_fn(feats, torch.tensor([data[i][3] for i in idx]))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -127,8 +135,10 @@ def child(arm: str, steps: int, out: str) -> None:
 
     torch.set_num_threads(os.cpu_count() or 2)
     data = triples(BATCH * (steps + 1))
-    r = arm_st(data, steps) if arm == "sentence-transformers" else \
-        arm_irflow(data, steps, "auto" if arm == "irflow-auto" else True)
+    if arm.startswith("sentence-transformers"):
+        r = arm_st(data, steps, merge=arm == "sentence-transformers")
+    else:
+        r = arm_irflow(data, steps, "auto" if arm == "irflow-auto" else True)
     t = r["times"]
     r["seconds_per_step"] = (t[-1] - t[0]) / (len(t) - 1)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
