@@ -22,7 +22,6 @@ import harness  # noqa: F401 -- first: offline environment, this checkout on sys
 from irflow.catalog import Catalog
 from irflow.corpus_sources import document_id
 from irflow.selection import select
-from irflow.store import DatasetRef
 
 
 def per_query(catalog: Catalog, run_id: str, metric: str = "ndcg@10") -> tuple[dict, dict]:
@@ -32,13 +31,11 @@ def per_query(catalog: Catalog, run_id: str, metric: str = "ndcg@10") -> tuple[d
     for s in catalog.stage_runs(run_id, with_inputs=True):
         if not s["name"].startswith("evaluate"):
             continue
-        pq_id = s["outputs"]["per_query"]
-        t = DatasetRef(pq_id, "per_query", "table", None, catalog.dataset(pq_id)["path"]).table()
+        t = catalog.ref(s["outputs"]["per_query"]).table()
         for system, q, m, v in zip(*(t.column(c).to_pylist() for c in ("system", "query_id", "metric", "value"))):
             if m == metric:
                 values.setdefault(system, {})[q] = v
-        qrels = catalog.dataset(s["inputs"]["qrels"][0])
-        r = DatasetRef(s["inputs"]["qrels"][0], "qrels", "table", None, qrels["path"]).table(columns=["query_id", "doc_id"])
+        r = catalog.ref(s["inputs"]["qrels"][0]).table(columns=["query_id", "doc_id"])
         units.update({q: document_id(d) for q, d in zip(r.column("query_id").to_pylist(), r.column("doc_id").to_pylist())})
     return values, units
 

@@ -83,37 +83,34 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
     return warnings
 
 
+_CHECKED_SOURCES: set[tuple] = set()  # sources read whole by this process, with their files' sizes and times
+
+
 def check_own_documents(d) -> None:
     """Your own documents are read once before Prefect starts or anything is recorded, as ``irflow new``
     reads them, so that a bad file (a broken line, a missing column) is one line in seconds; a source over
-    ``estimate.MAX_SIZED_BYTES`` is left to the run's ingest."""
+    ``estimate.MAX_SIZED_BYTES`` is left to the run's ingest. A source this process has read unchanged (the
+    estimate's ``status`` and then the ``run`` of one ``irflow run``) is not read again."""
+    import json
     import tempfile
     from pathlib import Path
 
-    from irflow.corpus_sources import read_corpus
-    from irflow.estimate import MAX_SIZED_BYTES
+    from irflow.corpus_sources import documents_path, read_documents, source_bytes
+    from irflow.estimate import MAX_SIZED_BYTES, no_progress_bars
 
     if d is None or not getattr(d, "own", False):
         return
     src = Path(d.source).expanduser()
-    read = src / "corpus.jsonl" if src.is_dir() and (src / "corpus.jsonl").is_file() else src
-    if not read.exists():
+    if not src.exists():
         raise ConfigError(f"dataset.source: no such file or folder: {d.source}")
-    size = read.stat().st_size if read.is_file() else sum(f.stat().st_size for f in read.rglob("*") if f.is_file())
-    if size > MAX_SIZED_BYTES:
+    files = [documents_path(src)] if documents_path(src).is_file() else [f for f in src.rglob("*") if f.is_file()]
+    key = (str(src.resolve()), json.dumps([d.format, d.fields, d.passages and d.passages.model_dump()], sort_keys=True),
+           tuple(sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)))
+    if key in _CHECKED_SOURCES or source_bytes(src) > MAX_SIZED_BYTES:
         return
-    old = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        with tempfile.TemporaryDirectory(prefix="irflow-check-") as tmp:
-            read_corpus(read, Path(tmp) / "corpus.parquet", format=d.format, fields=d.fields,
-                        max_words=d.passages.max_words if d.passages else None,
-                        stride=d.passages.stride if d.passages else None)
-    finally:
-        if old is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = old
+    with tempfile.TemporaryDirectory(prefix="irflow-check-") as tmp, no_progress_bars():
+        read_documents(src, Path(tmp) / "corpus.parquet", d)
+    _CHECKED_SOURCES.add(key)
 
 
 def _check_stages(recipe, c: RecipeConfig, store: str, flag: str, stages: set[str]) -> None:

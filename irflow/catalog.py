@@ -603,6 +603,15 @@ class Catalog:
         info["path"] = self._abs(info["path"])
         return info
 
+    def ref(self, dataset_id: str):
+        """A recorded dataset as a ``DatasetRef`` (its table readable with ``.table()``), or None."""
+        from irflow.store import DatasetRef
+
+        info = self.dataset(dataset_id)
+        if info is None:
+            return None
+        return DatasetRef(dataset_id, info["name"], info["kind"], info["contract"], info["path"], info.get("digest"))
+
     def resolve(self, prefix: str) -> str:
         """A full dataset id from a unique prefix (ids are long; users type the start)."""
         with self.connect() as con:

@@ -375,6 +375,27 @@ def _check_fields(fields: dict[str, str] | None, allowed) -> None:
         raise ConfigError(f"fields: unknown name(s) {unknown}; known: {sorted(allowed)}")
 
 
+def documents_path(path: Path) -> Path:
+    """What a user's source reads: GPL's input, a folder holding corpus.jsonl (and no qrels: else it is a
+    BEIR dataset), is that file; any other file or folder is read as it is."""
+    path = Path(path)
+    return path / "corpus.jsonl" if path.is_dir() and (path / "corpus.jsonl").is_file() else path
+
+
+def source_bytes(path: Path) -> int:
+    """The size of a source: a file's, or every file's below a folder."""
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def read_documents(path: Path, out: Path, c) -> CorpusStats:
+    """``read_corpus`` of a user's source (``documents_path``) as ``c`` says: its ``format``, ``fields`` and
+    ``passages`` (a ``CorpusReadParams``, or the config's ``dataset`` section, which has the same keys)."""
+    return read_corpus(documents_path(path), out, format=c.format, fields=c.fields,
+                       max_words=c.passages.max_words if c.passages else None,
+                       stride=c.passages.stride if c.passages else None)
+
+
 def read_corpus(path: Path, out: Path, *, format: str = "auto", fields: dict[str, str] | None = None,
                 max_words: int | None = None, stride: int | None = None) -> CorpusStats:
     """Stream the documents of ``path`` into the parquet file ``out`` (``corpus`` schema); see the module doc."""

@@ -263,22 +263,19 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
     import pyarrow.parquet as pq
 
     from irflow.beir import is_beir_source
-    from irflow.corpus_sources import read_corpus
+    from irflow.corpus_sources import read_corpus, read_documents, source_bytes
 
     src = Path(d.source).expanduser()
     beir = is_beir_source(d.source)
-    size = src.stat().st_size if src.is_file() else sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    size = source_bytes(src)
     if size > MAX_SIZED_BYTES:
         raise ValueError(f"{d.source} is {size / 2**20:,.0f} MB: too large to read twice (irflow new estimates it once)")
-    with tempfile.TemporaryDirectory(prefix="irflow-size-") as tmp, _no_progress_bars():
+    with tempfile.TemporaryDirectory(prefix="irflow-size-") as tmp, no_progress_bars():
         out = Path(tmp) / "corpus.parquet"
-        read = src / "corpus.jsonl" if src.is_dir() and (src / "corpus.jsonl").is_file() else src
         if beir:
             read_corpus(src, out, format="beir")
         else:
-            read_corpus(read, out, format=d.format, fields=d.fields,
-                        max_words=d.passages.max_words if d.passages else None,
-                        stride=d.passages.stride if d.passages else None)
+            read_documents(src, out, d)
         t = pq.read_table(out, columns=["text"])
     words = pc.list_value_length(pc.utf8_split_whitespace(t.column("text")))
     mean = pc.mean(words).as_py() or 0.0
@@ -287,10 +284,10 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
         log_q = sum(1 for ln in Path(d.query_log).read_text(errors="replace").splitlines() if ln.strip())
     if proxy_queries is not None:
         queries = proxy_queries
-    elif beir:
+    elif beir or d.qrels is not None:
         queries = 300
-    elif d.qrels is not None or d.proxy is None:
-        queries = 0 if d.proxy is None and d.qrels is None else 300
+    elif d.proxy is None:  # nothing evaluated
+        queries = 0
     else:  # one query per held-out document: about the fraction of the documents (passages: an upper bound)
         queries = round(d.proxy.fraction * t.num_rows)
         if d.proxy.documents is not None:
@@ -315,7 +312,7 @@ MAX_SIZED_BYTES = 200 * 2**20  # a source read before the run to size it; larger
 
 
 @contextmanager
-def _no_progress_bars():
+def no_progress_bars():
     old = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"
     try:

@@ -256,12 +256,8 @@ def _write(catalog: Catalog, run_id: str, system: str, model_id: str, sel: dict,
     shutil.copytree(path, staging, ignore=shutil.ignore_patterns("checkpoints", "irflow_*.json", "README.md"))
     settings = inference_settings(catalog, run_id, model_id)
     changed = apply_inference_settings(staging, settings) if settings else []
-    if settings:
-        (staging / EXPORT_MARK).write_text(json.dumps({"run_id": run_id, "system": system, "model_id": model_id,
-                                                       "inference": settings}, indent=2))
-    else:
-        (staging / EXPORT_MARK).write_text(json.dumps({"run_id": run_id, "system": system, "model_id": model_id},
-                                                      indent=2))
+    mark = {"run_id": run_id, "system": system, "model_id": model_id, **({"inference": settings} if settings else {})}
+    (staging / EXPORT_MARK).write_text(json.dumps(mark, indent=2))
     (staging / "README.md").write_text(model_card(catalog, run_id, system, model_id, sel, settings, changed))
     onnx = None
     if fmt == "onnx":

@@ -152,7 +152,6 @@ def trained_documents(catalog, model_id: str | None, _seen: set | None = None) -
     every stored model it was trained from (training continued from an alias's model). Empty for a model
     no stage made (a hub id, a local directory)."""
     from irflow.corpus_sources import document_id
-    from irflow.store import DatasetRef
 
     _seen = set() if _seen is None else _seen
     info = catalog.dataset(model_id) if model_id and model_id not in _seen else None
@@ -165,11 +164,10 @@ def trained_documents(catalog, model_id: str | None, _seen: set | None = None) -
             continue
         for role, ids in (r.get("inputs") or {}).items():
             for i in ids:
-                d = catalog.dataset(i) or {}
-                if role == "corpus" and d.get("path"):
-                    t = DatasetRef(i, d.get("name") or role, "table", "corpus", d["path"]).table(columns=["doc_id"])
-                    out |= {document_id(x) for x in t.column("doc_id").to_pylist()}
-                elif d.get("kind") == "model":
+                ref = catalog.ref(i)
+                if ref is not None and role == "corpus" and ref.path:
+                    out |= {document_id(x) for x in ref.table(columns=["doc_id"]).column("doc_id").to_pylist()}
+                elif ref is not None and ref.kind == "model":
                     out |= trained_documents(catalog, i, _seen)
         break
     return out
@@ -179,17 +177,16 @@ def model_problem(catalog, store, model_id: str) -> str | None:
     """None if the model's files are complete where the catalog places them; else what is wrong. A stored
     model is checked against its recorded digest (``Store.check``); a local directory against the
     fingerprint its id holds; a hub model is named by its id and has nothing here to check."""
-    from irflow.store import DatasetRef, fingerprint_dir
+    from irflow.store import fingerprint_dir
 
-    info = catalog.dataset(model_id)
-    if info is None:
+    ref = catalog.ref(model_id)
+    if ref is None:
         return f"model {model_id} is not in the catalog"
-    ref = DatasetRef(model_id, info["name"], info["kind"], info["contract"], info["path"], info.get("digest"))
     if store.holds(ref):
         problem = store.check(ref)
         return None if problem is None else f"model {model_id} is {problem} in the store"
     if model_id.startswith("dir:sha256:"):
-        path = Path(info["path"] or "")
+        path = Path(ref.path or "")
         if not path.is_dir():
             return f"model {model_id}: its directory {path} is gone"
         if not model_id.endswith(fingerprint_dir(path)[:32]):

@@ -116,10 +116,7 @@ class StageResult:
 
 def _passages(catalog, corpus_id: str) -> dict[str, int]:
     """A stored corpus's passage id -> a hash of its title and text."""
-    from irflow.store import DatasetRef
-
-    info = catalog.dataset(corpus_id) or {}
-    t = DatasetRef(corpus_id, "corpus", "table", "corpus", info["path"]).table(columns=["doc_id", "title", "text"])
+    t = catalog.ref(corpus_id).table(columns=["doc_id", "title", "text"])
     return {i: hash((a, b)) for i, a, b in zip(*(t.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
 
 
@@ -364,12 +361,14 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
             run.dense_models = {k: resolve_deferred(v) for k, v in run.dense_models.items()}
         # an evaluation that --to left out has no metrics to report
         evaluated = [ev for ev in evaluations if ev["metrics"].kind != PENDING]
-        selected = _select(run, evaluated)
+        # a proxy's query -> its held-out document: the unit of the selection's and the promotion's tests
+        units = _proxy_documents(run) if run.evaluation.startswith("proxy") else None
+        selected = _select(run, evaluated, units)
         rows = report(run, evaluated, selected)
         _warn_if_saturated(run, rows)
         check_interrupted()
         # the last act of a run: its models are published, its metrics recorded; one INSERT, or nothing
-        promotion = _promote(run, c, evaluated, selected, rows)
+        promotion = _promote(run, c, evaluated, selected, rows, units)
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -387,7 +386,8 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
                      evaluation=run.evaluation, promotion=promotion)
 
 
-def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict | None:
+def _select(run: Run, evaluations: list[dict], units: dict[str, str] | None = None,
+            metric: str = "ndcg@10") -> dict | None:
     """The run's model to ship (``irflow.selection``) among the dense models its recipe evaluated,
     recorded in the catalog (``selections``)."""
     from irflow import selection
@@ -401,7 +401,6 @@ def _select(run: Run, evaluations: list[dict], metric: str = "ndcg@10") -> dict 
     elif run.start_system not in per_query:
         return None
     else:
-        units = _proxy_documents(run) if run.evaluation.startswith("proxy") else None
         if units:
             # only held-out documents no compared model trained on (a start continued from an alias's model
             # trained on an earlier night's corpus, perhaps under another fraction or seed)
@@ -442,16 +441,14 @@ def _proxy_documents(run: Run) -> dict[str, str] | None:
     """A proxy's query -> the held-out document its relevant passage belongs to (the unit its queries share),
     read from the judgements this run's evaluations read; None when there are none."""
     from irflow.corpus_sources import document_id
-    from irflow.store import DatasetRef
 
     for s in run.catalog.stage_runs(run.run_id, with_inputs=True):
         qrels = (s.get("inputs") or {}).get("qrels")
         if labels.stage_name(s["name"]) == "evaluate" and qrels:
-            info = run.catalog.dataset(qrels[0]) or {}
-            if not info.get("path"):
+            ref = run.catalog.ref(qrels[0])
+            if ref is None or not ref.path:
                 return None
-            t = DatasetRef(qrels[0], info.get("name") or "qrels", "table", "qrels", info["path"]).table(
-                columns=["query_id", "doc_id"])
+            t = ref.table(columns=["query_id", "doc_id"])
             return {q: document_id(d) for q, d in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist())}
     return None
 
@@ -468,7 +465,7 @@ def _per_query(evaluations: list[dict], metric: str) -> dict[str, dict[str, floa
 
 
 def _promote(run: Run, c: RecipeConfig, evaluations: list[dict], selected: dict | None, rows: list[dict],
-             metric: str = "ndcg@10") -> dict | None:
+             units: dict[str, str] | None = None, metric: str = "ndcg@10") -> dict | None:
     """With ``promote.alias``: the run's selected model against the alias's current model on the run's
     evaluation (``irflow.promotion``), decided and recorded; None when promotion is off."""
     from irflow import promotion
@@ -485,7 +482,6 @@ def _promote(run: Run, c: RecipeConfig, evaluations: list[dict], selected: dict 
             evaluated.setdefault(alias, s["inputs"]["model"][0])
     partial = (f"--to left {len(_unique(s['name'] for s in run.skipped))} stage(s) out: a partial run promotes "
                "nothing") if run.skipped else None
-    units = _proxy_documents(run) if run.evaluation.startswith("proxy") else None
     p = promotion.promote(run.catalog, run.store, run.run_id, c.promote, selected, _per_query(evaluations, metric),
                           evaluated, run.evaluation, metric, partial, units).to_dict()
     publish_summary(run, rows, selected, p)

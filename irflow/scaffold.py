@@ -138,6 +138,7 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     """(the config's YAML text with comments, the estimate table, the choices and warnings)."""
     from irflow import estimate as est
     from irflow.beir import is_beir_source
+    from irflow.corpus_sources import documents_path
 
     if recipe not in RECIPES:
         raise ConfigError(f"recipe '{recipe}': irflow new writes {' or '.join(RECIPES)} configs for your own "
@@ -148,8 +149,7 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     src = Path(corpus).expanduser()
     if is_beir_source(corpus):
         raise ConfigError(f"{corpus} is a BEIR dataset: start from configs/baselines_scifact.yaml (dataset.source)")
-    read = src / "corpus.jsonl" if src.is_dir() and (src / "corpus.jsonl").is_file() else src
-    profile = _profile(read, "auto", fields, model)
+    profile = _profile(documents_path(src), "auto", fields, model)
     docs = profile.documents
     passages, long_docs, ratio = passage_settings(profile)
     hw = est.hardware()

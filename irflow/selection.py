@@ -104,18 +104,18 @@ def select(per_query: Mapping[str, Mapping[str, float]], start: str, evaluation:
             f"{start} kept: the evaluation has {n_units} {unit_name}, fewer than the {min_units} needed to select "
             f"a model (best trained: {best} {mean[best]:.4f} vs {mean[start]:.4f}, {where}); hold out more "
             f"documents (dataset.proxy.fraction) or give labels"), **common)
-    winners = [s for s in trained if mean[s] > mean[start] and adjusted[s] == adjusted[s] and adjusted[s] < alpha]
-    if winners and caveat:
-        w = winners[0]
-        return Selection(start, value=mean[start], reason=(
-            f"{start} kept: {w} scored {mean[w]:.4f} vs {mean[start]:.4f} ({where}; p = {adjusted[w]:.3g} {over}), "
-            f"but {caveat}"), **{**common, "best_trained": w, "best_trained_value": mean[w], "p_value": adjusted[w]})
-    if winners:
-        w = winners[0]
+    # the best-scoring trained model whose gain holds after the adjustment (adjusted == adjusted: not NaN)
+    w = next((s for s in trained if mean[s] > mean[start] and adjusted[s] == adjusted[s] and adjusted[s] < alpha),
+             None)
+    if w is not None:
+        common.update(best_trained=w, best_trained_value=mean[w], p_value=adjusted[w])
+        if caveat:
+            return Selection(start, value=mean[start], reason=(
+                f"{start} kept: {w} scored {mean[w]:.4f} vs {mean[start]:.4f} ({where}; p = {adjusted[w]:.3g} "
+                f"{over}), but {caveat}"), **common)
         return Selection(w, value=mean[w], reason=(
             f"{w} {mean[w]:.4f} vs {start} {mean[start]:.4f} ({where}; +{mean[w] - mean[start]:.4f}, "
-            f"paired t-test p = {adjusted[w]:.3g} {over})"),
-            **{**common, "best_trained": w, "best_trained_value": mean[w], "p_value": adjusted[w]})
+            f"paired t-test p = {adjusted[w]:.3g} {over})"), **common)
     if mean[best] > mean[start]:
         why = (f"adaptation did not help beyond noise: the best trained model, {best}, scored {mean[best]:.4f} vs "
                f"{mean[start]:.4f} ({where}; p = {p:.3g} {over}, needs < {alpha})")

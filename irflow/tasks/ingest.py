@@ -128,15 +128,11 @@ def ingest_corpus(p: CorpusReadParams, rt: StageRuntime, *, source: DatasetRef):
     """A user's documents (``source``: a file or folder, keyed by its content) as a corpus of passages.
     Reading is ``irflow.corpus_sources``'s; a source that changed after the run fingerprinted it (it is
     being written to) is refused, so a stored corpus is always the content its id says."""
-    from irflow.corpus_sources import read_corpus
+    from irflow.corpus_sources import read_documents
 
     path = Path(source.path)
     out = rt.workdir / "corpus.parquet"
-    # GPL's input: a folder holding corpus.jsonl (and no qrels: else it is a BEIR dataset)
-    read = path / "corpus.jsonl" if path.is_dir() and (path / "corpus.jsonl").is_file() else path
-    stats = read_corpus(read, out, format=p.format, fields=p.fields,
-                        max_words=p.passages.max_words if p.passages else None,
-                        stride=p.passages.stride if p.passages else None)
+    stats = read_documents(path, out, p)
     if source_fingerprint(path) != source.id:
         raise DataError(f"{path} changed while it was read; nothing was stored: run again")
     log.info("ingest_corpus: %d document(s) -> %d passage(s) (%d cut into passages, %d empty dropped)",
