@@ -96,7 +96,7 @@ def inference_settings(catalog: Catalog, run_id: str, model_id: str) -> dict | N
 
 def _normalize_type() -> str:
     """The Normalize module's type as this sentence-transformers writes it in modules.json."""
-    from sentence_transformers.models import Normalize
+    from sentence_transformers.sentence_transformer.modules import Normalize
 
     return f"{Normalize.__module__}.{Normalize.__qualname__}"
 

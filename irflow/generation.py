@@ -46,9 +46,9 @@ def split_sentences(text: str) -> list[str]:
 def ict_queries(doc_id: str, text: str, n: int, seed: int, min_words: int = 3) -> list[str]:
     """Up to ``n`` distinct sentences of the passage, drawn at random (ICT pseudo-queries).
 
-    Lee et al. remove the sentence from the context it is paired with (90% of the time); here the
-    query's positive is the unchanged corpus passage, so the query is contained in its positive --
-    one reason such queries are easy. A passage with fewer than two sentences gives none: its only
+    Lee et al. remove the sentence from the context it is paired with (90% of the time); as training
+    queries here the positive is the unchanged corpus passage, so the query is contained in its positive
+    -- one reason such queries are easy. A proxy cuts it out (``cut_out``). A passage with fewer than two sentences gives none: its only
     sentence would be the whole passage, not a query about it.
     """
     all_sents = split_sentences(text)
@@ -56,6 +56,17 @@ def ict_queries(doc_id: str, text: str, n: int, seed: int, min_words: int = 3) -
         return []
     sents = list(dict.fromkeys(s for s in all_sents if len(s.split()) >= min_words))
     return _passage_rng(seed, doc_id).sample(sents, min(n, len(sents)))
+
+
+def cut_out(text: str, queries: list[str]) -> str:
+    """``text`` with the first occurrence of each query removed (spaces closed up): the passage a
+    query cut out of it (ICT's sentence, crop's span) is then searched for without its own words, as Lee
+    et al.'s ICT pairs a sentence with its context *without* the sentence. Left whole, the passage
+    contains its query, and string matching finds it (BM25 scored 0.995 nDCG@10 on such a proxy of
+    SciFact)."""
+    for q in queries:
+        text = text.replace(q, " ", 1)
+    return " ".join(text.split())
 
 
 def crop_queries(doc_id: str, text: str, n: int, seed: int, ratio=(0.1, 0.5), min_words: int = 3,

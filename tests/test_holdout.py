@@ -90,3 +90,47 @@ def test_a_corpus_with_nothing_to_hold_out_says_what_to_do(tmp_path, docs):
 
     with pytest.raises(DataError, match="holds out 0.*dataset.proxy: null"):
         _split(tmp_path, docs[:3], "tiny", fraction=0.01)
+
+
+def test_proxy_queries_are_cut_out_of_the_passages_the_proxy_searches(tmp_path, docs):
+    """ICT queries of the held-out passages, cut out of them: each judged passage no longer holds its
+    query (nor is it empty), every other passage and every id and position is the corpus's own."""
+    from irflow.tasks.generate_queries import ICTSource, generate_queries
+    from irflow.tasks.ingest import cut_proxy_queries
+
+    rt = StageRuntime(threads=1, workdir=tmp_path)
+    corpus = _corpus(tmp_path, docs[:300], "c")
+    parts = holdout.fn(HoldoutParams(fraction=0.2), rt, corpus=corpus)
+    (tmp_path / "h").mkdir()
+    pq.write_table(parts["heldout"], tmp_path / "h" / TABLE_FILE)
+    gen = generate_queries.fn(ICTSource(source="ict"), rt, corpus=DatasetRef("h", "h", "table", "corpus",
+                                                                             str(tmp_path / "h")))
+    refs = {}
+    for name in ("queries", "qrels"):
+        (tmp_path / name).mkdir()
+        pq.write_table(gen[name], tmp_path / name / TABLE_FILE)
+        refs[name] = DatasetRef(name, name, "table", name, str(tmp_path / name))
+    out = cut_proxy_queries.fn(None, rt, corpus=corpus, **refs)
+    before, after = corpus.table(), out
+    assert after.column("doc_id").to_pylist() == before.column("doc_id").to_pylist()
+    query_of = dict(zip(gen["qrels"].column("doc_id").to_pylist(),
+                        (dict(zip(gen["queries"].column("query_id").to_pylist(), gen["queries"].column("text").to_pylist()))[q]
+                         for q in gen["qrels"].column("query_id").to_pylist())))
+    assert len(query_of) >= 30
+    for d, old, new in zip(*(before.column("doc_id").to_pylist(), before.column("text").to_pylist(),
+                             after.column("text").to_pylist())):
+        if d in query_of:
+            assert query_of[d] in old and query_of[d] not in new and len(new.split()) >= len(old.split()) // 3
+        else:
+            assert new == old
+
+
+def test_a_t5_proxy_cannot_be_cut(docs):
+    from pydantic import ValidationError
+
+    from irflow.flows.common import ProxyConfig
+
+    assert ProxyConfig().cuts and not ProxyConfig(cut=False).cuts
+    with pytest.raises(ValidationError, match="t5 queries are not cut out"):
+        ProxyConfig(queries={"source": "t5", "model": "some/t5"}, cut=True)
+    assert not ProxyConfig(queries={"source": "t5", "model": "some/t5"}).cuts

@@ -21,7 +21,7 @@ from irflow.beir import IngestError, _relative_hint, dataset_splits, is_beir_sou
 from irflow.dual_encoder import TrainDualEncoderParams
 from irflow.errors import ConfigError
 from irflow.follows import Follow
-from irflow.params import ModelName, Params
+from irflow.params import ModelName, NoParams, Params
 from irflow.recipe import RecipeConfig
 from irflow.runner import Run
 from irflow.selection import NO_EVALUATION
@@ -32,8 +32,8 @@ from irflow.tasks.evaluate import EvaluateParams, EvaluationParams, evaluate
 from irflow.tasks.fuse import FuseParams, FuseSettings, fuse
 from irflow.tasks.generate_queries import GENERATED_SPLIT, CropSource, ICTSource, T5Source, generate_queries
 from irflow.tasks.ingest import (CorpusReadParams, HoldoutParams, IngestParams, OwnFormat, PassageSettings,
-                                 QueryFileParams, SelectQueriesParams, holdout, ingest_beir, ingest_corpus,
-                                 ingest_queries, select_queries, source_ref)
+                                 QueryFileParams, SelectQueriesParams, cut_proxy_queries, holdout, ingest_beir,
+                                 ingest_corpus, ingest_queries, select_queries, source_ref)
 from irflow.tasks.mine_negatives import MineParams
 
 log = logging.getLogger("irflow")
@@ -61,9 +61,28 @@ class ProxyConfig(HoldoutParams):
                                              "by the generator that made the training queries favours the model "
                                              "trained on them")
 
+    cut: bool | None = Field(None, description="cut each ict / crop query out of the held-out passage it points "
+                                               "to, in the corpus the proxy searches (Lee et al.'s ICT): left "
+                                               "whole, a passage contains its query and string matching finds it "
+                                               "(BM25 scores 0.99 on such a proxy). null: cut ict and crop queries "
+                                               "(t5 queries are not cut out of anything)")
+
+    @model_validator(mode="after")
+    def _cut(self):
+        if self.cut and self.queries.source not in SPAN_SOURCES:
+            raise ValueError(f"dataset.proxy.cut: {self.queries.source} queries are not cut out of their passages "
+                             f"(only ict and crop are); leave cut out or null")
+        return self
+
+    @property
+    def cuts(self) -> bool:
+        """Whether the proxy's queries are cut out of the passages it searches."""
+        return self.queries.source in SPAN_SOURCES if self.cut is None else self.cut
+
     def describe(self) -> str:
         cap = f", at most {self.documents}" if self.documents is not None else ""
-        return f"{self.queries.source} queries of the held-out documents (fraction {self.fraction:g}{cap})"
+        cut = " (cut out of their passages)" if self.cuts else ""
+        return f"{self.queries.source} queries{cut} of the held-out documents (fraction {self.fraction:g}{cap})"
 
 
 class DatasetConfig(IngestParams):
@@ -295,7 +314,10 @@ def _own_documents(run: Run, d: DatasetConfig, source: DatasetRef) -> Dataset:
                                model=run.model(q.model, "dataset.proxy.queries.model"))
     else:
         gen = generate_queries(run, q, tag="proxy", corpus=parts["heldout"])
-    return Dataset(d.display_name, GENERATED_SPLIT, corpus, gen["queries"], gen["qrels"], gen["queries"],
+    searched = corpus
+    if p.cuts:
+        searched = cut_proxy_queries(run, NoParams(), corpus=corpus, queries=gen["queries"], qrels=gen["qrels"])
+    return Dataset(d.display_name, GENERATED_SPLIT, searched, gen["queries"], gen["qrels"], gen["queries"],
                    train_corpus=parts["train_corpus"], query_log=log_queries, proxy=p.describe())
 
 

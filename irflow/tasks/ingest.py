@@ -19,7 +19,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from irflow.beir import fetch, read_beir
 from irflow.errors import DataError
-from irflow.params import Params
+from irflow.params import NoParams, Params
 from irflow.runtime import StageRuntime
 from irflow.stage import Output, stage
 from irflow.store import DatasetRef, fingerprint_file
@@ -238,3 +238,23 @@ def holdout(p: HoldoutParams, rt: StageRuntime, *, corpus: DatasetRef):
     keep = pa.array([d in queried for d in doc_of], pa.bool_())
     train = pa.array([d not in held for d in doc_of], pa.bool_())
     return {"train_corpus": t.filter(train), "heldout": t.filter(keep)}
+
+
+@stage("cut_proxy_queries", version="1", outputs=Output("corpus", "corpus"))
+def cut_proxy_queries(p: NoParams, rt: StageRuntime, *, corpus: DatasetRef, queries: DatasetRef, qrels: DatasetRef):
+    """The corpus a proxy searches when its queries were cut out of their held-out passages (ict, crop):
+    each judged passage with its queries' words removed (``irflow.generation.cut_out``), every other
+    passage as it is. Ids and order are the corpus's, so unchanged passages' embeddings are reused
+    (``irflow.row_reuse``)."""
+    from irflow.generation import cut_out
+
+    text_of = dict(zip(queries.table(columns=["query_id"]).column("query_id").to_pylist(),
+                       queries.table(columns=["text"]).column("text").to_pylist()))
+    r = qrels.table(columns=["query_id", "doc_id"])
+    cut: dict[str, list[str]] = {}
+    for q, d in zip(r.column("query_id").to_pylist(), r.column("doc_id").to_pylist()):
+        cut.setdefault(d, []).append(text_of[q])
+    t = corpus.table()
+    texts = [cut_out(x, cut[d]) if d in cut else x for d, x in zip(t.column("doc_id").to_pylist(),
+                                                                    t.column("text").to_pylist())]
+    return t.set_column(t.schema.get_field_index("text"), "text", pa.array(texts, pa.string()))

@@ -1,0 +1,268 @@
+"""Does the synthetic held-out evaluation (the proxy) rank models as real judgements do?
+
+A user with documents and no labels: SciFact or NFCorpus given as a folder of documents, plus the train
+queries' texts as a query log (no labels). Six GPL runs (query log, ICT and crop queries; 30 and 120 steps;
+each with its QGen baseline; one continued from another run's student, as ``train.init`` continues from
+production) make 11 trained models; with the zero-shot start, 12. Every run holds the same documents out
+(``dataset.proxy``: a fixed hash fraction), so every model is scored on documents none of them trained on.
+
+Then, outside the runs, each model's stored corpus embeddings (the ones its run evaluated) are scored
+
+- on the real test queries and qrels (used only here, after the runs), nDCG@10 per query;
+- on several proxies made from the held-out passages, nDCG@10 per query:
+  ``ict`` (a sentence of the passage, the passage left whole: irflow's proxy before this bench),
+  ``ict-removed`` (the sentence cut out of the passage it points to, as Lee et al.'s ICT does),
+  ``crop`` / ``crop-removed`` (a random span, kept or cut out), and two filters of ``ict-removed``:
+  ``easy-dropped`` (NeMo Curator's easiness filter: drop queries above the 70th percentile of the
+  zero-shot model's query-passage similarity) and ``round-trip`` (Promptagator: keep a query only when
+  BM25-free zero-shot retrieval finds its passage in the top 20).
+
+Reported per proxy: Kendall's tau against the real ranking of the 12 models; the regret (real nDCG@10 of
+the real best minus that of the proxy's best); what irflow's selection rule (per-document units, Holm, at
+least 20 documents) would ship from each run and from all 11 candidates, and that model's real score
+against the start's; the rate of false selection at k = 5 null candidates (bench/selection_null.py's
+simulation on this proxy's per-query scores); and the continued-from-production case (proxy and real
+difference of the continued model over the model it continued from).
+
+    python bench/proxy_agreement.py --dataset scifact --store /work/bench-proxy/scifact \\
+        --out bench/results/proxy_agreement_scifact.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+import harness  # noqa: F401 -- first: offline environment, this checkout on sys.path
+import own_corpus
+import selection_null
+
+# (run name, query source, GPL steps, with the QGen baseline, continued from this run's GPL student)
+RUNS = [("log-30", "log", 30, True, None), ("log-120", "log", 120, True, None),
+        ("ict-30", "ict", 30, True, None), ("ict-120", "ict", 120, True, None),
+        ("crop-120", "crop", 120, True, None), ("continued", "log", 60, False, "log-120")]
+PROXIES = ("ict", "ict-removed", "crop", "crop-removed", "easy-dropped", "round-trip")
+SEED = 42  # the proxy's sampling seed (ICTSource / CropSource default)
+
+
+def config(dataset: str, name: str, source: str, steps: int, qgen: bool, init_model: str | None, docs: Path,
+           log_file: Path, work: Path) -> Path:
+    c = yaml.safe_load((harness.ROOT / "configs" / f"gpl_{dataset}_offline.yaml").read_text())
+    c["dataset"] = {"name": dataset, "source": str(docs), "proxy": {}}  # every held-out document (fraction 0.1)
+    if source == "log":
+        c["dataset"]["query_log"] = str(log_file)
+    c["generate"] = own_corpus.GENERATE[source]
+    c.get("label", {}).pop("positive", None)
+    c["train"]["steps"] = steps
+    c["train"]["qgen"] = {"enabled": qgen, "steps": steps}
+    if init_model:
+        c["train"]["model"] = init_model
+        c["train"]["seed"] = 43
+    c["hybrid"] = {"enabled": False}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(c, sort_keys=False))
+    return path
+
+
+def run_models(result, run_name: str) -> dict[str, dict]:
+    """name -> {model id, embeddings id, system} of a run's dense models (the start as 'zero-shot')."""
+    stages = {s.name: s for s in result.stages}
+    out = {}
+    for system, model_id in result.selected["models"].items():
+        start = system == result.selected["start"]
+        tag = "zero-shot" if start else system
+        name = "zero-shot" if start else f"{system.removesuffix('-student')}-{run_name}"
+        out[name] = {"model": model_id, "embeddings": stages[f"encode_corpus[{tag}]"].outputs["embeddings"],
+                     "system": system, "run": run_name, "start": start}
+    return out
+
+
+def ndcg10(scores: np.ndarray, doc_ids: list[str], qids: list[str], qrels: dict) -> dict[str, float]:
+    """Per-query nDCG@10 (pytrec_eval's ndcg_cut_10) of a score matrix (queries x corpus)."""
+    import pytrec_eval
+
+    top = np.argpartition(-scores, 100, axis=1)[:, :100]
+    run = {q: {doc_ids[j]: float(scores[i, j]) for j in top[i]} for i, q in enumerate(qids)}
+    ev = pytrec_eval.RelevanceEvaluator({q: qrels[q] for q in qids}, {"ndcg_cut.10"})
+    return {q: v["ndcg_cut_10"] for q, v in ev.evaluate(run).items()}
+
+
+def make_proxies(heldout, corpus_ids: list[str]) -> dict[str, dict]:
+    """name -> {query id: (text, passage id, the passage's text with the query cut out or None)}."""
+    from irflow import generation
+    from irflow.text import passage_text
+
+    out = {"ict": {}, "ict-removed": {}, "crop": {}, "crop-removed": {}}
+    for doc_id, title, text in zip(*(heldout.column(c).to_pylist() for c in ("doc_id", "title", "text"))):
+        for kind, qs in (("ict", generation.ict_queries(doc_id, text, 1, SEED)),
+                         ("crop", generation.crop_queries(doc_id, text, 1, SEED))):
+            for q in qs:
+                masked = " ".join(text.replace(q, " ", 1).split())
+                out[kind][f"{doc_id}-{kind}"] = (q, doc_id, None)
+                out[f"{kind}-removed"][f"{doc_id}-{kind}"] = (q, doc_id, passage_text(title, masked))
+    return out
+
+
+def score_model(m: dict, catalog, test_q: dict, test_qrels: dict, proxies: dict, corpus_ids: list[str]) -> dict:
+    """Per-query nDCG@10 on the real test set and on each proxy (before the filters), and the zero-shot
+    filters' inputs (query-passage similarity, rank of the passage)."""
+    from irflow.encoding import encode_texts
+    from irflow.models import load_sentence_transformer
+
+    path = catalog.ref(m["model"]).path if not m["model"].startswith("hub:") else m["model"].removeprefix("hub:")
+    if path == "sentence-transformers/all-MiniLM-L6-v2":
+        from irflow.models import minilm_path
+        path = minilm_path()
+    st = load_sentence_transformer(str(path), "cpu", 256)
+    t = catalog.ref(m["embeddings"]).table()
+    emb = np.asarray(t.column("embedding").to_pylist(), dtype=np.float32)
+    assert t.column("doc_id").to_pylist() == corpus_ids
+    row = {d: i for i, d in enumerate(corpus_ids)}
+    out = {}
+    qids = sorted(q for q in test_qrels if q in test_q)
+    qe = encode_texts(st, [test_q[q] for q in qids], 64, True, desc="test queries", task="query")
+    out["real"] = ndcg10(qe @ emb.T, corpus_ids, qids, test_qrels)
+    extra = {}
+    for name, qs in proxies.items():
+        ids = sorted(qs)
+        qe = encode_texts(st, [qs[q][0] for q in ids], 64, True, desc=name, task="query")
+        e = emb
+        if name.endswith("-removed"):
+            e = emb.copy()
+            docs = [qs[q][1] for q in ids]
+            masked = encode_texts(st, [qs[q][2] for q in ids], 64, True, desc=f"{name} passages", task="document")
+            e[[row[d] for d in docs]] = masked  # one query per passage: each passage cut once
+        s = qe @ e.T
+        qrels = {q: {qs[q][1]: 1} for q in ids}
+        out[name] = ndcg10(s, corpus_ids, ids, qrels)
+        if name == "ict-removed":
+            pos = np.array([s[i, row[qs[q][1]]] for i, q in enumerate(ids)])
+            rank = (s > pos[:, None]).sum(axis=1)
+            extra = {"similarity": dict(zip(ids, pos.tolist())), "rank": dict(zip(ids, rank.tolist()))}
+    del st
+    gc.collect()
+    return out, extra
+
+
+def kendall(a: dict, b: dict) -> float:
+    return round(own_corpus.kendall_tau(a, b), 3)
+
+
+def mean(v: dict) -> float:
+    return sum(v.values()) / len(v) if v else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
+    ap.add_argument("--store", required=True, help="the store (kept: a second call reuses every stage)")
+    ap.add_argument("--trials", type=int, default=400, help="null-case trials per proxy")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from irflow import api
+    from irflow.corpus_sources import document_id
+    from irflow.selection import select
+
+    store = Path(args.store)
+    work = store.parent / f"{store.name}-inputs"
+    work.mkdir(parents=True, exist_ok=True)
+    docs, log_file = own_corpus.prepare(args.dataset, work)
+    out: dict = {"dataset": args.dataset, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": {},
+                 "machine": harness.machine()}
+    models: dict[str, dict] = {}
+    results = {}
+    for name, source, steps, qgen, init in RUNS:
+        init_model = models[f"gpl-{init}"]["model"] if init else None
+        t = harness.run(config(args.dataset, name, source, steps, qgen, init_model, docs, log_file, work), store=store)
+        results[name] = t.result
+        found = run_models(t.result, name)
+        for k, v in found.items():
+            if not (init and v["start"]):
+                models.setdefault(k, v)
+        out["runs"][name] = {"run_id": t.result.run_id, "wall_seconds": round(t.wall_seconds, 1),
+                             "load_before": t.load_before, "load_after": t.load_after,
+                             "computed": len(t.result.computed), "selected": t.result.selected["system"],
+                             "models": sorted(k for k, v in found.items() if not (init and v["start"]))}
+        harness.write_json(args.out, out)
+
+    catalog = api.catalog(store)
+    first = results[RUNS[0][0]]
+    ingest = next(s for s in first.stages if s.name == "ingest_corpus").outputs["corpus"]
+    corpus_ids = catalog.ref(ingest).table(columns=["doc_id"]).column("doc_id").to_pylist()
+    heldout = catalog.ref(next(s for s in first.stages if s.name == "holdout").outputs["heldout"]).table()
+    _, test_q, test_qrels = harness.read_beir(harness.DATASETS / f"{args.dataset}.zip", "test")
+    proxies = make_proxies(heldout, corpus_ids)
+    harness.log(f"{len(models)} models; held-out passages {heldout.num_rows}; proxy queries "
+                + ", ".join(f"{k} {len(v)}" for k, v in proxies.items()))
+    scores: dict[str, dict] = {}
+    filters = {}
+    for name, m in models.items():
+        harness.log(f"scoring {name}")
+        scores[name], extra = score_model(m, catalog, test_q, test_qrels, proxies, corpus_ids)
+        if name == "zero-shot":
+            filters = extra
+    # the filters, decided by the zero-shot model (what a run has before anything trains)
+    sim = filters["similarity"]
+    cut = float(np.percentile(list(sim.values()), 70))
+    keep = {"easy-dropped": {q for q, v in sim.items() if v <= cut},
+            "round-trip": {q for q, r in filters["rank"].items() if r < 20}}
+    for name in scores:
+        for f, qs in keep.items():
+            scores[name][f] = {q: v for q, v in scores[name]["ict-removed"].items() if q in qs}
+    units = {q: document_id(qs[1]) for p in proxies.values() for q, qs in p.items()}
+
+    real = {n: mean(s["real"]) for n, s in scores.items()}
+    real_best = max(real, key=real.get)
+    table, summary = [], {}
+    for p in PROXIES:
+        proxy = {n: mean(s[p]) for n, s in scores.items()}
+        pick = max(proxy, key=proxy.get)
+        everything = select({n: s[p] for n, s in scores.items()}, "zero-shot", f"proxy {p}", units=units,
+                            unit_name="held-out documents")
+        per_run = {}
+        for run_name, *_ in RUNS:
+            cands = {n: scores[n][p] for n, m in models.items() if m["run"] == run_name and not m["start"]}
+            start = "gpl-log-120" if run_name == "continued" else "zero-shot"
+            sel = select({start: scores[start][p], **cands}, start, f"proxy {p}", units=units,
+                         unit_name="held-out documents")
+            per_run[run_name] = {"start": start, "selected": sel.system, "p": sel.p_value,
+                                 "real_vs_start": round(real[sel.system] - real[start], 4)}
+        trained_best = max((n for n in models if n != "zero-shot"), key=real.get)
+        null = selection_null.simulate(scores["zero-shot"][p], scores[trained_best][p],
+                                       {q: units[q] for q in scores["zero-shot"][p]}, 5, args.trials, seed=5)
+        cont = {k: round(mean(scores["gpl-continued"][k]) - mean(scores["gpl-log-120"][k]), 4) for k in (p, "real")}
+        summary[p] = {
+            "queries": len(scores["zero-shot"][p]), "kendall_tau": kendall(proxy, real),
+            "kendall_tau_trained": kendall({n: v for n, v in proxy.items() if n != "zero-shot"},
+                                           {n: v for n, v in real.items() if n != "zero-shot"}),
+            "proxy_best": pick, "regret": round(real[real_best] - real[pick], 4),
+            "selected_of_all": everything.system, "selected_p": everything.p_value,
+            "selected_real_vs_start": round(real[everything.system] - real["zero-shot"], 4),
+            "per_run": per_run, "false_selection_k5": null["false_selection"],
+            "continued_minus_log120": cont, "proxy_ndcg@10": {n: round(v, 4) for n, v in proxy.items()}}
+        worst = min(r["real_vs_start"] for r in per_run.values())
+        table.append([p, summary[p]["queries"], summary[p]["kendall_tau"], summary[p]["kendall_tau_trained"], pick,
+                      f"{summary[p]['regret']:.4f}", everything.system, f"{summary[p]['selected_real_vs_start']:+.4f}",
+                      f"{worst:+.4f}", f"{null['false_selection']:.3f}", f"{cont[p]:+.4f} / {cont['real']:+.4f}"])
+    out.update({"models": {n: {k: v for k, v in m.items()} for n, m in models.items()},
+                "real_ndcg@10": {n: round(v, 4) for n, v in real.items()}, "real_best": real_best,
+                "easiness_cut": round(cut, 4), "proxies": summary,
+                "per_query": {n: s for n, s in scores.items()}})
+    harness.write_json(args.out, out)
+    harness.table(["model", "real nDCG@10"] + list(PROXIES),
+                  [[n, f"{real[n]:.4f}"] + [f"{summary[p]['proxy_ndcg@10'][n]:.4f}" for p in PROXIES]
+                   for n in sorted(real, key=real.get, reverse=True)])
+    harness.table(["proxy", "queries", "tau", "tau trained", "proxy best", "regret", "ships (of 11)",
+                   "real vs start", "worst run vs start", "false sel. k=5", "continued: proxy / real"], table)
+
+
+if __name__ == "__main__":
+    main()
