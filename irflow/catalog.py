@@ -90,6 +90,11 @@ CREATE TABLE IF NOT EXISTS aliases(
   seq BIGINT, alias VARCHAR, decision VARCHAR, model_id VARCHAR, run_id VARCHAR, system VARCHAR,
   previous_model_id VARCHAR, metric VARCHAR, value DOUBLE, previous_value DOUBLE, p_value DOUBLE,
   evaluation VARCHAR, reason VARCHAR, decided_at TIMESTAMP);
+-- What `irflow run` estimated for each stage before the run (irflow.estimate): the figure from the
+-- shipped rates (prior) and the one it printed, the hardware it was for and the load average then.
+-- Later estimates on the same hardware are calibrated by measured / prior of these stages.
+CREATE TABLE IF NOT EXISTS estimates(
+  run_id VARCHAR, stage VARCHAR, kind VARCHAR, prior DOUBLE, seconds DOUBLE, hardware VARCHAR, load DOUBLE);
 """
 
 ALIAS_COLUMNS = ("alias", "decision", "model_id", "run_id", "system", "previous_model_id", "metric", "value",
@@ -477,6 +482,27 @@ class Catalog:
                         [run_id, sel["system"], sel["model_id"], sel["metric"], sel["value"], sel["start"],
                          sel["start_value"], sel["p_value"], sel["evaluation"], sel["reason"],
                          json.dumps(sel.get("models") or {})])
+
+    def record_estimates(self, run_id: str, rows: list[dict], hardware: str, load: float | None) -> None:
+        """rows: {stage, kind, prior, seconds} of a run's estimate."""
+        with self.connect() as con:
+            for r in rows:
+                con.execute("INSERT INTO estimates VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            [run_id, r["stage"], r["kind"], r["prior"], r["seconds"], hardware, load])
+
+    def estimated_stages(self, hardware: str) -> list[dict]:
+        """Every computed stage run that had an estimate on ``hardware``: {stage, kind, prior, measured,
+        load (at the estimate), runtime}, newest first."""
+        with self.connect(read_only=True) as con:
+            try:
+                rows = con.execute(
+                    "SELECT e.stage, e.kind, e.prior, s.seconds, e.load, s.runtime FROM estimates e JOIN stage_runs s "
+                    "ON e.run_id = s.run_id AND e.stage = s.stage WHERE s.status = 'computed' AND e.hardware = ? "
+                    "ORDER BY s.started_at DESC", [hardware]).fetchall()
+            except duckdb.CatalogException:  # a store no run of this version has written to
+                return []
+        return [{"stage": r[0], "kind": r[1], "prior": r[2], "measured": r[3], "load": r[4],
+                 "runtime": json.loads(r[5]) if r[5] else {}} for r in rows]
 
     def selection(self, run_id: str) -> dict | None:
         with self.connect(read_only=True) as con:

@@ -32,9 +32,10 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from irflow import api, orchestration
+from irflow import api, orchestration, pace
 from irflow.errors import StageFailed, UserError
 from irflow.store import DEFAULT_STORE
 
@@ -55,18 +56,26 @@ def _model(model_id: str) -> str:
 def cmd_run(args) -> int:
     from irflow.tasks.report import format_table
 
-    api.load_config(args.config, args.set)  # a bad config fails here, before Prefect or the store is touched
+    c = api.load_config(args.config, args.set)  # a bad config fails here, before Prefect or the store is touched
     if not getattr(args, "debug", False):
         orchestration.quiet_prefect(api.store_root(args.store))
+    run_id = api.new_run_id(c.flow)
     estimated = None if args.no_estimate else _estimate(args)
-    result = api.run(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
+    if estimated:
+        pace.expect(run_id, {e.stage: e.seconds for e in estimated.rows})
+    try:
+        result = api.run(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [],
+                         run_id=run_id)
+    finally:
+        pace.forget(run_id)
     print()
     print(format_table(result.metrics))
     if estimated:
         from irflow import estimate
 
         measured = {s.name: s.seconds for s in result.stages if s.status == "computed"}
-        print("\n" + estimate.format_estimates(estimated[0], estimated[1], measured))
+        print("\n" + estimate.format_estimates(estimated.rows, estimated.hw, measured, estimated.calibrated))
+        _record_estimates(result, estimated)
     computed = sum(1 for s in result.stages if s.status == "computed")  # as the catalog counts: per stage run
     print(f"\nrun {result.run_id}: {len(result.stages)} stages, {computed} computed, "
           f"{len(result.stages) - computed} cached, {result.seconds:.1f}s; store {result.store}")
@@ -99,9 +108,32 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _estimate(args):
-    """Before a run: what its stale stages will take here (irflow.estimate), printed; (estimates, hardware), or
-    None when nothing is stale or the corpus cannot be sized (the run then says why)."""
+@dataclass(frozen=True)
+class Estimated:
+    rows: list  # irflow.estimate.StageEstimate, calibrated by the store where it could be
+    prior: list  # the same from the shipped rates alone
+    hw: object  # irflow.estimate.Hardware
+    calibrated: object  # irflow.estimate.Calibration or None
+    load: float | None  # the load average before the run
+
+
+def _record_estimates(result, e: Estimated) -> None:
+    """The estimate beside the run in its catalog: what later estimates on this hardware calibrate by."""
+    from irflow import estimate
+
+    prior = {p.stage: p.seconds for p in e.prior}
+    try:
+        api.catalog(result.store).record_estimates(
+            result.run_id, [{"stage": r.stage, "kind": r.kind, "prior": prior[r.stage], "seconds": r.seconds}
+                            for r in e.rows], estimate.hardware_key(e.hw), e.load)
+    except Exception as err:  # noqa: BLE001 -- the run is done; the next estimate is then uncalibrated
+        print(f"irflow: the estimate was not recorded ({type(err).__name__}: {err})", file=sys.stderr)
+
+
+def _estimate(args) -> Estimated | None:
+    """Before a run: what its stale stages will take here (irflow.estimate, calibrated by what this store
+    measured on this hardware), printed; None when nothing is stale or the corpus cannot be sized (the
+    run then says why)."""
     from irflow import estimate
 
     try:
@@ -117,15 +149,18 @@ def _estimate(args):
         except UserError:  # no store yet: every input is still to be made
             catalog = None
         queries = estimate.searched_queries(plan, size, catalog)
-        rows = estimate.estimate(c, stale, size, hw, {p.name: p.params for p in plan}, queries)
+        prior = estimate.estimate(c, stale, size, hw, {p.name: p.params for p in plan}, queries)
+        calibrated = estimate.calibration(catalog, hw)
+        rows = calibrated.apply(prior) if calibrated else prior
+        load = estimate.load_average()
     except UserError:  # a bad config or corpus: the run reports it next, before anything starts
         return None
     except Exception as e:  # noqa: BLE001 -- an estimate never stops a run; it says why it is missing
         print(f"irflow: no estimate ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
               "the run goes on", file=sys.stderr)
         return None
-    print(estimate.format_estimates(rows, hw), file=sys.stderr)
-    return rows, hw
+    print(estimate.format_estimates(rows, hw, calibrated=calibrated, load=load), file=sys.stderr)
+    return Estimated(rows, prior, hw, calibrated, load)
 
 
 def cmd_status(args) -> int:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class StageEstimate:
     seconds: float
     peak_mb: int
     work: str  # what the time is made of, in words
+    kind: str = "fixed"  # which rate the time grows with: encode, score, train, generate, bm25, or fixed
 
 
 def model_scale(name: str | None) -> float:
@@ -136,23 +138,25 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     out = []
     for label in stages:
         base = stage_name(label)
-        sec, peak, work = fixed.get(base, 1), mem["base"], "fixed cost"
+        sec, peak, work, kind = fixed.get(base, 1), mem["base"], "fixed cost", "fixed"
         if base == "encode_corpus":
             toks = size.passages * _tokens(size, enc_len)
             sec += toks / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
             peak += mem["model"] + emb_mb
-            work = f"{size.passages:,} passages x {_tokens(size, enc_len):.0f} tokens"
+            work, kind = f"{size.passages:,} passages x {_tokens(size, enc_len):.0f} tokens", "encode"
         elif base in ("dense_search", "dense_score"):
             sec += (queries or {}).get(label, size.queries + n_gen) * QUERY_TOKENS / 1000 * _rate(hw, "encode") * scale
             peak += mem["model"] + emb_mb
-            work = "query encoding + search"
+            work, kind = "query encoding + search", "encode"
         elif base == "bm25_index":
             sec += size.passages / rates()["bm25_passages_per_s"]["value"]
             peak += mem["jvm"]
-            work = f"{size.passages:,} passages indexed"
+            work, kind = f"{size.passages:,} passages indexed", "bm25"
         elif base in ("bm25_search", "bm25_score"):
             peak += mem["jvm"]
-            sec += (queries or {}).get(label, size.queries + n_gen) / 200
+            n = (queries or {}).get(label, size.queries + n_gen)
+            sec += n / 200
+            work, kind = f"{n:,} queries searched", "bm25"
         elif base == "generate_queries" and "[t5" in label or base == "doc2query_expand":
             gen = getattr(c, "generate", None)
             qpp = getattr(gen, "queries_per_passage", 1)
@@ -160,30 +164,40 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             sec += size.passages * qpp * rates()["hardware"][hw.kind]["generate_query_s"]["value"] * (
                 2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
             peak += 2 * mem["model"]
-            work = f"{size.passages * qpp:,} queries sampled"
+            work, kind = f"{size.passages * qpp:,} queries sampled", "generate"
         elif base == "label_scores" and getattr(getattr(c, "teacher", None), "type", "") == "cross_encoder":
             t = c.teacher
             pairs = n_gen * (c.label.negatives_per_positive + 1)
             sec += pairs * _tokens(size, t.max_length) / 1000 * _rate(hw, "score") * model_scale(t.model)
             peak += mem["model"]
-            work = f"{pairs:,} (query, passage) pairs scored"
+            work, kind = f"{pairs:,} (query, passage) pairs scored", "score"
         elif base == "train_student" and train is not None:
-            qgen = "qgen" in label
-            steps = train.qgen.steps if qgen else train.steps
-            texts = (2 if qgen else 3) * train.batch_size
-            toks = train.batch_size * QUERY_TOKENS + (texts - train.batch_size) * min(size.mean_tokens, train.max_seq_length)
+            # the stage's own params where the plan gives them (the QGen baseline's steps default to GPL's)
+            p = (params or {}).get(label) or _train_params(train, qgen="qgen" in label)
+            steps, batch, length = p["steps"] or train.steps, p["batch_size"], p["max_seq_length"]
+            texts = (2 if p["loss"] == "mnrl" else 3) * batch
+            toks = batch * QUERY_TOKENS + (texts - batch) * min(size.mean_tokens, length)
             sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
-            peak += mem["train"] * max(1.0, scale ** 0.5) * train.batch_size / 16
-            work = f"{steps} steps of {train.batch_size}"
+            peak += mem["train"] * max(1.0, scale ** 0.5) * batch / 16
+            work, kind = f"{steps} steps of {batch}", "train"
         elif base in TRAINERS and (params or {}).get(label):
             sec, peak, work = _trainer(base, params[label], size, hw, scale, fixed, mem)
+            kind = "train"
         elif base == "deepct_weight" and (params or {}).get(label):
             n = _windows(size.mean_tokens, params[label]["max_length"])
             sec += size.passages * size.mean_tokens / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
             peak += mem["model"]
-            work = f"{size.passages:,} passages x {n} windows weighted"
-        out.append(StageEstimate(label, round(sec, 1), int(peak), work))
+            work, kind = f"{size.passages:,} passages x {n} windows weighted", "encode"
+        out.append(StageEstimate(label, round(sec, 1), int(peak), work, kind))
     return out
+
+
+def _train_params(train, qgen: bool) -> dict:
+    """A student trainer's params from a recipe's ``train`` config (when the plan does not give them)."""
+    if hasattr(train, "gpl_params"):
+        return (train.qgen_params() if qgen else train.gpl_params()).model_dump()
+    return {"steps": train.steps, "batch_size": train.batch_size, "max_seq_length": train.max_seq_length,
+            "loss": getattr(train, "loss", "margin_mse")}
 
 
 def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:
@@ -324,11 +338,75 @@ def no_progress_bars():
             os.environ["TQDM_DISABLE"] = old
 
 
-def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None) -> str:
+# ---- calibrated by this store -------------------------------------------------------------------
+CALIBRATE_FROM = 5.0  # stages estimated shorter than this (seconds) say more about fixed costs than rates
+BUSY = 0.5  # other work above this many runnable processes per core: the cores were not free
+
+
+def hardware_key(hw: Hardware) -> str:
+    """What a store's measured rates are kept under: the CPU model and cores (or the GPU)."""
+    from irflow.runtime import cpu_model
+
+    return hw.gpu or f"{cpu_model()} / {hw.cores} cores"
+
+
+def load_average() -> float | None:
+    from irflow.runtime import load_average as load
+
+    return load()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per kind of work, measured / estimated of the stages this store ran on this hardware with free cores."""
+
+    factors: dict[str, tuple[float, int]]  # kind -> (median measured / prior, stage runs)
+
+    def apply(self, est: list[StageEstimate]) -> list[StageEstimate]:
+        return [replace(e, seconds=round(e.seconds * self.factors[e.kind][0], 1)) if e.kind in self.factors else e
+                for e in est]
+
+    def describe(self) -> str:
+        return "calibrated by this store's runs here: " + ", ".join(
+            f"{k} x{f:.2f} ({n} stage run{'s' if n > 1 else ''})" for k, (f, n) in sorted(self.factors.items()))
+
+
+def calibration(catalog, hw: Hardware) -> Calibration | None:
+    """What this store measured on this hardware (``Catalog.estimated_stages``), per kind of work: the
+    median of measured / prior over stages estimated at ``CALIBRATE_FROM`` seconds or more that ran with
+    free cores (the load average when the run was estimated, and when the stage started less its own
+    threads, at most ``BUSY`` a core). None: nothing to calibrate by (the shipped rates stand)."""
+    if catalog is None:
+        return None
+    ratios: dict[str, list[float]] = {}
+    for r in catalog.estimated_stages(hardware_key(hw)):
+        if not r["prior"] or r["prior"] < CALIBRATE_FROM or r["measured"] is None:
+            continue
+        started = (r["runtime"].get("load") or [None])[0]
+        others = [r["load"], None if started is None else started - (r["runtime"].get("threads") or hw.cores)]
+        if any(x is not None and x > BUSY * hw.cores for x in others):
+            continue
+        ratios.setdefault(r["kind"], []).append(r["measured"] / r["prior"])
+    if not ratios:
+        return None
+    return Calibration({k: (min(5.0, max(0.2, float(statistics.median(v)))), len(v)) for k, v in ratios.items()})
+
+
+def load_note(hw: Hardware, load: float | None) -> str | None:
+    """What a busy machine does to the figures: they assume free cores."""
+    if load is None or load <= BUSY * hw.cores or hw.kind == "cuda":
+        return None
+    return (f"warning: the load average is {load:.1f} on {hw.cores} cores: other work shares them, and these "
+            f"figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long")
+
+
+def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None,
+                     calibrated: Calibration | None = None, load: float | None = None) -> str:
     total = sum(e.seconds for e in est)
     peak = max((e.peak_mb for e in est), default=0)
     head = f"{'stage':<34} {'estimate':>9} {'peak MB':>8}" + (f" {'measured':>9}" if measured is not None else "")
-    lines = [f"estimate for {hw.describe()} (irflow/measured/rates.json):", head]
+    source = calibrated.describe() if calibrated else "irflow/measured/rates.json"
+    lines = [f"estimate for {hw.describe()}, cores free ({source}):", head]
     for e in est:
         # not measured: its output came from another label's identical computation (one cache key)
         m = "" if measured is None else (f" {measured[e.stage]:>8.1f}s" if e.stage in measured else f" {'-':>9}")
@@ -337,4 +415,5 @@ def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str,
     if measured is not None:
         tail += f" {sum(measured.get(e.stage, 0) for e in est):>8.1f}s"
     lines.append(tail)
-    return "\n".join(lines)
+    note = load_note(hw, load) if measured is None else None
+    return "\n".join(lines + ([note] if note else []))

@@ -44,7 +44,8 @@ from irflow.catalog import Catalog, now
 from irflow.errors import DataError, StageFailed
 from irflow.params import Params
 from irflow.processes import check_interrupted, file_lock, release_memory
-from irflow.runtime import RuntimeConfig, stage_runtime
+from irflow.runtime import RuntimeConfig, load_average, stage_runtime
+from irflow import pace
 from irflow.executors import executor_for
 from irflow.stage import ONNX_EXPORT, PENDING, Stage, _as_list
 from irflow.worker import torch_threads, warnings_logged
@@ -299,6 +300,8 @@ def execute(stage: Stage, run: Run, params: Params | dict, tag: str | None, inpu
                 catalog.taint(run.run_id, [r.id for r in refs.values()])
     catalog.record_stage_run(run.run_id, stage_label, key, status, {k: r.id for k, r in refs.items()},
                              clock.seconds(), clock.started, detail, provenance)
+    if status == "computed":
+        pace.stage_done(run.run_id, stage_label, clock.seconds())
     return _result(stage, refs), status
 
 def _result(stage: Stage, refs: dict[str, DatasetRef]):
@@ -350,9 +353,10 @@ def _onnx_models(stage: Stage, run: Run, params: Params, inputs: dict) -> dict[s
 
 def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label, onnx_models=None,
              detail: dict | None = None, reuse_rows: bool = True):
+    load = load_average()  # the machine's load when the stage started: recorded beside its seconds
     if stage.sharded(params):
         return _compute_shards(stage, run, store, catalog, key, params, inputs, stage_label, onnx_models or {},
-                               {} if detail is None else detail, reuse_rows)
+                               {} if detail is None else detail, reuse_rows, load)
     workdir = store.staging_dir()
     resume_dir = None
     if stage.resumable:
@@ -406,7 +410,7 @@ def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params
         published = _publish(stage, store, staged)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    provenance = rt.provenance()
+    provenance = {**rt.provenance(), "load": [load, load_average()]}
     _record(stage, run, catalog, stage_label, key, params, inputs, published, provenance, warned)
     if resume_dir is not None:
         remove_tree(resume_dir)
@@ -432,7 +436,7 @@ def _record(stage: Stage, run: Run, catalog: Catalog, stage_label: str, key: str
                            runtime=provenance, warnings=warned)
 
 def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label,
-                    onnx_models: dict[str, str], detail: dict, reuse_rows: bool = True):
+                    onnx_models: dict[str, str], detail: dict, reuse_rows: bool = True, load: float | None = None):
     """A sharded stage (see irflow.shards): parts into partial/<key>, each output assembled from its
     parts, then published (every output assembled and checked before any is published). A stage with a
     row map (``irflow.row_reuse``) computes only the input rows an earlier computation of its family did
@@ -485,7 +489,7 @@ def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key,
             shutil.rmtree(staging, ignore_errors=True)
         raise
     provenance = {**rt.provenance(), "executor": run.runtime.executor, "shard_rows": run.runtime.shard_rows,
-                  "shards": len(records)}
+                  "shards": len(records), "load": [load, load_average()]}
     detail["rows"] = reuse.record() if reuse is not None else {"input": total, "computed": total, "reused": 0}
     _record(stage, run, catalog, stage_label, key, params, inputs, published, provenance, warned)
     catalog.record_shards(run.run_id, stage_label, key, records)

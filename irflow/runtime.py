@@ -356,6 +356,15 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average (runnable processes, this one's threads among them); None where
+    the system has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 @functools.lru_cache(maxsize=8)
 def host_info(device: str) -> dict:
     info = {"cpu": cpu_model(), "cpu_native_bf16": cpu_has_native_bf16(), "versions": library_versions()}

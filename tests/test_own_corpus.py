@@ -59,6 +59,13 @@ def _new_run_export(own, corpus: Path, recipe: str = "gpl", new_args: list[str] 
     code, out, err = run_cli("run", cfg, "--store", own["store"], "--json", *sets)
     assert code == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
+    # the estimate printed before the run is kept beside its stages: what later estimates calibrate by
+    from irflow import estimate
+
+    kept = Catalog(own["store"] / "catalog.duckdb").estimated_stages(estimate.hardware_key(estimate.hardware()))
+    assert {r["stage"] for r in kept} >= {s["name"] for s in result["stages"] if s["status"] == "computed"
+                                          and s["name"].startswith("train_student")}
+    assert all(r["runtime"]["load"][0] is not None for r in kept)
     exported = own["root"] / f"exported-{corpus.stem}-{recipe}"
     code, out, err = run_cli("export", result["run_id"], "--out", exported, "--store", own["store"], "--force")
     assert code == 0, err
@@ -72,7 +79,7 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
     first = _new_run_export(own, jsonl)
     r = first["result"]
     # no labels: the evaluation is a synthetic held-out set, called a proxy everywhere
-    assert r["evaluation"].startswith("proxy (ict queries of ")
+    assert r["evaluation"].startswith("proxy (ict queries (cut out of their passages) of ")
     assert {m["dataset"] for m in r["metrics"]} == {"docs (proxy)"}
     sel = r["selected"]
     assert sel["system"] in sel["models"] and sel["evaluation"] == r["evaluation"] and sel["reason"]
@@ -85,7 +92,8 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
 
     catalog = Catalog(own["store"] / "catalog.duckdb")
     runs = catalog.stage_runs(r["run_id"], with_inputs=True)
-    corpus_id = next(s["outputs"]["corpus"] for s in runs if s["name"] == "ingest_corpus")
+    # the passages the proxy searched: the corpus with each proxy query cut out of its passage
+    corpus_id = next(s["outputs"]["corpus"] for s in runs if s["name"] == "cut_proxy_queries")
     encoded = next(s for s in runs if stage_name(s["name"]) == "encode_corpus"
                    and s["inputs"]["model"] == [sel["model_id"]] and s["inputs"]["corpus"] == [corpus_id])
     stored = pq.read_table(catalog.dataset(encoded["outputs"]["embeddings"])["path"])

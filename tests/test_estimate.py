@@ -1,0 +1,72 @@
+"""The time a run is promised: estimates calibrated by what the store measured on this hardware with free
+cores, a busy machine said, an overrun announced once with the new finishing time, and the estimate read
+from each stage's own params."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from irflow import estimate, pace
+from irflow.catalog import Catalog
+
+ROOT = Path(__file__).resolve().parents[1]
+HW = estimate.Hardware("cpu-avx2", 2, None, 8000)
+
+
+def test_an_overrun_is_announced_once_with_the_finishing_time_at_the_pace_going():
+    started = datetime(2026, 12, 5, 22, 0).timestamp()
+    p = pace.Pace({"ingest": 2, "encode_corpus[zero-shot]": 200, "train_student[gpl]": 1800}, started=started)
+    assert p.stage_done("ingest", 2.5, now=started + 3) is None  # a twentieth of the run must be done first
+    said = p.stage_done("encode_corpus[zero-shot]", 500, now=started + 503)
+    # 502.5 s for stages estimated at 202 s: 2.5x; training left at that pace ends 4,478 s later
+    assert said and "2.5x slower" in said and "ends about 23:23" in said and "not 22:33" in said
+    assert p.stage_done("train_student[gpl]", 4000) is None  # said once
+    on_time = pace.Pace({"a": 100, "b": 100})
+    assert on_time.stage_done("a", 140) is None and on_time.stage_done("b", 140) is None
+
+
+def _stage(catalog: Catalog, run_id: str, stage: str, seconds: float, load: float, kind: str, prior: float,
+           hardware: str, load_then: float = 0.3) -> None:
+    catalog.record_stage_run(run_id, stage, "k-" + stage, "computed", {}, seconds, datetime.now(), {},
+                             {"threads": 2, "load": [load, load]})
+    catalog.record_estimates(run_id, [{"stage": stage, "kind": kind, "prior": prior, "seconds": prior}],
+                             hardware, load_then)
+
+
+def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_cores(tmp_path):
+    catalog = Catalog(tmp_path / "catalog.duckdb")
+    catalog.start_run("r1", "gpl", None, {})
+    here = estimate.hardware_key(HW)
+    assert estimate.calibration(catalog, HW) is None  # nothing measured yet: the shipped rates stand
+    _stage(catalog, "r1", "train_student[gpl]", 90, 2.1, "train", 200, here)  # own 2 threads: free cores
+    _stage(catalog, "r1", "train_student[qgen]", 110, 2.0, "train", 200, here)
+    _stage(catalog, "r1", "encode_corpus[zero-shot]", 400, 6.0, "encode", 100, here)  # 4 other processes: busy
+    _stage(catalog, "r1", "encode_corpus[gpl-student]", 300, 2.0, "encode", 100, here, load_then=3.5)  # busy then
+    _stage(catalog, "r1", "dense_search[zero-shot]", 30, 2.0, "encode", 3, here)  # too short to tell a rate
+    _stage(catalog, "r1", "bm25_search[flat]", 50, 2.0, "bm25", 10, "another CPU / 2 cores")
+    c = estimate.calibration(catalog, HW)
+    assert c.factors == {"train": (0.5, 2)}
+    rows = [estimate.StageEstimate("train_student[gpl]", 1000, 1, "w", "train"),
+            estimate.StageEstimate("encode_corpus[x]", 100, 1, "w", "encode")]
+    assert [r.seconds for r in c.apply(rows)] == [500, 100]
+    text = estimate.format_estimates(c.apply(rows), HW, calibrated=c, load=0.2)
+    assert "train x0.50 (2 stage runs)" in text and "warning" not in text
+    busy = estimate.format_estimates(rows, HW, load=3.0)
+    assert "load average is 3.0 on 2 cores" in busy and "expect about 2.5x" in busy
+
+
+def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_path):
+    """train.qgen.steps: null (the QGen baseline trains as long as GPL) is estimated from the stage's params."""
+    from irflow.recipe import load_config
+
+    c = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), ["train.qgen.steps=null"])
+    size = estimate.CorpusSize(5183, 200, 300, 809)
+    gpl, qgen = estimate.estimate(c, ["train_student[gpl]", "train_student[qgen]"], size, HW)
+    assert gpl.work == qgen.work == "388 steps of 16" and gpl.kind == qgen.kind == "train"
+    assert qgen.seconds < gpl.seconds  # MNRL: a (query, positive) pair a row, no negative
+    assert pytest.approx(gpl.seconds, rel=0.01) == estimate.estimate(c, ["train_student[gpl]"], size, HW,
+                                                                     {"train_student[gpl]": c.train.gpl_params()
+                                                                      .model_dump()})[0].seconds
