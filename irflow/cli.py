@@ -469,6 +469,17 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _calibration(store: str | None):
+    """What the store (when there is one) measured on this hardware: irflow new's estimates use it."""
+    from irflow import estimate
+
+    try:
+        catalog = api.catalog(store)
+    except UserError:  # no store yet: the shipped rates
+        return None
+    return estimate.calibration(catalog, estimate.hardware())
+
+
 def cmd_new(args) -> int:
     from irflow import scaffold
 
@@ -479,7 +490,8 @@ def cmd_new(args) -> int:
     text, table, choices = scaffold.new_config(args.recipe, args.corpus, queries=args.queries, qrels=args.qrels,
                                                query_log=args.query_log, model=args.model, generator=args.generator,
                                                teacher=args.teacher, fields=fields,
-                                               budget_minutes=args.budget_minutes, command=command)
+                                               budget_minutes=args.budget_minutes, command=command,
+                                               calibrated=_calibration(args.store))
     out = scaffold.write(args.out, text, args.force)
     for line in choices.lines:
         print(line)
@@ -646,6 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
     nw.add_argument("--budget-minutes", type=float, default=60.0,
                     help="size training to fit this many minutes here, with the rest of the run (default 60)")
     nw.add_argument("--out", required=True, help="the config file to write")
+    nw.add_argument("--store", help="the store whose earlier runs on this machine calibrate the estimate and the "
+                                    f"budget (default: $IRFLOW_STORE or ./{DEFAULT_STORE}, where it exists)")
     nw.add_argument("--force", action="store_true", help="replace --out")
     nw.set_defaults(func=cmd_new)
 

@@ -171,6 +171,16 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             sec += pairs * _tokens(size, t.max_length) / 1000 * _rate(hw, "score") * model_scale(t.model)
             peak += mem["model"]
             work, kind = f"{pairs:,} (query, passage) pairs scored", "score"
+        elif base == "pseudo_label" and isinstance(_scale(c, (params or {}).get(label)), dict):
+            # scale: auto encodes a sample of the triples (query, positive, negative) with the student
+            p = (params or {}).get(label) or getattr(c, "label").model_dump()
+            triples = n_gen * max(1, getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
+            sample = min(triples, p.get("scale_sample") or 1000)
+            length = p["scale"].get("max_seq_length") or enc_len
+            sec += sample * (QUERY_TOKENS + 2 * _tokens(size, length)) / 1000 * _rate(hw, "encode") * scale
+            sec += fixed["model_load"]
+            peak += mem["model"]
+            work, kind = f"{sample:,} triples encoded for the margin scale", "encode"
         elif base == "train_student" and train is not None:
             # the stage's own params where the plan gives them (the QGen baseline's steps default to GPL's)
             p = (params or {}).get(label) or _train_params(train, qgen="qgen" in label)
@@ -190,6 +200,15 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             work, kind = f"{size.passages:,} passages x {n} windows weighted", "encode"
         out.append(StageEstimate(label, round(sec, 1), int(peak), work, kind))
     return out
+
+
+def _scale(c, params: dict | None):
+    """pseudo_label's margin scale as the plan or the config gives it (a dict: auto, fitted on a sample)."""
+    if params is not None:
+        return params.get("scale")
+    label = getattr(c, "label", None)
+    scale = getattr(label, "scale", None)
+    return scale.model_dump() if hasattr(scale, "model_dump") else scale
 
 
 def _train_params(train, qgen: bool) -> dict:

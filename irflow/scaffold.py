@@ -134,8 +134,9 @@ class Choices:
 def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: str | None = None,
                query_log: str | None = None, model: str = "all-MiniLM-L6-v2", generator: str | None = None,
                teacher: str | None = None, fields: dict | None = None, budget_minutes: float = 60.0,
-               command: str | None = None) -> tuple[str, str, Choices]:
-    """(the config's YAML text with comments, the estimate table, the choices and warnings)."""
+               command: str | None = None, calibrated=None) -> tuple[str, str, Choices]:
+    """(the config's YAML text with comments, the estimate table, the choices and warnings). ``calibrated``:
+    an ``irflow.estimate.Calibration`` (what a store measured here) the estimates and the budget use."""
     from irflow import estimate as est
     from irflow.beir import is_beir_source
     from irflow.corpus_sources import documents_path
@@ -153,6 +154,7 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     docs = profile.documents
     passages, long_docs, ratio = passage_settings(profile)
     hw = est.hardware()
+    timed = calibrated.apply if calibrated else (lambda rows: rows)
     labelled = qrels is not None
     choices = Choices()
     if passages and labelled:
@@ -241,9 +243,10 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     text = yaml.safe_dump(cfg, sort_keys=False)
     c, stages = _plan(text)
     if recipe == "gpl":
-        one = est.estimate(c, ["train_student[gpl]"], size, hw)[0].seconds
+        one = timed(est.estimate(c, ["train_student[gpl]"], size, hw))[0].seconds
         per_step = max(1e-3, (one - 3) / c.train.steps)
-        others = sum(e.seconds for e in est.estimate(c, stages, size, hw) if not e.stage.startswith("train_student"))
+        others = sum(e.seconds for e in timed(est.estimate(c, stages, size, hw))
+                     if not e.stage.startswith("train_student"))
         left = max(60.0, budget_minutes * 60 - others)
         steps = int(min(140_000, max(50, left / per_step)))
         cfg["train"]["steps"] = steps
@@ -255,8 +258,8 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
         from irflow.recipe import load_config
 
         c = load_config(yaml.safe_load(text))
-    estimates = est.estimate(c, stages, size, hw)
-    table = est.format_estimates(estimates, hw)
+    estimates = timed(est.estimate(c, stages, size, hw))
+    table = est.format_estimates(estimates, hw, calibrated=calibrated, load=est.load_average())
     header = [command or f"irflow new {recipe} --corpus {corpus}", "", *choices.lines,
               f"machine: {hw.describe()}", *(f"warning: {w}" for w in choices.warnings), "", *table.splitlines(), "",
               "irflow run THIS_FILE; then irflow export latest --out DIR (the model the run selected)"]

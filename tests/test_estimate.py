@@ -70,3 +70,9 @@ def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_pat
     assert pytest.approx(gpl.seconds, rel=0.01) == estimate.estimate(c, ["train_student[gpl]"], size, HW,
                                                                      {"train_student[gpl]": c.train.gpl_params()
                                                                       .model_dump()})[0].seconds
+    # scale: auto fits the margins' scale on a sample of 1,000 triples, each encoded by the student
+    label = estimate.estimate(c, ["pseudo_label"], size, HW)[0]
+    assert label.kind == "encode" and label.work == "1,000 triples encoded for the margin scale"
+    fixed = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), ["label.scale=1.0"])
+    assert estimate.estimate(fixed, ["pseudo_label"], size, HW)[0].work == "fixed cost"
+    assert label.seconds > 10 * estimate.estimate(fixed, ["pseudo_label"], size, HW)[0].seconds
