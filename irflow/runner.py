@@ -44,7 +44,7 @@ from irflow.catalog import Catalog, now
 from irflow.errors import DataError, StageFailed
 from irflow.params import Params
 from irflow.processes import check_interrupted, file_lock, release_memory
-from irflow.runtime import RuntimeConfig, load_average, stage_runtime
+from irflow.runtime import RuntimeConfig, load_average, resolve_device, stage_runtime
 from irflow import pace
 from irflow.executors import executor_for
 from irflow.stage import ONNX_EXPORT, PENDING, Stage, _as_list
@@ -341,15 +341,33 @@ def _onnx_models(stage: Stage, run: Run, params: Params, inputs: dict) -> dict[s
     if stage.onnx is None:
         return {}
     export, export_params = ONNX_EXPORT["stage"], ONNX_EXPORT["params"]
+    backend = run.runtime.backend
+    if backend == "auto" and resolve_device(run.runtime.device.for_work(stage.work)) != "cpu":
+        backend = "torch"  # ONNX Runtime runs on the CPU here: a GPU encodes with torch
     out = {}
     for role, (task, quantization) in stage.onnx(params).items():
         model = inputs.get(role)
-        if model is None or (quantization == "none" and run.runtime.backend != "onnx"):
+        if model is None or (quantization == "none" and backend == "torch"):
             continue
         ref, _ = execute(export, run, export_params(task=task, quantization=quantization),
                                 f"{task}-{quantization}", {"model": model}, needed=True)
+        if quantization == "none" and backend == "auto" and not _onnx_wins(run, task, model, ref, params):
+            continue
         out[model.path] = ref.path
     return out
+
+def _onnx_wins(run: Run, task: str, model: DatasetRef, exported: DatasetRef, params: Params) -> bool:
+    """runtime.backend auto: whether ONNX Runtime runs this model faster than torch here (irflow.backend_probe;
+    probed once per store, hardware, model, task and thread count)."""
+    from irflow import backend_probe
+    from irflow.runtime import cpu_model
+
+    threads = run.runtime.cpu_threads()
+    length = getattr(params, "max_seq_length", None) or getattr(params, "max_length", None)
+    key = f"{cpu_model()} / {threads} threads | {model.id} | {task} | {length} tokens"
+    decision = backend_probe.choose(run.store_root, key, lambda: backend_probe.time_backends(
+        model.path, exported.path, task, threads, length))
+    return decision["backend"] == "onnx"
 
 def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params, inputs, stage_label, onnx_models=None,
              detail: dict | None = None, reuse_rows: bool = True):
@@ -365,7 +383,7 @@ def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params
         resume_dir = store.root / "partial" / key
         resume_dir.mkdir(parents=True, exist_ok=True)
     rt = replace(stage_runtime(run.runtime, stage.work, workdir, resume_dir,
-                               onnx_capable=stage.onnx is not None), onnx_models=onnx_models or {})
+                               onnx_capable=stage.onnx is not None, onnx_models=onnx_models))
     try:
         log.info("%s: computing (%s)", stage_label,
                  f"{rt.device}, {rt.precision}, {rt.threads} threads{_backend(rt)}" if stage.work
@@ -446,7 +464,7 @@ def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key,
 
     parts_dir = store.root / "partial" / key
     parts_dir.mkdir(parents=True, exist_ok=True)
-    rt = replace(stage_runtime(run.runtime, stage.work, onnx_capable=stage.onnx is not None), onnx_models=onnx_models)
+    rt = stage_runtime(run.runtime, stage.work, onnx_capable=stage.onnx is not None, onnx_models=onnx_models)
     role = stage.shard
     total = inputs[role].num_rows()
     reuse, shard_dir, shard_inputs = None, parts_dir, inputs

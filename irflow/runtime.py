@@ -48,7 +48,7 @@ log = logging.getLogger("irflow.runtime")
 WORK_KINDS = ("encode", "score", "generate", "train")
 Work = Literal["encode", "score", "generate", "train"]
 Precision = Literal["auto", "bf16-native", "fp32", "bf16", "fp16"]
-Backend = Literal["torch", "onnx"]
+Backend = Literal["torch", "onnx", "auto"]
 INFERENCE_WORK = ("encode", "score")  # the kinds of work runtime.backend applies to
 _DEVICE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu)(:\d+)?)$")
 
@@ -119,10 +119,13 @@ class RuntimeConfig(Params):
                                                         "CPU this process may use)")
     backend: Backend = Field("torch", description="how encoding and cross-encoder scoring run (corpus and query "
                                                   "encoding, dense search, the cross-encoder teachers, rerank): "
-                                                  "torch; or onnx: ONNX Runtime on the CPU, fp32, the model "
-                                                  "exported once into the store (export_onnx). Exact either way "
-                                                  "(allclose), so never keyed; int8 is each stage's keyed "
-                                                  "`quantization`")
+                                                  "torch; onnx: ONNX Runtime on the CPU, fp32, the model "
+                                                  "exported once into the store (export_onnx); or auto: whichever "
+                                                  "a short probe finds faster for each model on this hardware, "
+                                                  "remembered in the store (irflow.backend_probe; ONNX Runtime "
+                                                  "measured 0.78x torch on an Intel Xeon with AMX, 1.31x on an AMD "
+                                                  "EPYC with AVX-512). Exact either way (allclose), so never "
+                                                  "keyed; int8 is each stage's keyed `quantization`")
     train_processes: int = Field(1, ge=1, description="processes (torchrun; one per GPU on CUDA) that share "
                                                       "each training step: every batch is split between them "
                                                       "and their gradients averaged, so the result is that of "
@@ -315,10 +318,14 @@ class StageRuntime:
 
 
 def stage_runtime(rt: RuntimeConfig, work: str | None, workdir: Path | None = None,
-                  resume_dir: Path | None = None, *, onnx_capable: bool = False) -> StageRuntime:
+                  resume_dir: Path | None = None, *, onnx_capable: bool = False,
+                  onnx_models: dict[str, str] | None = None) -> StageRuntime:
     """``onnx_capable``: the stage can run its models on ONNX Runtime (``stage(onnx=...)``); the others
-    run torch whatever ``backend`` says (the trainers; the student's margins in pseudo_label)."""
+    run torch whatever ``backend`` says (the trainers; the student's margins in pseudo_label).
+    ``onnx_models``: the exported models it runs instead of the sources (``StageRuntime.onnx_model``)."""
     backend = rt.backend if onnx_capable and work in INFERENCE_WORK else "torch"
+    if backend == "auto":  # the runner's probe decided (irflow.backend_probe): the models it exported say which
+        backend = "onnx" if onnx_models else "torch"
     if work is None:
         device, precision = "cpu", "fp32"
     elif backend == "onnx":
@@ -328,7 +335,8 @@ def stage_runtime(rt: RuntimeConfig, work: str | None, workdir: Path | None = No
         precision = resolve_precision(rt.precision.for_work(work), work, device)
     return StageRuntime(device=device, precision=precision, threads=rt.cpu_threads(), jvm_heap=rt.jvm_heap,
                         recompute_activations=rt.recompute_activations, workdir=workdir, resume_dir=resume_dir,
-                        work=work, train_processes=rt.train_processes, backend=backend)
+                        work=work, train_processes=rt.train_processes, backend=backend,
+                        onnx_models=dict(onnx_models or {}))
 
 
 def resolved_plan(rt: RuntimeConfig) -> dict[str, dict]:

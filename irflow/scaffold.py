@@ -236,6 +236,10 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                    bm25={"variants": ["flat"]}, dense={"batch_size": 64, "max_seq_length": ENCODER_TOKENS},
                    hybrid={"method": "zscore", "sparse_weight": 0.3, "depth": 100})
 
+    # torch or ONNX Runtime, whichever a probe finds faster here (irflow.backend_probe): neither is faster everywhere
+    cfg["runtime"] = {"backend": "auto"}
+    choices.add("runtime.backend: auto (torch or ONNX Runtime for encoding, whichever a short probe finds faster "
+                "on this machine; remembered in the store)")
     proxy_queries = 0 if labelled or not evaluates else round(expected)
     size = est.CorpusSize(n_passages, round(_mean_passage_words(profile, passages), 1), proxy_queries,
                           _log_queries(query_log))

@@ -122,8 +122,8 @@ def run_shard(job: ShardJob) -> dict:
     workdir.mkdir(parents=True)
     tmps: dict[str, Path] = {}
     try:
-        rt = replace(stage_runtime(job.runtime, stage.work, workdir, onnx_capable=stage.onnx is not None),
-                     threads=job.threads, onnx_models=job.onnx_models or {})
+        rt = replace(stage_runtime(job.runtime, stage.work, workdir, onnx_capable=stage.onnx is not None,
+                                   onnx_models=job.onnx_models), threads=job.threads)
         inputs = {**job.inputs, job.role: job.inputs[job.role].slice(job.start, job.stop)}
         with torch_threads(rt.threads) if stage.work else contextlib.nullcontext(), warnings_logged() as warned:
             result = stage.fn(job.params, rt, **inputs)

@@ -213,3 +213,34 @@ def test_a_bad_backend_is_refused_naming_the_key(tmp_path):
                    "runtime: {backend: onnx, device: {encode: cuda}}\n")
     with pytest.raises(ConfigError, match="onnxruntime's CPU provider"):
         load_config(cfg)
+
+
+def test_backend_auto_probes_once_per_model_and_runs_the_faster(slice_refs, tiny):
+    """auto: a probe of torch and ONNX Runtime on real passages decides, per model and task, remembered in
+    the store (a second run probes nothing); the stages record the backend they ran, with results equal to
+    torch's either way."""
+    import json
+
+    from irflow import backend_probe
+
+    root, data = slice_refs["root"], slice_refs["data"]
+    run, out = _stages(root / "auto", data, tiny, "auto")
+    probes = json.loads((root / "auto" / backend_probe.PROBES_FILE).read_text())
+    assert len(probes) == 2 and {k.split(" | ")[2] for k in probes} == {"embed", "score"}
+    for p in probes.values():
+        assert p["torch"] > 0 and p["onnx"] > 0
+        assert p["backend"] == ("onnx" if p["torch"] / p["onnx"] >= backend_probe.MARGIN else "torch")
+    embed = next(p for k, p in probes.items() if " | embed | " in k)
+    stage_runs = {r["name"]: r for r in run.catalog.stage_runs(run.run_id)}
+    assert stage_runs["encode_corpus"]["runtime"]["backend"] == embed["backend"]
+    # what the probe would have picked, forced the other way: the same embeddings (exact either way)
+    key = next(k for k in probes if " | embed | " in k)
+    other = "torch" if embed["backend"] == "onnx" else "onnx"
+    probes[key] = {**embed, "backend": other}
+    (root / "auto-2").mkdir()
+    (root / "auto-2" / backend_probe.PROBES_FILE).write_text(json.dumps(probes))
+    run2, out2 = _stages(root / "auto-2", data, tiny, "auto")
+    assert json.loads((root / "auto-2" / backend_probe.PROBES_FILE).read_text()) == probes  # nothing probed again
+    assert {r["name"]: r for r in run2.catalog.stage_runs(run2.run_id)}["encode_corpus"]["runtime"]["backend"] == other
+    np.testing.assert_allclose(np.array(_table(out2["embeddings"])["embedding"]),
+                               np.array(_table(out["embeddings"])["embedding"]), atol=1e-5)
