@@ -13,7 +13,7 @@ outputs -- GPL's miners, the BM25 and dense baselines, RocketQA's M_D0 ablations
   holds no slot). A stage runs in a thread here; its heavy work goes to Ray as shards, as before: this
   overlaps stages, not the shards of one stage.
 - Stages that compute with torch in this process (``work`` set, not sharded: the trainers, a teacher
-  that is not sharded) take turns (``irflow.stage``): torch's thread count (``torch.set_num_threads``)
+  that is not sharded) take turns (``irflow.runner``): torch's thread count (``torch.set_num_threads``)
   and a GPU's memory belong to the process, not to a thread, so two of them at once would fight over
   both. Two calls with the same cache key (an encode_corpus that a miner and an evaluated system
   share) compute once: the second waits for the first and finds its result cached.

@@ -1,4 +1,4 @@
-"""Cache keys, and why a stage is stale: what ``irflow.stage`` keys its results on.
+"""Cache keys, and why a stage is stale: what ``irflow.runner`` keys a stage's results on.
 
     cache key = sha256(canonical JSON of {stage, declared code version, params, input ids by role})
 

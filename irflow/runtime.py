@@ -293,7 +293,7 @@ class StageRuntime:
     backend: str = "torch"  # RuntimeConfig.backend (encode and score work; else torch)
     # source model path -> its exported ONNX model's directory, for the models this stage runs on ONNX
     # Runtime (backend onnx, or quantization int8): exported by the stage runner before it computes
-    # (irflow.stage, the export_onnx stage), so that stage code only asks ``onnx_model(model)``.
+    # (irflow.runner, the export_onnx stage), so that stage code only asks ``onnx_model(model)``.
     onnx_models: dict = field(default_factory=dict)
 
     def onnx_model(self, model) -> str | None:

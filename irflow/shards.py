@@ -28,9 +28,10 @@ input's order. The runner then computes it as shards of ``runtime.shard_rows`` i
   they came in 1 shard or 100, so everything downstream stays cached. Every output is assembled and
   checked before any is published.
 
-A shard that raises is retried once (Prefect's retry, on Ray); if it fails again, or its worker is
-lost, the stage fails naming the shard's row range and nothing is published: the finished parts stay,
-and the next run computes only the missing ones. A user error a shard raises (a model that cannot be
+A shard that raises is retried once (Prefect's retry, on Ray); a shard whose worker is lost (a killed
+process, a preempted node) is computed again, at most ``LOST_WORKER_RETRIES`` times within the run. If it
+still fails, the stage fails naming the shard's row range and nothing is published: the finished parts
+stay, and the next run computes only the missing ones. A user error a shard raises (a model that cannot be
 loaded, data that cannot support the params) fails the stage as that error, as it would unsharded.
 The key of a sharded stage is the key of the whole stage: shard_rows, the executor and the workers
 are runtime, never keyed.

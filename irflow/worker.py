@@ -52,7 +52,7 @@ def keeping():
 @contextlib.contextmanager
 def torch_threads(n: int):
     """torch's intra-op threads for a computation (process-wide: stages that compute with torch in this
-    process take turns, ``irflow.stage``)."""
+    process take turns, ``irflow.runner``)."""
     import torch
 
     before = torch.get_num_threads()

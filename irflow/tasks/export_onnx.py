@@ -1,7 +1,7 @@
 """Export a model to ONNX (optionally int8-quantised): a stored model dataset, made once per source model.
 
 Not called by recipes: the stage runner calls it for a stage that runs a model on ONNX Runtime
-(``runtime.backend: onnx``, or its ``quantization: int8``; ``irflow.stage.Stage._onnx_models``), just
+(``runtime.backend: onnx``, or its ``quantization: int8``; ``irflow.runner._onnx_models``), just
 before that stage computes. Its key is (source model id, task, opset, quantization), so the export is
 made once and reused by every stage and run after; its lineage goes back to the source model
 (``irflow lineage onnx_model-...``). What the export holds and how it runs: ``irflow.onnx_inference``.
