@@ -55,7 +55,8 @@ SEED = 42  # the proxy's sampling seed (ICTSource / CropSource default)
 def config(dataset: str, name: str, source: str, steps: int, qgen: bool, init_model: str | None, docs: Path,
            log_file: Path, work: Path) -> Path:
     c = yaml.safe_load((harness.ROOT / "configs" / f"gpl_{dataset}_offline.yaml").read_text())
-    c["dataset"] = {"name": dataset, "source": str(docs), "proxy": {}}  # every held-out document (fraction 0.1)
+    # every held-out document (fraction 0.1); the corpus searched left whole: the proxies are made here
+    c["dataset"] = {"name": dataset, "source": str(docs), "proxy": {"cut": False}}
     if source == "log":
         c["dataset"]["query_log"] = str(log_file)
     c["generate"] = own_corpus.GENERATE[source]
@@ -164,6 +165,8 @@ def main() -> None:
     ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
     ap.add_argument("--store", required=True, help="the store (kept: a second call reuses every stage)")
     ap.add_argument("--trials", type=int, default=400, help="null-case trials per proxy")
+    ap.add_argument("--long-steps", type=int, default=120, help="the longer runs' GPL steps (the continued run "
+                                                                "trains half as many)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -179,7 +182,10 @@ def main() -> None:
                  "machine": harness.machine()}
     models: dict[str, dict] = {}
     results = {}
-    for name, source, steps, qgen, init in RUNS:
+    runs = [(n, src, args.long_steps if st == 120 else args.long_steps // 2 if st == 60 else st, q, i)
+            for n, src, st, q, i in RUNS]
+    out["runs_config"] = runs
+    for name, source, steps, qgen, init in runs:
         init_model = models[f"gpl-{init}"]["model"] if init else None
         t = harness.run(config(args.dataset, name, source, steps, qgen, init_model, docs, log_file, work), store=store)
         results[name] = t.result
