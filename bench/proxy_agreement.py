@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
     ap.add_argument("--store", required=True, help="the store (kept: a second call reuses every stage)")
     ap.add_argument("--trials", type=int, default=400, help="null-case trials per proxy")
+    ap.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], choices=[r[0] for r in RUNS],
+                    help="which of the runs (default: all)")
     ap.add_argument("--long-steps", type=int, default=120, help="the longer runs' GPL steps (the continued run "
                                                                 "trains half as many)")
     ap.add_argument("--out", required=True)
@@ -183,7 +185,7 @@ def main() -> None:
     models: dict[str, dict] = {}
     results = {}
     runs = [(n, src, args.long_steps if st == 120 else args.long_steps // 2 if st == 60 else st, q, i)
-            for n, src, st, q, i in RUNS]
+            for n, src, st, q, i in RUNS if n in args.runs]
     out["runs_config"] = runs
     for name, source, steps, qgen, init in runs:
         init_model = models[f"gpl-{init}"]["model"] if init else None
@@ -200,7 +202,7 @@ def main() -> None:
         harness.write_json(args.out, out)
 
     catalog = api.catalog(store)
-    first = results[RUNS[0][0]]
+    first = results[runs[0][0]]
     ingest = next(s for s in first.stages if s.name == "ingest_corpus").outputs["corpus"]
     corpus_ids = catalog.ref(ingest).table(columns=["doc_id"]).column("doc_id").to_pylist()
     heldout = catalog.ref(next(s for s in first.stages if s.name == "holdout").outputs["heldout"]).table()
@@ -234,7 +236,7 @@ def main() -> None:
         everything = select({n: s[p] for n, s in scores.items()}, "zero-shot", f"proxy {p}", units=units,
                             unit_name="held-out documents")
         per_run = {}
-        for run_name, *_ in RUNS:
+        for run_name, *_ in runs:
             cands = {n: scores[n][p] for n, m in models.items() if m["run"] == run_name and not m["start"]}
             start = "gpl-log-120" if run_name == "continued" else "zero-shot"
             sel = select({start: scores[start][p], **cands}, start, f"proxy {p}", units=units,
@@ -244,7 +246,8 @@ def main() -> None:
         trained_best = max((n for n in models if n != "zero-shot"), key=real.get)
         null = selection_null.simulate(scores["zero-shot"][p], scores[trained_best][p],
                                        {q: units[q] for q in scores["zero-shot"][p]}, 5, args.trials, seed=5)
-        cont = {k: round(mean(scores["gpl-continued"][k]) - mean(scores["gpl-log-120"][k]), 4) for k in (p, "real")}
+        cont = {k: round(mean(scores["gpl-continued"][k]) - mean(scores["gpl-log-120"][k]), 4) if "gpl-continued" in scores
+                else float("nan") for k in (p, "real")}
         summary[p] = {
             "queries": len(scores["zero-shot"][p]), "kendall_tau": kendall(proxy, real),
             "kendall_tau_trained": kendall({n: v for n, v in proxy.items() if n != "zero-shot"},
