@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from irflow import api
-from irflow.executors import EXECUTORS
-from irflow.testing import beir_slice
+from irflow.dev.testing import beir_slice
+from irflow.engine.executors import EXECUTORS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,12 +32,12 @@ def _load(name: str, code: str, folder: Path):
 
 
 def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared_datasets, prefect_harness):
-    from irflow import recipe as recipes
+    from irflow.recipes import base as recipes
 
     stage_code, recipe_code, executor_code = _blocks()
     try:
-        _load("irflow.tasks.lowercase", stage_code, tmp_path)
-        _load("irflow.flows.lowercased", recipe_code, tmp_path)
+        _load("irflow.stages.lowercase", stage_code, tmp_path)
+        _load("irflow.recipes.lowercased", recipe_code, tmp_path)
         _load("contributing_executor", executor_code, tmp_path)
         data = beir_slice(shared_datasets / "scifact.zip", tmp_path / "slice", n_test_queries=6, n_extra_docs=40,
                           seed=2)
@@ -55,5 +55,5 @@ def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared
     finally:
         recipes._REGISTRY.pop("lowercased", None)
         EXECUTORS.pop("threads", None)
-        for name in ("irflow.tasks.lowercase", "irflow.flows.lowercased", "contributing_executor"):
+        for name in ("irflow.stages.lowercase", "irflow.recipes.lowercased", "contributing_executor"):
             sys.modules.pop(name, None)
