@@ -5,8 +5,8 @@ Methods:
 - ``zscore``: each run's scores are standardised per query, (s - mean) / std (population std), then
   summed with weights: CombSUM (Fox & Shaw, 1994) over zero-mean unit-variance scores (Montague &
   Aslam, 2001, "Relevance Score Normalization for Metasearch"). On SciFact it is the strongest
-  system we measured offline (BM25 + MiniLM, alpha 0.5, over BM25's top 100: nDCG@10 0.7295 vs
-  0.6789 BM25 and 0.6451 MiniLM, on SciFact's test queries), hence also the teacher of choice offline.
+  system we measured offline (BM25 + MiniLM, alpha 0.5, over BM25's top 100, above either alone on the
+  test queries: bench/results/baselines.json), hence also the teacher of choice offline.
 - ``minmax``: each run's scores are rescaled per query to [0, 1], then summed with weights
   (Lee, 1997, "Analyses of Multiple Evidence Combination").
 - ``rrf``: reciprocal rank fusion, sum over runs of w / (k + rank), k = 60 (Cormack, Clarke &

@@ -38,11 +38,9 @@ rows need not hold; it is computed whole, and a changed corpus generates all its
 
 Measured on SciFact: ICT and cropping queries are too easy -- the source passage is BM25's top-1 for
 99.5% (ICT) and 97.4% (cropping) of them -- and GPL trained on them (388 steps) scored *below* the
-zero-shot model: 0.6451 -> 0.6214 (ICT) / 0.6315 (cropping) nDCG@10 (bench/model_free.py; 0.6370 / 0.6417
-with the teacher scoring every candidate; NFCorpus ICT 0.3159 -> 0.3106); the train split's real query
-texts, labels unused, raised it to 0.6657 (0.6803 with the teacher scoring every candidate). Model-free
-sources are offered as cheap baselines and for machines without a query generator; the GPL recipe
-warns before it runs on them (``irflow/measured/model_free.json``).
+zero-shot model on the test qrels, where the train split's real query texts (labels unused) raised it
+(``irflow/measured/model_free.json``, from bench/model_free.py). Model-free sources are offered as cheap
+baselines and for machines without a query generator; the GPL recipe warns before it runs on them.
 """
 
 from __future__ import annotations

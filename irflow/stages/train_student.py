@@ -67,7 +67,7 @@ class MoCoParams(Params):
                                                       "65536)")
     momentum: float = Field(0.999, gt=0, lt=1, description="m in theta_k <- m * theta_k + (1 - m) * theta_q after "
                                                            "each step; closer to 1: a slower key encoder (Contriever: "
-                                                           "0.999 or 0.9995)")
+                                                           "0.999)")
     temperature: float | None = Field(None, gt=0, description="tau: scores are similarity / tau before the softmax "
                                                               "(null: 1 / the mnrl scale -- 0.05 for cos, "
                                                               "Contriever's; 1 for dot)")

@@ -67,7 +67,7 @@ def _labelling_params(catalog: Catalog, row: dict) -> dict:
     return {**params, **_params(row)}
 
 
-# Numbers in captions and tables: 4 significant digits (a tiny model's margins are ~1e-5, not 0.0000).
+# Numbers in captions and tables: 4 significant digits (a tiny model's margins are ~1e-5, not zero).
 def _figure(png: bytes, alt: str, caption: str) -> str:
     data = base64.b64encode(png).decode("ascii")
     return (f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(alt)}">'
