@@ -99,13 +99,12 @@ def test_no_real_difference_among_five_candidates_is_rarely_selected():
 
 
 def test_a_proxy_bm25_saturates_is_called_out(caplog):
-    from types import SimpleNamespace
 
     from irflow.recipes.base import _warn_if_saturated
 
     rows = [{"system": "bm25-flat", "ndcg@10": 0.995}, {"system": "dense-x", "ndcg@10": 0.86}]
     with caplog.at_level("WARNING", logger="irflow"):
-        _warn_if_saturated(SimpleNamespace(evaluation="labelled"), rows)
+        _warn_if_saturated("labelled", rows)
         assert not caplog.records
-        _warn_if_saturated(SimpleNamespace(evaluation="proxy (ict queries)"), rows)
+        _warn_if_saturated("proxy (ict queries)", rows)
     assert len(caplog.records) == 1 and "bm25-flat scores 0.9950" in caplog.text and "saturated" in caplog.text

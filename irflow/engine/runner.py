@@ -25,22 +25,20 @@ that stages that do not read each other's outputs run at the same time (``irflow
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import shutil
 import threading
 import time
-import typing
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 
 from irflow.engine import pace
-from irflow.engine.cache import cache_key, hash_payload, key_payload, why_stale
+from irflow.engine.cache import hash_payload, key_payload, why_stale
 from irflow.engine.catalog import Catalog, now
 from irflow.engine.errors import DataError, StageFailed
 from irflow.engine.executors import executor_for
@@ -81,22 +79,13 @@ class Run:
         self.error: BaseException | None = None  # the first failure (stages may run at once: irflow.engine.branches)
         self.branches = None  # irflow.engine.branches.Branches while stage calls run at once
         self.executor = executor_for(self.runtime)  # where shards (and, for some, stages at once) run
-        # what a recipe says about its evaluated dense models (irflow.decide.selection picks the one to ship):
-        # system -> model ref, the system training started from, and what the evaluation measured
-        self.dense_models: dict[str, DatasetRef] = {}
-        self.start_system: str | None = None
-        self.evaluation: str = "labelled"
-        # why this run's evaluation cannot tell a trained model from the one it started from (None: it can):
-        # the selection then keeps the starting model and says this
-        self.selection_caveat: str | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         # A Run travels with Prefect's task context to Ray shard workers (cloudpickle): without the
         # driver's lock, its branches and its error (not needed there, and not all picklable).
         state = self.__dict__.copy()
-        # (and without the recipe's dense models: with stages at once they are Deferred, holding futures)
-        state.update(_lock=None, branches=None, error=None, dense_models={})
+        state.update(_lock=None, branches=None, error=None)
         return state
 
     def __setstate__(self, state: dict) -> None:

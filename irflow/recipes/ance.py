@@ -24,7 +24,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 from irflow.engine.follows import Follow
 from irflow.engine.runner import Run
 from irflow.learn.dual_encoder import TrainDualEncoderParams
-from irflow.recipes.base import recipe
+from irflow.recipes.base import Made, recipe
 from irflow.recipes.common import (
     HardNegativeTraining,
     SupervisedConfig,
@@ -114,7 +114,7 @@ def round_negative_mining(c: RoundConfig, r: int) -> MineParams:
 
 
 @recipe("ance", ANCEConfig)
-def ance(c: ANCEConfig, run: Run) -> list[dict]:
+def ance(c: ANCEConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
     base = run.model(c.base_model, "base_model")
     train_q = labelled_queries(run, data, c.train_split)
@@ -142,7 +142,8 @@ def ance(c: ANCEConfig, run: Run) -> list[dict]:
                                    negatives=[negatives])["model"]
         systems[f"ance-round{r}"] = model
 
-    runs = test_runs(run, c, data, base, systems)
-    runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.base_model), systems))
-    return evaluate_runs(run, c.evaluate, data, runs)
+    tested = test_runs(run, c, data, base, systems)
+    tested.runs.update(hybrid_runs(run, c.hybrid, tested.runs, c.bm25.first_system, system_name(c.base_model),
+                                   systems))
+    return evaluate_runs(run, c.evaluate, data, tested)
 

@@ -1,12 +1,15 @@
 """Recipes: one typed config model and one body that reads like the method's figure.
 
     @recipe("gpl", GPLConfig)
-    def gpl(c: GPLConfig, run: Run) -> list[Evaluation]:
+    def gpl(c: GPLConfig, run: Run) -> Made:
         data = ingest(run, c.dataset)
         ...
+        return evaluate_runs(run, c.evaluate, data, systems)
 
 The body wires stages together (each call is a cached stage run, a Prefect task inside a flow) and
-returns the evaluation refs; the engine records the run in the catalog, the metrics, and the result.
+returns what it made (``Made``: its evaluations, what they measured, the dense models a selection may
+pick and the one training started from); the engine records the run in the catalog, selects the model
+to ship, reports the metrics and returns the result.
 With executor ray, stage calls return at once and the stages that do not read each other's outputs
 run at the same time (``irflow.engine.branches``); the body reads top-down either way.
 ``Recipe.flow`` is the recipe as a Prefect flow (what ``irflow run``, ``irflow serve`` and the
@@ -15,13 +18,12 @@ deployments in prefect.yaml run), so Prefect's UI shows the recipe's own task ru
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib
 import logging
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -192,6 +194,21 @@ class RunResult:
         return d
 
 
+@dataclass(frozen=True)
+class Made:
+    """What a recipe body hands back to its run (``irflow.recipes.common.evaluate_runs`` makes it): the
+    evaluate stages' outputs; what they measured (labelled, a proxy and how it was made, or nothing); the
+    dense systems a selection may pick (system -> model ref) and the one training started from (the
+    selection's baseline; None: nothing to select); and why the evaluation cannot tell a trained model from
+    that start (None: it can), in which case the start is kept and the reason says this."""
+
+    evaluations: list[dict]
+    evaluation: str = "labelled"
+    models: dict[str, Any] = field(default_factory=dict)
+    start: str | None = None
+    caveat: str | None = None
+
+
 @dataclass
 class Recipe:
     name: str
@@ -351,24 +368,27 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
     if dead_runs:
         log.warning("earlier run(s) %s died without finishing (killed?): marked interrupted", ", ".join(dead_runs))
     t0 = time.perf_counter()
-    status, rows, selected, promotion = "failed", [], None, None
+    status, rows, selected, promotion, made = "failed", [], None, None, None
     try:
         # executor ray: the run's Ray; and its stage calls run at once where they may (irflow.engine.branches:
         # leaving the block waits for every stage and raises the first failure)
         with older_objects_frozen(), run.executor.session(c.runtime), branches_for(run, c.runtime):
-            evaluations = recipe.body(c, run)
+            made = recipe.body(c, run)
+            if not isinstance(made, Made):
+                raise TypeError(f"recipe {recipe.name}: its body returned {type(made).__name__}, not Made "
+                                "(irflow.recipes.common.evaluate_runs makes one)")
             # stages run at once leave Deferred refs: what the selection reads must be the refs themselves
-            run.dense_models = {k: resolve_deferred(v) for k, v in run.dense_models.items()}
+            made = replace(made, models={k: resolve_deferred(v) for k, v in made.models.items()})
         # an evaluation that --to left out has no metrics to report
-        evaluated = [ev for ev in evaluations if ev["metrics"].kind != PENDING]
+        evaluated = [ev for ev in made.evaluations if ev["metrics"].kind != PENDING]
         # a proxy's query -> its held-out document: the unit of the selection's and the promotion's tests
-        units = _proxy_documents(run) if run.evaluation.startswith("proxy") else None
-        selected = _select(run, evaluated, units)
+        units = _proxy_documents(run) if made.evaluation.startswith("proxy") else None
+        selected = _select(run, made, evaluated, units)
         rows = report(run, evaluated, selected)
-        _warn_if_saturated(run, rows)
+        _warn_if_saturated(made.evaluation, rows)
         check_interrupted()
         # the last act of a run: its models are published, its metrics recorded; one INSERT, or nothing
-        promotion = _promote(run, c, evaluated, selected, rows, units)
+        promotion = _promote(run, c, made, evaluated, selected, rows, units)
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -383,22 +403,23 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
                           s["started"], s.get("rows")) for s in run.catalog.stage_runs(run.run_id)]
     return RunResult(run.run_id, recipe.name, store_root, status, round(time.perf_counter() - t0, 3), stages, rows,
                      flow_run_id, _unique(s["name"] for s in run.skipped), selected=selected,
-                     evaluation=run.evaluation, promotion=promotion)
+                     evaluation=made.evaluation, promotion=promotion)
 
 
-def _select(run: Run, evaluations: list[dict], units: dict[str, str] | None = None,
+def _select(run: Run, made: Made, evaluations: list[dict], units: dict[str, str] | None = None,
             metric: str = "ndcg@10") -> dict | None:
     """The run's model to ship (``irflow.decide.selection``) among the dense models its recipe evaluated,
     recorded in the catalog (``selections``)."""
     from irflow.decide import selection
 
-    if run.start_system is None:
+    if made.start is None:
         return None
-    per_query = {s: v for s, v in _per_query(evaluations, metric).items() if s in run.dense_models}
-    if run.evaluation == selection.NO_EVALUATION and not evaluations:
-        sel = selection.unmeasured(list(run.dense_models), run.start_system, metric)
-        per_query = dict.fromkeys(run.dense_models, {})
-    elif run.start_system not in per_query:
+    models = made.models
+    per_query = {s: v for s, v in _per_query(evaluations, metric).items() if s in models}
+    if made.evaluation == selection.NO_EVALUATION and not evaluations:
+        sel = selection.unmeasured(list(models), made.start, metric)
+        per_query = dict.fromkeys(models, {})
+    elif made.start not in per_query:
         return None
     else:
         if units:
@@ -407,15 +428,14 @@ def _select(run: Run, evaluations: list[dict], units: dict[str, str] | None = No
             from irflow.decide.promotion import trained_documents
             from irflow.engine.store import DatasetRef
 
-            seen = set().union(*(trained_documents(run.catalog, per.id) for s, per in run.dense_models.items()
+            seen = set().union(*(trained_documents(run.catalog, per.id) for s, per in models.items()
                                  if s in per_query and isinstance(per, DatasetRef)))
             if seen:
                 per_query = {s: {q: v for q, v in values.items() if units.get(q) not in seen}
                              for s, values in per_query.items()}
-        sel = selection.select(per_query, run.start_system, run.evaluation, metric, caveat=run.selection_caveat,
+        sel = selection.select(per_query, made.start, made.evaluation, metric, caveat=made.caveat,
                                units=units, unit_name="held-out documents" if units else "queries")
-    out = {**sel.to_dict(), "model_id": run.dense_models[sel.system].id,
-           "models": {s: run.dense_models[s].id for s in per_query}}
+    out = {**sel.to_dict(), "model_id": models[sel.system].id, "models": {s: models[s].id for s in per_query}}
     run.catalog.record_selection(run.run_id, out)
     log.info("selected model: %s (%s)", sel.system, sel.reason)
     return out
@@ -424,9 +444,9 @@ def _select(run: Run, evaluations: list[dict], units: dict[str, str] | None = No
 SATURATED = 0.95  # a proxy on which BM25 scores above this tells nothing about dense models
 
 
-def _warn_if_saturated(run: Run, rows: list[dict]) -> None:
+def _warn_if_saturated(evaluation: str, rows: list[dict]) -> None:
     """A proxy whose queries BM25 answers almost perfectly measures string matching: say so."""
-    if not run.evaluation.startswith("proxy"):
+    if not evaluation.startswith("proxy"):
         return
     for r in rows:
         value = r.get("ndcg@10")
@@ -464,8 +484,8 @@ def _per_query(evaluations: list[dict], metric: str) -> dict[str, dict[str, floa
     return per_query
 
 
-def _promote(run: Run, c: RecipeConfig, evaluations: list[dict], selected: dict | None, rows: list[dict],
-             units: dict[str, str] | None = None, metric: str = "ndcg@10") -> dict | None:
+def _promote(run: Run, c: RecipeConfig, made: Made, evaluations: list[dict], selected: dict | None,
+             rows: list[dict], units: dict[str, str] | None = None, metric: str = "ndcg@10") -> dict | None:
     """With ``promote.alias``: the run's selected model against the alias's current model on the run's
     evaluation (``irflow.decide.promotion``), decided and recorded; None when promotion is off."""
     from irflow.decide import promotion
@@ -483,7 +503,7 @@ def _promote(run: Run, c: RecipeConfig, evaluations: list[dict], selected: dict 
     partial = (f"--to left {len(_unique(s['name'] for s in run.skipped))} stage(s) out: a partial run promotes "
                "nothing") if run.skipped else None
     p = promotion.promote(run.catalog, run.store, run.run_id, c.promote, selected, _per_query(evaluations, metric),
-                          evaluated, run.evaluation, metric, partial, units).to_dict()
+                          evaluated, made.evaluation, metric, partial, units).to_dict()
     publish_summary(run, rows, selected, p)
     return p
 

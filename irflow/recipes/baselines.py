@@ -26,11 +26,12 @@ from irflow.engine.follows import Follow
 from irflow.engine.params import ModelName
 from irflow.engine.runner import Run
 from irflow.engine.store import DatasetRef
-from irflow.recipes.base import RecipeConfig, recipe
+from irflow.recipes.base import Made, RecipeConfig, recipe
 from irflow.recipes.common import (
     BM25Config,
     Dataset,
     DatasetConfig,
+    Systems,
     ZeroShotDense,
     alias_runs,
     bm25_runs,
@@ -108,17 +109,16 @@ def deepct_run(run: Run, c: BaselinesConfig, data: Dataset) -> DatasetRef:
 
 
 @recipe("baselines", BaselinesConfig)
-def baselines(c: BaselinesConfig, run: Run) -> list[dict]:
+def baselines(c: BaselinesConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
-    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
+    systems = Systems(bm25_runs(run, c.bm25, data.corpus, data.test_queries))
     if c.dense.enabled:
         system = c.dense.system or system_name(c.dense.model)
         model = run.model(c.dense.model, "dense.model")
-        runs[system] = dense_run(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
-                                 model=model)
-        run.start_system, run.dense_models[system] = system, model
-        runs.update(alias_runs(run, c, data, runs, c.dense))
+        systems.dense(system, dense_run(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
+                                        model=model), model, start=True)
+        systems.runs.update(alias_runs(run, c, data, systems, c.dense))
     if c.deepct.enabled:
-        runs[DEEPCT_SYSTEM] = deepct_run(run, c, data)
-    return evaluate_runs(run, c.evaluate, data, runs)
+        systems.runs[DEEPCT_SYSTEM] = deepct_run(run, c, data)
+    return evaluate_runs(run, c.evaluate, data, systems)
 

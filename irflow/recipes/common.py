@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -20,11 +20,11 @@ from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_
 from irflow.decide.selection import NO_EVALUATION
 from irflow.engine.errors import ConfigError
 from irflow.engine.follows import Follow
-from irflow.engine.params import ModelName, NoParams, Params
+from irflow.engine.params import ModelName, NoParams
 from irflow.engine.runner import Run
 from irflow.engine.store import DatasetRef
 from irflow.learn.dual_encoder import TrainDualEncoderParams
-from irflow.recipes.base import RecipeConfig
+from irflow.recipes.base import Made, RecipeConfig
 from irflow.sources.beir import IngestError, _relative_hint, dataset_splits, is_beir_source, is_url
 from irflow.stages.bm25 import BM25IndexParams, BM25Retrieval, BM25SearchParams, Variant, bm25_index, bm25_search
 from irflow.stages.dense import DenseRetrieval, DenseSearchParams, EncodeParams, dense_search, encode_corpus
@@ -365,16 +365,34 @@ def system_name(model: str) -> str:
     return "dense-" + Path(str(model).rstrip("/")).name
 
 
-def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, runs: dict[str, DatasetRef]) -> list[dict]:
-    """One evaluate stage per system (a changed system re-evaluates alone), on the test queries; the
-    corpus lets it count the judged queries with no judged document in it."""
-    run.evaluation = data.evaluation
+@dataclass
+class Systems:
+    """What a recipe evaluates: system -> test run (``runs``), the dense models among them a selection may
+    pick (system -> model ref) and the system training started from (``start``)."""
+
+    runs: dict[str, DatasetRef] = field(default_factory=dict)
+    models: dict[str, DatasetRef] = field(default_factory=dict)
+    start: str | None = None
+
+    def dense(self, system: str, run_ref: DatasetRef, model: DatasetRef, *, start: bool = False) -> None:
+        """A dense system: its test run, and its model (the one training started from, with ``start``)."""
+        self.runs[system], self.models[system] = run_ref, model
+        if start:
+            self.start = system
+
+
+def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, systems: Systems, caveat: str | None = None) -> Made:
+    """One evaluate stage per system (a changed system re-evaluates alone), on the test queries (the corpus
+    lets it count the judged queries with no judged document in it); what the recipe hands back (``Made``).
+    ``caveat``: why this evaluation cannot tell a trained model from the start (see ``Made``)."""
+    made = Made([], data.evaluation, dict(systems.models), systems.start, caveat)
     if data.test_queries is None:
-        return []
+        return made
     name = data.name if data.proxy is None else f"{data.name} (proxy)"
     p = c.to(EvaluateParams, dataset=name, split=data.split)
-    return [evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels, queries=data.test_queries, corpus=data.corpus)
-            for system, ref in runs.items()]
+    return replace(made, evaluations=[evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels,
+                                               queries=data.test_queries, corpus=data.corpus)
+                                      for system, ref in systems.runs.items()])
 
 
 def hybrid_runs(run: Run, c: HybridConfig, runs: dict[str, DatasetRef], sparse: str, zero_shot: str,
@@ -476,29 +494,28 @@ class SupervisedConfig(RecipeConfig):
 
 def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
               models: dict[str, DatasetRef], base_model: str | None = None,
-              start: tuple[str, DatasetRef] | None = None) -> dict[str, DatasetRef]:
-    """System name -> test run: BM25 (``c.bm25``), the zero-shot base model (``base_model``: its config
-    value, by default ``c.base_model``), and each trained model, encoded and searched as ``c.dense``.
+              start: tuple[str, DatasetRef] | None = None) -> Systems:
+    """The test systems: BM25 (``c.bm25``), the zero-shot base model (``base_model``: its config value, by
+    default ``c.base_model``; the start), and each trained model, encoded and searched as ``c.dense``.
     ``start``: (system, model) where training continued from an alias's model (``start_model``): evaluated
     too, and the model the trained ones are selected against. And the promotion's comparison
     (``alias_runs``)."""
-    runs = bm25_runs(run, c.bm25, data.corpus, data.test_queries)
+    systems = Systems(bm25_runs(run, c.bm25, data.corpus, data.test_queries))
     zero_shot = system_name(base_model or c.base_model)
-    runs[zero_shot] = dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
-                                tag="zero-shot")
-    run.start_system, run.dense_models[zero_shot] = zero_shot, base
+    systems.dense(zero_shot, dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
+                                       tag="zero-shot"), base, start=True)
     if start is not None:
         name, model = start
-        if name in runs:
+        if name in systems.runs:
             raise ConfigError(f"train.init: '{name}' is also the name of a system of this run; the alias's model is "
                               "evaluated as a system of that name: choose another alias name")
-        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, tag=name)
-        run.start_system, run.dense_models[name] = name, model
+        systems.dense(name, dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
+                                      tag=name), model, start=True)
     for name, model in models.items():
-        runs[name] = dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name, tag=name)
-        run.dense_models[name] = model
-    runs.update(alias_runs(run, c, data, runs, c.dense))
-    return runs
+        systems.dense(name, dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
+                                      tag=name), model)
+    systems.runs.update(alias_runs(run, c, data, systems, c.dense))
+    return systems
 
 
 # ---- promotion (irflow.decide.promotion) and training continued from an alias's model -----------------------
@@ -522,7 +539,7 @@ def alias_model(run: Run, model_id: str, where: str) -> DatasetRef | None:
     return None
 
 
-def alias_runs(run: Run, c: RecipeConfig, data: Dataset, runs: dict[str, DatasetRef],
+def alias_runs(run: Run, c: RecipeConfig, data: Dataset, systems: Systems,
                dense: DenseRetrieval) -> dict[str, DatasetRef]:
     """With ``promote.alias``: the alias's current model as a test run of system ``<alias>``, searched as
     ``dense`` like the zero-shot model, so that the promotion compares it with the run's selected model on
@@ -532,9 +549,9 @@ def alias_runs(run: Run, c: RecipeConfig, data: Dataset, runs: dict[str, Dataset
     current = run.catalog.alias(alias) if alias is not None else None
     if current is None:
         return {}
-    if any(isinstance(ref, DatasetRef) and ref.id == current["model_id"] for ref in run.dense_models.values()):
+    if any(isinstance(ref, DatasetRef) and ref.id == current["model_id"] for ref in systems.models.values()):
         return {}
-    if alias in runs:
+    if alias in systems.runs:
         raise ConfigError(f"promote.alias: '{alias}' is also the name of a system of this run; the alias's model is "
                           "evaluated as a system of that name: choose another alias name")
     model = alias_model(run, current["model_id"], "promote.alias")

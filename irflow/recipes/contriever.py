@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 from irflow.engine.follows import Follow
 from irflow.engine.params import ModelName
 from irflow.engine.runner import Run
-from irflow.recipes.base import RecipeConfig, recipe
+from irflow.recipes.base import Made, RecipeConfig, recipe
 from irflow.recipes.common import (
     BM25Config,
     DatasetConfig,
@@ -102,7 +102,7 @@ class ContrieverConfig(RecipeConfig):
 
 
 @recipe("contriever", ContrieverConfig)
-def contriever(c: ContrieverConfig, run: Run) -> list[dict]:
+def contriever(c: ContrieverConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
     base = run.model(c.train.model, "train.model")
 
@@ -115,6 +115,7 @@ def contriever(c: ContrieverConfig, run: Run) -> list[dict]:
 
     # 3. Evaluation: BM25, the starting model and the trained one (and BM25 fused with each).
     students = {"contriever": model}
-    runs = test_runs(run, c, data, base, students, base_model=c.train.model)
-    runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.train.model), students))
-    return evaluate_runs(run, c.evaluate, data, runs)
+    tested = test_runs(run, c, data, base, students, base_model=c.train.model)
+    tested.runs.update(hybrid_runs(run, c.hybrid, tested.runs, c.bm25.first_system, system_name(c.train.model),
+                                   students))
+    return evaluate_runs(run, c.evaluate, data, tested)

@@ -53,7 +53,7 @@ from irflow.engine.follows import Follow
 from irflow.engine.params import CrossEncoderName, ModelName, NoParams, Params
 from irflow.engine.runner import Run
 from irflow.engine.store import DatasetRef
-from irflow.recipes.base import RecipeConfig, recipe
+from irflow.recipes.base import Made, RecipeConfig, recipe
 from irflow.recipes.common import (
     BM25Config,
     Dataset,
@@ -467,11 +467,12 @@ def same_generator(c: GPLConfig) -> bool:
 
 
 @recipe("gpl", GPLConfig)
-def gpl(c: GPLConfig, run: Run) -> list[dict]:
+def gpl(c: GPLConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
+    caveat = None
     if same_generator(c):
         # measured: such students lead zero-shot on the proxy and trail it on real qrels (irflow/measured/proxy_same_kind.json)
-        run.selection_caveat = (f"the proxy's queries ({c.dataset.proxy.queries.source}) are of the kind the students "
+        caveat = (f"the proxy's queries ({c.dataset.proxy.queries.source}) are of the kind the students "
                                 f"trained on ({c.generate.source}): it favours them whether or not they retrieve better "
                                 f"(bench/results/own_corpus_*.json); give a query log, or another "
                                 f"dataset.proxy.queries source, to select a trained model")
@@ -513,12 +514,13 @@ def gpl(c: GPLConfig, run: Run) -> list[dict]:
                                                  corpus=corpus, base_model=init, qrels=positives)["student"]
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
-    runs = test_runs(run, c, data, base, students, base_model=c.train.model, start=start)
+    tested = test_runs(run, c, data, base, students, base_model=c.train.model, start=start)
+    runs = tested.runs
     runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.train.model), students))
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                     queries=gen["queries"], qrels=gen["qrels"])
         runs.update(bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
                               prefix="bm25-doc2query", tag_suffix="-doc2query"))
-    return evaluate_runs(run, c.evaluate, data, runs)
+    return evaluate_runs(run, c.evaluate, data, tested, caveat)
 

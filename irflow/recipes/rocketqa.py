@@ -45,7 +45,7 @@ from irflow.engine.store import DatasetRef
 from irflow.learn.dual_encoder import TrainDualEncoderParams
 from irflow.learn.fusion import FusionSettings
 from irflow.learn.teachers import Calibration, CrossEncoderTeacher, FusionTeacher
-from irflow.recipes.base import recipe
+from irflow.recipes.base import Made, recipe
 from irflow.recipes.common import (
     Dataset,
     HardNegativeTraining,
@@ -373,7 +373,7 @@ def unlabelled_queries(run: Run, c: RocketQAConfig, data: Dataset) -> DatasetRef
 
 # ---- the recipe -----------------------------------------------------------------------------------
 @recipe("rocketqa", RocketQAConfig)
-def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
+def rocketqa(c: RocketQAConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
     base = run.model(c.base_model, "base_model")
     train_q = labelled_queries(run, data, c.train_split)
@@ -417,7 +417,8 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
                                  [denoised[first.tag]["negatives"], aug["negatives"]])
 
     # 7. Evaluation on the test split: BM25, zero-shot, every dual encoder, M_C re-ranking M_D0's top 100.
-    runs = test_runs(run, c, data, base, systems)
+    tested = test_runs(run, c, data, base, systems)
+    runs = tested.runs
     runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.base_model), systems))
     runs["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), tag="mc",
                                ranking=runs["md0"], queries=data.test_queries, corpus=data.corpus, model=cross_encoder)
@@ -427,5 +428,5 @@ def rocketqa(c: RocketQAConfig, run: Run) -> list[dict]:
         runs["mc-rerank-fused"] = fuse(run, FuseParams(weights={"md0": w, "mc-rerank": 1 - w}, input_depth=depth,
                                                        depth=depth, system="mc-rerank-fused"),
                                        tag="mc-rerank-fused", rankings=[runs["md0"], runs["mc-rerank"]])
-    return evaluate_runs(run, c.evaluate, data, runs)
+    return evaluate_runs(run, c.evaluate, data, tested)
 

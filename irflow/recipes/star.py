@@ -25,7 +25,7 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 from irflow.engine.follows import Follow
 from irflow.engine.runner import Run
 from irflow.learn.dual_encoder import TrainDualEncoderParams
-from irflow.recipes.base import recipe
+from irflow.recipes.base import Made, recipe
 from irflow.recipes.common import (
     HardNegativeTraining,
     SupervisedConfig,
@@ -104,7 +104,7 @@ class STARConfig(SupervisedConfig):
 
 
 @recipe("star", STARConfig)
-def star(c: STARConfig, run: Run) -> list[dict]:
+def star(c: STARConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
     base = run.model(c.base_model, "base_model")
     train_q = labelled_queries(run, data, c.train_split)
@@ -121,19 +121,17 @@ def star(c: STARConfig, run: Run) -> list[dict]:
                                     corpus=data.corpus, base_model=base, qrels=[data.qrels],
                                     negatives=[static])["model"]
 
+    tested = test_runs(run, c, data, base, {"star": star_model})
     # ADORE: STAR's corpus embeddings stay fixed; the query encoder learns from its own top-k over them.
-    adore_runs = {}
     if c.adore.enabled:
         index = encode_corpus(run, c.dense.to(EncodeParams), tag="adore", corpus=data.corpus, model=star_model)
         adore = train_query_encoder(run, c.adore.to(TrainQueryEncoderParams), tag="adore", queries=train_q,
                                     qrels=data.qrels, embeddings=index, base_model=star_model,
                                     document_model=star_model)["model"]
-        adore_runs["star-adore"] = dense_search(run, c.dense.to(DenseSearchParams, system="star-adore"),
+        # selectable and exportable like any dense model
+        tested.dense("star-adore", dense_search(run, c.dense.to(DenseSearchParams, system="star-adore"),
                                                 tag="star-adore", embeddings=index, queries=data.test_queries,
-                                                model=adore)
-        run.dense_models["star-adore"] = adore  # selectable and exportable like any dense model
-
-    runs = {**test_runs(run, c, data, base, {"star": star_model}), **adore_runs}
-    runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.base_model),
-                            ["star", *adore_runs]))
-    return evaluate_runs(run, c.evaluate, data, runs)
+                                                model=adore), adore)
+    tested.runs.update(hybrid_runs(run, c.hybrid, tested.runs, c.bm25.first_system, system_name(c.base_model),
+                                   ["star"] + (["star-adore"] if c.adore.enabled else [])))
+    return evaluate_runs(run, c.evaluate, data, tested)

@@ -177,8 +177,8 @@ def _score_pairs(index_dir: str, pairs: list[tuple[str, str]], qtext: dict[str, 
     from irflow.engine.java import setup_pyserini_env
 
     setup_pyserini_env(heap)
-    from jnius import autoclass
     from pyserini.index.lucene import LuceneIndexReader  # first: it puts Anserini on jnius' class path
+    from jnius import autoclass  # noqa: I001 -- after pyserini
 
     similarity = autoclass("org.apache.lucene.search.similarities.BM25Similarity")(float(k1), float(b))
     reader = LuceneIndexReader(index_dir)
