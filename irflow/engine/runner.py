@@ -47,7 +47,7 @@ from irflow.engine.processes import check_interrupted, file_lock, release_memory
 from irflow.engine.runtime import RuntimeConfig, load_average, resolve_device, stage_runtime
 from irflow.engine.stage import ONNX_EXPORT, PENDING, Stage, _as_list
 from irflow.engine.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
-from irflow.engine.worker import torch_threads, warnings_logged
+from irflow.engine.worker import warnings_logged
 
 log = logging.getLogger("irflow")
 
@@ -378,20 +378,12 @@ def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params
                  f"{rt.device}, {rt.precision}, {rt.threads} threads{_backend(rt)}" if stage.work
                  else f"{rt.threads} threads")
         try:
-            with torch_threads(rt.threads) if stage.work else contextlib.nullcontext(), \
-                    warnings_logged() as warned:
-                result = stage.fn(params, rt, **inputs)
+            result, warned = stage.compute(params, rt, inputs)
         except StageFailed:
             raise
         except Exception as e:
             # (a Ctrl-C that a library turned into this error is told apart in ``execute``)
             raise StageFailed(stage_label, e) from e
-        check_interrupted()  # a Ctrl-C swallowed during the computation: publish nothing
-        if len(stage.outputs) == 1 and not isinstance(result, dict):
-            result = {stage.outputs[0].name: result}
-        missing = [o.name for o in stage.outputs if o.name not in result]
-        if missing:
-            raise RuntimeError(f"stage {stage.name} did not return outputs {missing}")
         # Validate and stage every output before publishing any: a stage whose second output
         # breaks its contract must leave nothing of its first one in the store.
         staged: dict[str, tuple[Path, int | None]] = {}

@@ -39,7 +39,6 @@ are runtime, never keyed.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
@@ -49,13 +48,11 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
 
 import pyarrow as pa
 
 from irflow.engine.params import Params
 from irflow.engine.runtime import RuntimeConfig
-from irflow.engine.store import DatasetRef
 
 log = logging.getLogger("irflow.engine.shards")
 
@@ -110,10 +107,8 @@ def part_names(stage, start: int, stop: int) -> dict[str, str]:
 
 def run_shard(job: ShardJob) -> dict:
     """Compute one shard in this process and write its part. Returns the shard's record."""
-    from irflow.engine.processes import check_interrupted
     from irflow.engine.runtime import stage_runtime
     from irflow.engine.store import write_parts
-    from irflow.engine.worker import torch_threads, warnings_logged
 
     stage = getattr(importlib.import_module(job.module), job.attr)
     t0 = time.perf_counter()
@@ -126,14 +121,7 @@ def run_shard(job: ShardJob) -> dict:
         rt = replace(stage_runtime(job.runtime, stage.work, workdir, onnx_capable=stage.onnx is not None,
                                    onnx_models=job.onnx_models), threads=job.threads)
         inputs = {**job.inputs, job.role: job.inputs[job.role].slice(job.start, job.stop)}
-        with torch_threads(rt.threads) if stage.work else contextlib.nullcontext(), warnings_logged() as warned:
-            result = stage.fn(job.params, rt, **inputs)
-        check_interrupted()
-        if not isinstance(result, dict):
-            result = {stage.outputs[0].name: result}
-        missing = [o.name for o in stage.outputs if o.name not in result]
-        if missing:
-            raise RuntimeError(f"stage {stage.name} did not return outputs {missing}")
+        result, warned = stage.compute(job.params, rt, inputs)
         rows = {}
         # Every output's part is written and checked before any is renamed into place.
         for o in stage.outputs:

@@ -125,6 +125,25 @@ class Stage:
         return bool(self.shard) and (self.shard_when is None or bool(self.shard_when(params)))
 
     # -- running it is the runner's, through the run (irflow.engine.runner.Run) ---------------------------
+    def compute(self, params: Params, rt, inputs: dict) -> tuple[dict[str, Any], list[str]]:
+        """One call of the stage's function, the unit the runner (a whole stage) and a shard (its rows) both
+        run: on ``rt.threads`` torch threads if it computes with torch, its warnings collected; a Ctrl-C
+        swallowed inside checked after. Returns (output name -> value, every declared output there; the
+        warnings)."""
+        import contextlib
+
+        from irflow.engine.processes import check_interrupted
+
+        with torch_threads(rt.threads) if self.work else contextlib.nullcontext(), warnings_logged() as warned:
+            result = self.fn(params, rt, **inputs)
+        check_interrupted()  # a Ctrl-C swallowed during the computation: publish nothing
+        if len(self.outputs) == 1 and not isinstance(result, dict):
+            result = {self.outputs[0].name: result}
+        missing = [o.name for o in self.outputs if o.name not in result]
+        if missing:
+            raise RuntimeError(f"stage {self.name} did not return outputs {missing}")
+        return result, list(warned)
+
     def run(self, run, params: Params | dict, /, *, tag: str | None = None, **inputs) -> Any:
         """Run it without Prefect (same caching); its output ref (or a dict of them)."""
         return run.execute_stage(self, params, tag, inputs)[0]
