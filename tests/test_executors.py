@@ -10,7 +10,8 @@ import yaml
 
 from irflow import api
 from irflow.dev.testing import beir_slice, make_tiny_bi_encoder
-from irflow.engine.executors import EXECUTORS, LocalExecutor, register
+from irflow.engine.executors import EXECUTORS, register
+from irflow.engine.executors.local import LocalExecutor
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,7 @@ from irflow.engine.catalog import Catalog
 from irflow.engine.errors import ConfigError, DataError, StageFailed
 
 RAY = ["runtime.executor=ray", "runtime.ray.workers=2"]
-_RAY_NAMES = ("raylet", "gcs_server", "ray::", "irflow.engine.ray_cluster", "default_worker.py", "dashboard/agent.py",
+_RAY_NAMES = ("raylet", "gcs_server", "ray::", "irflow.engine.executors.ray_cluster", "default_worker.py", "dashboard/agent.py",
               "runtime_env/agent")
 
 

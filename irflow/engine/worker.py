@@ -2,7 +2,7 @@
 (a model is loaded once per worker, not once per shard), torch's thread count for a computation, and the
 warnings a computation logs (recorded with what it made).
 
-Ray workers run with ``IRFLOW_SHARD_WORKER=1`` (``irflow.engine.ray_cluster``); the local executor keeps objects
+Ray workers run with ``IRFLOW_SHARD_WORKER=1`` (``irflow.engine.executors.ray_cluster``); the local executor keeps objects
 for the length of one stage's shards (``keeping``).
 """
 

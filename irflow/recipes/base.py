@@ -332,7 +332,7 @@ def load_config(config: str | Path | dict | BaseModel, overrides: list[str] | tu
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{source}: flow: unknown recipe {flow!r}{hint}; known: {', '.join(recipe_names())}")
     c = config_files.validate(get_recipe(flow).config_cls, raw, source)
-    if c.runtime.executor not in executors.EXECUTORS:  # registered at run time, so not in the runtime's model
+    if not executors.known(c.runtime.executor):  # registered at run time, so not in the runtime's model
         raise ConfigError(f"{source}: 1 problem\n  runtime.executor: '{c.runtime.executor}' is not an executor "
                           f"({', '.join(executors.names())})")
     return c

@@ -11,7 +11,9 @@ An executor says, for a run:
 - ``worker_threads(rt)``: the threads each shard may use;
 - ``concurrent_stages(rt)``: how many stage calls may run at once (1: one after another).
 
-A new executor is one class registered with ``@register``::
+A new executor is one module in this package holding one class registered with ``@register``
+(``local.py``, ``ray.py``); the package's modules are imported the first time an executor is looked up,
+as recipes are found (CONTRIBUTING.md shows a third)::
 
     @register
     class ThreadsExecutor(LocalExecutor):
@@ -25,7 +27,7 @@ A new executor is one class registered with ``@register``::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar
+from typing import ClassVar
 
 EXECUTORS: dict[str, type["Executor"]] = {}
 
@@ -35,12 +37,35 @@ def register(cls: type["Executor"]) -> type["Executor"]:
     return cls
 
 
+_DISCOVERED = False
+
+
+def _discover() -> None:
+    """Import every module of this package once: each executor registers itself."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        import importlib
+        import pkgutil
+
+        for m in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{m.name}")
+        _DISCOVERED = True
+
+
 def names() -> list[str]:
+    _discover()
     return sorted(EXECUTORS)
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is a registered executor (this package's modules imported first)."""
+    _discover()
+    return name in EXECUTORS
 
 
 def executor_for(rt) -> "Executor":
     """The executor ``rt.executor`` names."""
+    _discover()
     if rt.executor not in EXECUTORS:
         from irflow.engine.errors import ConfigError
 
@@ -66,56 +91,3 @@ class Executor:
 
     def concurrent_stages(self, rt) -> int:
         return 1
-
-
-@register
-class LocalExecutor(Executor):
-    """Stages and their shards in this process, one after another (the default)."""
-
-    name = "local"
-
-    def map_shards(self, stage, label: str, jobs: list, rt) -> list[dict]:
-        from irflow.engine.shards import run_here
-
-        return run_here(jobs)
-
-
-@register
-class RayExecutor(Executor):
-    """Shards as Prefect tasks on Ray workers (Prefect's ``RayTaskRunner``), independent stages at once
-    (``runtime.ray``)."""
-
-    name = "ray"
-    remote = True
-
-    def preflight(self, rt) -> None:
-        from irflow.engine import ray_cluster
-
-        if rt.ray.address is not None:
-            ray_cluster.check_address(rt.ray.address)
-        else:
-            ray_cluster.check_local_gpus(rt.ray.gpus_per_shard)
-
-    def session(self, rt) -> Any:
-        from irflow.engine.orchestration import api_url
-        from irflow.engine.ray_cluster import ray_session
-
-        return ray_session(rt, api_url())
-
-    def map_shards(self, stage, label: str, jobs: list, rt) -> list[dict]:
-        from irflow.engine.shards import on_ray, relay_warnings
-
-        done = on_ray(stage, jobs, rt)
-        relay_warnings(label, done)
-        return done
-
-    def worker_threads(self, rt) -> int:
-        from irflow.engine.runtime import available_cpus
-
-        if rt.ray.threads_per_worker:
-            return rt.ray.threads_per_worker
-        workers = rt.ray.workers or available_cpus()
-        return max(1, (rt.threads or available_cpus()) // workers)
-
-    def concurrent_stages(self, rt) -> int:
-        return rt.ray.concurrent_stages

@@ -1,7 +1,7 @@
 """executor ray: the Ray cluster a run's shards go to, joined once per run (``ray_session``).
 
 ``runtime.ray.address: null`` starts a local cluster for the run. It is started by a small watchdog
-process (``python -m irflow.engine.ray_cluster``) rather than by ``ray.init()`` in the run's own process: a
+process (``python -m irflow.engine.executors.ray_cluster``) rather than by ``ray.init()`` in the run's own process: a
 run killed with kill -9 leaves Ray's agents behind when Ray started them itself (checked: after a
 kill -9 of the driver, gcs_server and raylet went, ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent``
 stayed, reparented to init). The watchdog is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), so
@@ -95,7 +95,7 @@ def local_cluster(cpus: int, gpus: int):
     process dies). Yields its address."""
     from irflow.engine.processes import dying_with_parent
 
-    argv, dying = dying_with_parent([sys.executable, "-m", "irflow.engine.ray_cluster", str(cpus), str(gpus)],
+    argv, dying = dying_with_parent([sys.executable, "-m", "irflow.engine.executors.ray_cluster", str(cpus), str(gpus)],
                                     signal.SIGTERM, own_session=True)
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **dying)
     try:
@@ -152,7 +152,7 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
-# ---- the watchdog (python -m irflow.engine.ray_cluster CPUS GPUS) -----------------------------------------
+# ---- the watchdog (python -m irflow.engine.executors.ray_cluster CPUS GPUS) -----------------------------------------
 def _children() -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
