@@ -47,7 +47,7 @@ from irflow.stages.train_dual_encoder import train_dual_encoder
 from irflow.stages.train_query_encoder import TrainQueryEncoderParams, train_query_encoder
 
 
-class StarConfig(HardNegativeTraining):
+class StarTrainingConfig(HardNegativeTraining):
     loss: Literal["star", "infonce"] = Field(
         "star", description="star: STAR's loss, RankNet on the static hard negatives plus alpha x RankNet on the "
                             "batch's other passages; infonce: the same lines under a softmax (DPR with static hard "
@@ -81,7 +81,8 @@ class STARConfig(SupervisedConfig):
     )
 
     flow: Literal["star"] = Field(description="this recipe: star")
-    star: StarConfig = Field(StarConfig(), description="STAR: static hard negatives and random in-batch negatives")
+    star: StarTrainingConfig = Field(StarTrainingConfig(), description="STAR: static hard negatives and random "
+                                                                       "in-batch negatives")
     adore: AdoreConfig = Field(AdoreConfig(), description="ADORE: the query encoder against STAR's fixed index")
 
     @model_validator(mode="after")
