@@ -33,10 +33,10 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
-# The documentation site: the reference pages regenerated from the code (irflow.docs_gen), then site/ built
+# The documentation site: the reference pages regenerated from the code (irflow.dev.docs_gen), then site/ built
 # offline with --strict (a broken link, a missing anchor or a page left out of the nav fails the build).
 docs: install
-	$(PY) -m irflow.docs_gen
+	$(PY) -m irflow.dev.docs_gen
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 	@echo "open site/index.html"
 

@@ -33,10 +33,10 @@ def fit(catalog, store, run_id: str, args) -> dict:
     import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
-    from irflow.adore import embedding_matrix
-    from irflow.collapse import mean_cosine
-    from irflow.store import TABLE_FILE
-    from irflow.tasks.evaluate import evaluate_run, qrels_to_dict
+    from irflow.learn.adore import embedding_matrix
+    from irflow.learn.collapse import mean_cosine
+    from irflow.engine.store import TABLE_FILE
+    from irflow.stages.evaluate import evaluate_run, qrels_to_dict
 
     stages = {s["name"]: s for s in catalog.stage_runs(run_id)}  # cached stages name their outputs too
 
@@ -109,7 +109,7 @@ def main() -> None:
     import torch
 
     from irflow import api
-    from irflow.store import Store
+    from irflow.engine.store import Store
 
     torch.set_num_threads(args.threads)
     catalog = api.catalog(args.store)

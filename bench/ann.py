@@ -4,7 +4,7 @@
         [--out bench/results/ann.json] [--cache-dir /tmp/irflow-ann-bench] [--threads 1]
         [--synthetic-size 100000] [--nprobes 1,4,8,16,32,64,128]
 
-Every index is built with ``irflow.ann.build`` from batches of 10,000 embeddings (the path a sharded
+Every index is built with ``irflow.learn.ann.build`` from batches of 10,000 embeddings (the path a sharded
 corpus takes) and searched for the top 100 of every query. Per index: build seconds (training +
 filling), index bytes (``faiss.serialize_index``; for ivf_pq also the re-ranking vectors, which sit
 in a memmap file on disk, not in RAM); per nprobe: search seconds for all queries, and recall@10 /
@@ -53,8 +53,9 @@ def cached(path: Path, compute) -> np.ndarray:
 
 
 def minilm_encode(texts: list[str], what: str) -> np.ndarray:
-    from irflow.encoding import encode_texts
-    from irflow.models import load_sentence_transformer, minilm_path
+    from irflow.learn.encoding import encode_texts
+    from irflow.engine.models import minilm_path
+    from irflow.learn.encoding import load_sentence_transformer
 
     log(f"encoding {len(texts)} SciFact {what} with MiniLM (once)")
     return encode_texts(load_sentence_transformer(minilm_path(), "cpu"), texts, 64, True, desc=what)
@@ -66,7 +67,7 @@ def scifact_queries(cache_dir: Path) -> np.ndarray:
 
 
 def scifact_corpus(cache_dir: Path) -> np.ndarray:
-    from irflow.text import passage_text
+    from irflow.learn.text import passage_text
 
     corpus, _, _ = harness.read_beir(harness.DATASETS / "scifact.zip")
     return cached(cache_dir / "scifact-minilm-corpus.npy",
@@ -92,7 +93,7 @@ def index_bytes(index) -> int:
 
 
 def measure(docs: np.ndarray, queries: np.ndarray, nprobes: list[int], threads: int) -> dict:
-    from irflow import ann
+    from irflow.learn import ann
 
     def batches():
         return (docs[i:i + BATCH] for i in range(0, len(docs), BATCH))

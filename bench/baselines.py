@@ -18,9 +18,9 @@ One run measures, in this order (the order makes the first SciFact run a genuine
               built from plain libraries only (zip + json/csv, SentenceTransformer, torch,
               pytrec_eval; no irflow code): |diff| <= 0.002 passes.
 5. throughput side by side in this process, same inputs, interleaved repetitions:
-              BM25: irflow.tasks.bm25.search vs Pyserini's LuceneSearcher.batch_search on the flat
+              BM25: irflow.stages.bm25.search vs Pyserini's LuceneSearcher.batch_search on the flat
               index that step 3 stored (SciFact test queries, and all 1109 SciFact queries);
-              encoding: irflow.encoding.encode_texts vs SentenceTransformer.encode on the same
+              encoding: irflow.learn.encoding.encode_texts vs SentenceTransformer.encode on the same
               1000 SciFact passages with the same loaded model; target ratio irflow/direct >= 0.95.
 
 Steps 1-2 run ``python -c "from irflow import api; ..."`` subprocesses (the whole process is what
@@ -110,7 +110,7 @@ def irflow_run(config: str, store: str, sets: list[str] = (), force: list[str] =
 def catalog_sql(query: str, store: str, params: list | None = None) -> list[dict]:
     """DuckDB SQL over the store's catalog (and every stored dataset as a view), in this process. The
     connection is closed before returning, so no lock is held while irflow runs."""
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     con = Catalog(Path(store) / "catalog.duckdb").connect_with_views()
     try:
@@ -224,12 +224,12 @@ def alternate(sides: dict, reps: int, log_as: str | None = None, n: int = 0) -> 
 
 
 def bm25_throughput(index_dir: str, qids: list[str], texts: list[str], reps: int) -> dict:
-    from irflow.java import setup_pyserini_env
+    from irflow.engine.java import setup_pyserini_env
 
     setup_pyserini_env()
     from pyserini.search.lucene import LuceneSearcher
 
-    from irflow.tasks import bm25 as irflow_bm25
+    from irflow.stages import bm25 as irflow_bm25
 
     def via_irflow():
         return irflow_bm25.search(index_dir, qids, texts, k1=0.9, b=0.4, top_k=1000, fields={},
@@ -264,7 +264,7 @@ def bm25_throughput(index_dir: str, qids: list[str], texts: list[str], reps: int
 def encode_throughput(model, texts: list[str], reps: int) -> dict:
     import numpy as np
 
-    from irflow.encoding import encode_texts
+    from irflow.learn.encoding import encode_texts
 
     def via_irflow():
         return encode_texts(model, texts, batch_size=64, normalize=True)

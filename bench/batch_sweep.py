@@ -27,9 +27,9 @@ from harness import ROOT
 
 
 def sweep_body(batches: list[int], mini_batch: int):
-    from irflow.dual_encoder import TrainDualEncoderParams
-    from irflow.flows.common import evaluate_runs, ingest, labelled_queries, test_runs
-    from irflow.tasks.train_dual_encoder import train_dual_encoder
+    from irflow.learn.dual_encoder import TrainDualEncoderParams
+    from irflow.recipes.common import evaluate_runs, ingest, labelled_queries, test_runs
+    from irflow.stages.train_dual_encoder import train_dual_encoder
 
     def body(c, run):
         data = ingest(run, c.dataset)
@@ -59,8 +59,8 @@ def main() -> None:
 
     from prefect import flow
 
-    from irflow.orchestration import configure
-    from irflow.recipe import Recipe, execute, load_config
+    from irflow.engine.orchestration import configure
+    from irflow.recipes.base import Recipe, execute, load_config
 
     configure(args.store)
     c = load_config(str(ROOT / args.config), args.sets)

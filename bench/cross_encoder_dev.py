@@ -53,7 +53,7 @@ def ingest_ids(con) -> dict[str, str]:
 
 def dev_cut(train: pa.Table, seed: int = 7, share: float = 0.2, max_queries: int = 300) -> tuple[list[str], list[str]]:
     """(labelled, dev): the train split's labelled queries, and the seeded cut of them held out as dev."""
-    from irflow.qrels import positives
+    from irflow.learn.qrels import positives
 
     labelled = sorted(positives(train))
     perm = np.random.default_rng(seed).permutation(len(labelled))
@@ -82,13 +82,13 @@ def main() -> None:
 
     from sklearn.metrics import roc_auc_score
 
-    from irflow.models import resolve
-    from irflow.qrels import positives
-    from irflow.runtime import StageRuntime, resolve_precision
-    from irflow.scoring import cross_encoder_scores
-    from irflow.tasks.evaluate import evaluate_run
-    from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams, fit_cross_encoder, training_pairs
-    from irflow.text import doc_texts, query_texts
+    from irflow.engine.models import resolve
+    from irflow.learn.qrels import positives
+    from irflow.engine.runtime import StageRuntime, resolve_precision
+    from irflow.learn.scoring import cross_encoder_scores
+    from irflow.stages.evaluate import evaluate_run
+    from irflow.stages.train_cross_encoder import TrainCrossEncoderParams, fit_cross_encoder, training_pairs
+    from irflow.learn.text import doc_texts, query_texts
 
     store = Path(args.store)
     con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
@@ -126,7 +126,7 @@ def main() -> None:
         return float(np.mean(list(evaluate_run(qrels_dict, res, ["ndcg@10"])["ndcg@10"].values())))
 
     import torch
-    torch.set_num_threads(args.threads)  # as irflow.stage does around a stage
+    torch.set_num_threads(args.threads)  # as irflow.engine.stage does around a stage
     precision = resolve_precision(args.precision, "train", "cpu")
     rt = StageRuntime(device="cpu", precision=precision, threads=args.threads, work="train")
     print(f"{dataset}: {len(labelled)} labelled train queries -> {len(labelled) - n_dev} fit / {n_dev} dev; "

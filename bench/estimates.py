@@ -1,6 +1,6 @@
 """`irflow new`'s estimates against what a run measured, stage by stage.
 
-For a finished run (its store and run id): the estimate ``irflow.estimate`` gives for each stage the run
+For a finished run (its store and run id): the estimate ``irflow.tools.estimate`` gives for each stage the run
 computed, on the run's own config and corpus, beside the seconds the catalog recorded; the ratio per
 stage and in all. With ``--new CORPUS``, first writes a config with `irflow new gpl` (a query log with
 ``--query-log``) and runs it, so the whole path a user takes is measured.
@@ -22,7 +22,8 @@ import harness  # noqa: E402  (sets the offline environment first)
 
 
 def compare(store: Path, run_id: str) -> dict:
-    from irflow import api, estimate
+    from irflow import api
+    from irflow.tools import estimate
 
     catalog = api.catalog(store)
     run = catalog.run(run_id)
@@ -72,7 +73,7 @@ def main() -> None:
     store = Path(args.store)
     run_id = args.run
     if args.new:
-        from irflow import scaffold
+        from irflow.tools import scaffold
 
         cfg = store.parent / f"{store.name}-new.yaml"
         text, table = scaffold.new_config("gpl", args.new, query_log=args.query_log,

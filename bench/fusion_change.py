@@ -2,7 +2,7 @@
 
 Before typed recipes, the teacher (pseudo_label.fused_scores) normalised each run's list per query
 *with* duplicate (query, doc) rows and then took the max, while the fuse stage deduplicated first.
-Both are now irflow.fusion.fuse_runs (deduplicate, then normalise). This script scores every
+Both are now irflow.learn.fusion.fuse_runs (deduplicate, then normalise). This script scores every
 (query, doc) pair of the given miner runs with the old teacher's SQL (copied below verbatim in
 substance, for the comparison only) and with fuse_runs, and reports how many scores differ.
 
@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import harness  # before irflow: puts this checkout on the path
-from irflow.fusion import fuse_runs
+from irflow.learn.fusion import fuse_runs
 
 
 def old_teacher(runs: list[pa.Table], weights: list[float]) -> dict:

@@ -41,7 +41,7 @@ def irflow_run(config: str, store: str, *sets: str, force: tuple[str, ...] = ())
 
 def stage_rows(store: str, run_id: str) -> list[dict]:
     """Per-stage status, seconds, and the row count / params of its (first) output, from the catalog."""
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     catalog = Catalog(Path(store) / "catalog.duckdb")
     rows = []

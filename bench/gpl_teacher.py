@@ -29,7 +29,7 @@ from harness import ROOT
 from seed_mean import seed_mean_against
 from train_dev import paired_with, per_query_ndcg
 
-from irflow.stats import paired
+from irflow.learn.stats import paired
 
 TEACHERS = {"own": "false", "every": "true"}
 KEEP = ("bm25-flat", "dense-all-MiniLM-L6-v2", "hybrid", "gpl-student", "hybrid-gpl-student")
@@ -40,8 +40,8 @@ def positives_judged(store: Path, run_id: str) -> dict:
     own qrels (the train split's: the recipe never reads them), and how many queries that covers."""
     import pyarrow.compute as pc
 
-    from irflow.catalog import Catalog
-    from irflow.report import runs as R
+    from irflow.engine.catalog import Catalog
+    from irflow.tools.report import runs as R
 
     catalog = Catalog(Path(store) / "catalog.duckdb")
     outputs = {s["name"]: s["outputs"] for s in R.stage_runs(catalog, run_id)}
@@ -59,7 +59,7 @@ def positives_judged(store: Path, run_id: str) -> dict:
 
 def seed_mean_tests(store: Path, run_ids: list[str]) -> dict:
     """Each test query's nDCG@10 averaged over the seeds' GPL students, against zero-shot and BM25 (the same in
-    every run: nothing trained): ``irflow.stats.paired``'s wins / losses and t-test p; the same for BM25 fused
+    every run: nothing trained): ``irflow.learn.stats.paired``'s wins / losses and t-test p; the same for BM25 fused
     with the students against the zero-shot fusion, where every run has it. A gap no single seed
     shows beyond chance may show here; it says nothing about seeds not run. Empty with fewer than 2 runs, or
     when a run is not in ``store``."""

@@ -10,11 +10,11 @@ irflow/plain of the best rates (1.0 = no overhead, > 1 = irflow faster). Inputs 
 passages and queries read straight from the BEIR zip with json/csv.
 
 1. Query generation (queries/s). A randomly initialised T5 with t5-small dimensions (d_model 512,
-   d_ff 2048, 6+6 layers, 8 heads; MiniLM's WordPiece vocabulary, as irflow.testing.make_tiny_t5
+   d_ff 2048, 6+6 layers, 8 heads; MiniLM's WordPiece vocabulary, as irflow.dev.testing.make_tiny_t5
    builds its tiny one) saved to a temp dir: generation cost does not depend on the weights.
-   irflow: ``irflow.generation.BatchGenerator`` (what the t5 source calls per shard; it runs
+   irflow: ``irflow.learn.generation.BatchGenerator`` (what the t5 source calls per shard; it runs
    ``_generate_batch`` per batch) on a model from ``load_generator`` (given the model's path, as the
-   stage passes its model ref's), passages as ``irflow.text.passage_text``. plain: AutoTokenizer +
+   stage passes its model ref's), passages as ``irflow.learn.text.passage_text``. plain: AutoTokenizer +
    AutoModelForSeq2SeqLM.generate in batches. Both: 1 query per passage, do_sample, top_p 0.95,
    top_k 25 (the stage's ``sample_top_k``), max_length 32, inputs truncated at 350 tokens, batch 16,
    the same torch seed before each side (so both sample the same queries; ``same_outputs`` checks
@@ -22,7 +22,7 @@ passages and queries read straight from the BEIR zip with json/csv.
    inference).
 2. Cross-encoder scoring (pairs/s). MiniLM with a fresh 1-logit head
    (AutoModelForSequenceClassification, num_labels=1) saved to a temp dir. irflow:
-   ``irflow.scoring.cross_encoder_scores(path, pairs, batch_size=32, max_length=350)`` (what the
+   ``irflow.learn.scoring.cross_encoder_scores(path, pairs, batch_size=32, max_length=350)`` (what the
    ``pseudo_label`` stage's cross-encoder teacher calls; fp32, no autocast) -- it loads
    the model itself, so the plain side's timed region loads it too (``plain_scoring_only`` leaves
    the load out). plain: tokenize (query, passage) pairs in input order with truncation at 350,
@@ -35,10 +35,10 @@ passages and queries read straight from the BEIR zip with json/csv.
    negative) triples with random margins; 1 warm-up step then ``--train-steps`` timed steps, same
    batches on every side. Precision: ``--precision`` (default ``auto``: what the runtime picks for
    training here -- bf16 autocast only on hardware with native bf16, else fp32; the results in
-   bench/results/gpl_throughput*.json used bf16 autocast), the same on every side. irflow: ``irflow.training.train_loop``
+   bench/results/gpl_throughput*.json used bf16 autocast), the same on every side. irflow: ``irflow.learn.training.train_loop``
    (given ``LoopParams`` and a ``StageRuntime`` with that precision) with the compute_loss the
    ``train_student`` stage builds (``_embed`` per column +
-   ``irflow.losses.MarginMSELoss.from_embeddings``), timed through ``irflow.training._on_step``. plain:
+   ``irflow.learn.losses.MarginMSELoss.from_embeddings``), timed through ``irflow.learn.training._on_step``. plain:
    a manual loop, ``model.preprocess`` (``tokenize`` before sentence-transformers 6) +
    ``model(features)['sentence_embedding']`` per column +
    ``sentence_transformers`` MarginMSELoss's ``compute_loss_from_embeddings``. Extra arm
@@ -127,7 +127,7 @@ def make_t5_small_random(out_dir: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
 
-    from irflow.models import minilm_path
+    from irflow.engine.models import minilm_path
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(minilm_path())
@@ -147,8 +147,8 @@ def bench_generation(data: dict, n_passages: int, reps: int, tmp: Path) -> dict:
     import torch
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from irflow.generation import BatchGenerator, load_generator
-    from irflow.text import passage_text
+    from irflow.learn.generation import BatchGenerator, load_generator
+    from irflow.learn.text import passage_text
 
     log("query generation: building a random t5-small-sized model")
     path = make_t5_small_random(tmp / "t5-small-random")
@@ -206,8 +206,8 @@ def bench_cross_encoder(data: dict, n_pairs: int, reps: int, tmp: Path) -> dict:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from irflow.models import minilm_path
-    from irflow.scoring import cross_encoder_scores
+    from irflow.engine.models import minilm_path
+    from irflow.learn.scoring import cross_encoder_scores
 
     log("cross-encoder: MiniLM with a fresh 1-logit head")
     path = tmp / "minilm-ce"
@@ -286,11 +286,11 @@ def bench_training(data: dict, steps: int, reps: int, st_loss: bool, precision: 
     except ImportError:  # sentence-transformers < 6
         from sentence_transformers.losses import MarginMSELoss as STMarginMSE
 
-    import irflow.training as tr
-    from irflow.losses import MarginMSELoss
-    from irflow.models import minilm_path
-    from irflow.runtime import StageRuntime, precision_warning, resolve_precision
-    from irflow.tasks.train_student import _embed
+    import irflow.learn.training as tr
+    from irflow.learn.losses import MarginMSELoss
+    from irflow.engine.models import minilm_path
+    from irflow.engine.runtime import StageRuntime, precision_warning, resolve_precision
+    from irflow.stages.train_student import _embed
 
     bs, max_seq, lr, warmup, seed = 16, 200, 2e-5, 1000, 42
     total = steps + 1

@@ -17,7 +17,7 @@ there; its training functions do, on the very jobs its stages build:
     .venv/bin/python bench/gpu_lease.py score --results /work/.device/... --bundle .lease
 
 ``pack`` calls each training stage's plain function (``stage.fn``) with the store's datasets and stops
-it where it would train (``irflow.distributed.run`` / ``irflow.dual_encoder.train``): the job it would
+it where it would train (``irflow.engine.distributed.run`` / ``irflow.learn.dual_encoder.train``): the job it would
 run -- its examples, its texts, its params -- is saved, ids in place of texts. Three jobs:
 
 - **gpl**: ``train_student`` on ``configs/gpl_nfcorpus_offline.yaml``'s pseudo-labels (teacher scores
@@ -34,7 +34,7 @@ so the budget is chosen on dev. M_C scores M_D0's top 20 of the dev queries (AUC
 test top 100 (the recipe's ``mc-rerank``). The base model travels as fp16 (the fp32 file alone is 87
 MiB): ``run`` upcasts it, and its zero-shot is measured there with the same weights.
 
-``score`` evaluates every returned ranking with ``irflow.tasks.evaluate.evaluate_run`` (pytrec_eval),
+``score`` evaluates every returned ranking with ``irflow.stages.evaluate.evaluate_run`` (pytrec_eval),
 picks each trained system's evaluation point by dev nDCG@10, runs paired t-tests on test against
 zero-shot and BM25 (the CPU store's runs), and writes ``bench/results/gpu_nfcorpus.json``.
 """
@@ -101,14 +101,14 @@ def pack(args) -> None:
     from safetensors.torch import load_file, save_file
 
     from cross_encoder_dev import dev_cut
-    from irflow import distributed
-    from irflow.models import minilm_path
-    from irflow.runtime import StageRuntime
-    from irflow.tasks import train_dual_encoder as tde
-    from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder
-    from irflow.tasks.train_dual_encoder import TrainDualEncoderParams
-    from irflow.tasks.train_student import TrainStudentParams, train_student
-    from irflow.text import passage_texts, query_texts
+    from irflow.engine import distributed
+    from irflow.engine.models import minilm_path
+    from irflow.engine.runtime import StageRuntime
+    from irflow.stages import train_dual_encoder as tde
+    from irflow.stages.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder
+    from irflow.stages.train_dual_encoder import TrainDualEncoderParams
+    from irflow.stages.train_student import TrainStudentParams, train_student
+    from irflow.learn.text import passage_texts, query_texts
 
     out = Path(args.out)
     if out.exists():
@@ -274,7 +274,7 @@ def run(args) -> None:
     try:
         import duckdb  # noqa: F401
     except ImportError:
-        # irflow.catalog / irflow.fusion import it at module level; nothing run here touches the catalog
+        # irflow.engine.catalog / irflow.learn.fusion import it at module level; nothing run here touches the catalog
         sys.modules["duckdb"] = types.ModuleType("duckdb")
     import numpy as np
     import pyarrow as pa
@@ -282,15 +282,15 @@ def run(args) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    import irflow.models
-    import irflow.training
-    from irflow.dual_encoder import Job
-    from irflow.dual_encoder import train as train_dual
-    from irflow.encoding import encode_texts
-    from irflow.runtime import StageRuntime, host_info, resolve_precision
-    from irflow.scoring import cross_encoder_scores
-    from irflow.tasks import train_cross_encoder as tce
-    from irflow.tasks import train_student as ts
+    import irflow.learn.encoding
+    import irflow.learn.training
+    from irflow.learn.dual_encoder import Job
+    from irflow.learn.dual_encoder import train as train_dual
+    from irflow.learn.encoding import encode_texts
+    from irflow.engine.runtime import StageRuntime, host_info, resolve_precision
+    from irflow.learn.scoring import cross_encoder_scores
+    from irflow.stages import train_cross_encoder as tce
+    from irflow.stages import train_student as ts
 
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -361,7 +361,7 @@ def run(args) -> None:
         holder["model"] = fresh(path, max_seq_length)
         return holder["model"]
 
-    irflow.models.load_sentence_transformer = load_fresh
+    irflow.learn.encoding.load_sentence_transformer = load_fresh
 
     def timed_steps(fn, steps: int, evals=(), system="", eval_len=None) -> tuple[float, float, list]:
         """Run ``fn(steps)``; (seconds per step from step 5 on, total seconds, eval seconds)."""
@@ -380,7 +380,7 @@ def run(args) -> None:
                 marks[step] = time.time()  # the next step's time excludes this evaluation
                 save()
 
-        irflow.training._on_step = hook
+        irflow.learn.training._on_step = hook
         s = time.time()
         fn(steps)
         total = time.time() - s
@@ -430,7 +430,7 @@ def run(args) -> None:
                      "eval_s": [round(e, 1) for e in ev], "params": job["params"],
                      "examples": len(job["ex"]["q"]),
                      "epochs": round(steps * args.gpl_batch / len(job["ex"]["q"]), 2)})
-        log = json.loads((Path(job["out"]) / irflow.training.TRAINING_LOG).read_text())
+        log = json.loads((Path(job["out"]) / irflow.learn.training.TRAINING_LOG).read_text())
         info["loss_first_last"] = [log["history"][0]["loss"], log["history"][-1]["loss"]]
         save()
 
@@ -492,7 +492,7 @@ def run(args) -> None:
         for split, q, x, sc in zip(cand.column("split").to_pylist(), pairs_q, pairs_d, np.asarray(logits).tolist()):
             rows.append({"system": "mc", "step": steps, "split": split, "query_id": q, "doc_id": x, "rank": 0,
                          "score": float(sc)})
-        log = json.loads((Path(job["out"]) / irflow.training.TRAINING_LOG).read_text())
+        log = json.loads((Path(job["out"]) / irflow.learn.training.TRAINING_LOG).read_text())
         tail = log["history"][-max(1, len(log["history"]) // 10):]
         info["final_loss"] = round(float(np.mean([h["loss"] for h in tail])), 4)
         save()
@@ -519,8 +519,8 @@ def score(args) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from irflow.stats import paired
-    from irflow.tasks.evaluate import evaluate_run
+    from irflow.learn.stats import paired
+    from irflow.stages.evaluate import evaluate_run
 
     bundle, res = Path(args.bundle), Path(args.results)
     manifest = json.loads((bundle / "manifest.json").read_text())

@@ -4,7 +4,7 @@ SciFact's corpus as a user's own documents (``corpus.jsonl``, no labels: the pro
 versions: 90% -> 95% -> 100% of its documents, then 1% of them edited and 1% deleted. Each version is
 written over the same file and run with the same config on one store (what a nightly schedule does);
 each later version is also run cold, on a store of its own. For every stage: rows computed and reused
-(map stages, irflow.row_reuse) and seconds, incremental against cold; every dataset id and metric of
+(map stages, irflow.engine.row_reuse) and seconds, incremental against cold; every dataset id and metric of
 the incremental run must equal the cold run's.
 
     python bench/incremental.py --work /work/bench-inc --out bench/results/incremental_scifact.json
@@ -130,9 +130,9 @@ def main() -> None:
 
 
 def row_mapped(label: str) -> bool:
-    """Whether a stage label is a call of a stage that reuses rows (a row map: irflow.row_reuse)."""
-    from irflow.tasks.dense import encode_corpus
-    from irflow.tasks.generate_queries import generate_queries
+    """Whether a stage label is a call of a stage that reuses rows (a row map: irflow.engine.row_reuse)."""
+    from irflow.stages.dense import encode_corpus
+    from irflow.stages.generate_queries import generate_queries
 
     return label.split("[")[0] in {s.name for s in (encode_corpus, generate_queries) if s.rows is not None}
 

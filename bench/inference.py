@@ -59,9 +59,9 @@ def cpu_flags() -> dict:
 
 def exported(store: Path, model_path: str, task: str, quantization: str) -> tuple[str, float, str]:
     """(directory, seconds, computed|cached) of ``model_path``'s export, by irflow's export_onnx stage."""
-    from irflow.models import resolve
-    from irflow.runner import Run
-    from irflow.tasks.export_onnx import ExportParams, export_onnx
+    from irflow.engine.models import resolve
+    from irflow.engine.runner import Run
+    from irflow.stages.export_onnx import ExportParams, export_onnx
 
     run = Run(store, f"bench-inference-{os.getpid()}")
     t0 = time.perf_counter()
@@ -97,9 +97,9 @@ def timed(fn, n: int) -> tuple[object, dict]:
 
 def encoder(backend: str, path: str, store: Path, threads: int, batch_size: int):
     """A function texts -> normalised embeddings for ``backend``, warmed up; and its export info."""
-    from irflow import onnx_inference
-    from irflow.encoding import encode_texts
-    from irflow.models import load_sentence_transformer
+    from irflow.learn import onnx_inference
+    from irflow.learn.encoding import encode_texts
+    from irflow.learn.encoding import load_sentence_transformer
 
     info: dict = {}
     if backend == "sentence-transformers":
@@ -126,7 +126,7 @@ def encoder(backend: str, path: str, store: Path, threads: int, batch_size: int)
 
 
 def scorer(backend: str, path: str, store: Path, threads: int, batch_size: int):
-    from irflow.scoring import cross_encoder_scores
+    from irflow.learn.scoring import cross_encoder_scores
 
     info: dict = {}
     if backend == "sentence-transformers":
@@ -153,7 +153,7 @@ def scorer(backend: str, path: str, store: Path, threads: int, batch_size: int):
 
 def ndcg10(q_emb: np.ndarray, qids: list[str], d_emb: np.ndarray, dids: list[str], qrels: dict) -> tuple[float, dict]:
     """nDCG@10 (pytrec_eval, as irflow's evaluate) of a flat inner-product search; and the top 10 per query."""
-    from irflow.tasks.evaluate import evaluate_run
+    from irflow.stages.evaluate import evaluate_run
 
     scores = q_emb @ d_emb.T
     top = np.argsort(-scores, axis=1, kind="stable")[:, :10]
@@ -168,7 +168,7 @@ def pair_tokens(ce_path: str, pairs: list[tuple[str, str]], batch_size: int) -> 
     unpadded pair per call, and sentence-transformers' (sorted by length, padded to each batch's longest)."""
     from transformers import AutoTokenizer
 
-    from irflow.encoding import length_batches
+    from irflow.learn.encoding import length_batches
 
     tok = AutoTokenizer.from_pretrained(ce_path)
     lengths = [len(x) for x in tok([q for q, _ in pairs], [d for _, d in pairs], truncation="longest_first",
@@ -187,7 +187,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def bench_dataset(name: str, args, models: dict[str, str], ce_path: str, store: Path) -> dict:
-    from irflow.text import passage_text
+    from irflow.learn.text import passage_text
 
     corpus, queries, qrels = harness.read_beir(DATASETS / f"{name}.zip", "test")
     if args.limit:
@@ -269,8 +269,8 @@ def main() -> None:
 
     import torch
 
-    from irflow.models import minilm_path
-    from irflow.runtime import available_cpus
+    from irflow.engine.models import minilm_path
+    from irflow.engine.runtime import available_cpus
 
     args.threads = args.threads or available_cpus()
     torch.set_num_threads(args.threads)

@@ -56,16 +56,16 @@ def jvm_running() -> bool:
 
 
 class Probe:
-    """Wraps the encode_corpus stage's function and irflow.encoding.encode_texts: times each call,
+    """Wraps the encode_corpus stage's function and irflow.learn.encoding.encode_texts: times each call,
     keeps the stage function's last arguments."""
 
     def __init__(self):
-        import irflow.encoding
-        import irflow.tasks.dense as dense
+        import irflow.learn.encoding
+        import irflow.stages.dense as dense
 
         self.stage = dense.encode_corpus
         self.inner_fn = self.stage.fn
-        self.inner_encode = irflow.encoding.encode_texts
+        self.inner_encode = irflow.learn.encoding.encode_texts
         self.last_args = None
         self.calls: list[dict] = []
         self.encode_seconds = 0.0
@@ -78,7 +78,7 @@ class Probe:
             finally:
                 probe.encode_seconds += time.perf_counter() - t0
 
-        # The stage runner finds a shard's function by the stage's module and name (irflow.shards): the
+        # The stage runner finds a shard's function by the stage's module and name (irflow.engine.shards): the
         # wrapper keeps them, so the lookup finds this stage, whose fn is now the wrapper.
         @functools.wraps(self.inner_fn)
         def timed_stage(params, rt, **inputs):
@@ -105,10 +105,10 @@ class Probe:
         return out
 
     def alone(self) -> dict:
-        from irflow.stage import torch_threads
+        from irflow.engine.stage import torch_threads
 
         params, rt, inputs = self.last_args
-        # The stage runner sets torch's threads around the call (irflow.stage); so does this.
+        # The stage runner sets torch's threads around the call (irflow.engine.stage); so does this.
         with torch_threads(rt.threads):
             self.measure(lambda: self.inner_fn(params, rt, **inputs))
         return self.calls[-1]

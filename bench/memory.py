@@ -265,7 +265,7 @@ def run_case(name: str, config: str, sets: list[str], *, interval: float, keep_s
 
 def from_catalog(store: Path) -> dict:
     """Docs, stage runs and nDCG@10 of the (only) run in a fresh store, read in this process."""
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     cat = Catalog(store / "catalog.duckdb")
     con = cat.connect_with_views()

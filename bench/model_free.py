@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/model_free.json"))
     args = ap.parse_args()
 
-    from irflow.recipe import load_config
+    from irflow.recipes.base import load_config
 
     prior = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     out = {"machine": harness.machine(), "runs": prior.get("runs", [])}

@@ -67,7 +67,7 @@ def real_scores(dataset: str, model: str, system: str, store: Path) -> tuple[dic
     """The model (a stored id or a folder) and BM25 on the real test queries: (metrics by system, per-query
     nDCG@10 by system)."""
     from irflow import api
-    from irflow.report.runs import per_query_values
+    from irflow.tools.report.runs import per_query_values
 
     cfg = {"flow": "baselines", "dataset": {"name": dataset, "source": str(harness.DATASETS / f"{dataset}.zip"),
                                             "split": "test"},
@@ -103,8 +103,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from irflow import api, export
-    from irflow.stats import paired
+    from irflow import api
+
+    from irflow.tools import export
+    from irflow.learn.stats import paired
 
     store = Path(args.store)
     work = store.parent / f"{store.name}-inputs"

@@ -5,7 +5,7 @@
 
 ``train_dev.py`` records each system against zero-shot only. This reads one of its variants' run (the
 first, or ``--variant``) from the store, takes every system's per-query nDCG@10 from the run's evaluate
-outputs (as the report page reads them), and runs ``irflow.stats.paired`` on every ordered pair of systems
+outputs (as the report page reads them), and runs ``irflow.learn.stats.paired`` on every ordered pair of systems
 in the file's order: the mean difference, the queries where the later system is better / worse, and the
 paired t-test's p. Used to say whether ANCE's round 1 beats its warm-up (the refresh's direction), or a
 student beats BM25, beyond chance. ``--with`` adds another file's run in the same store (its systems that
@@ -25,9 +25,9 @@ from train_dev import per_query_ndcg
 
 
 def every_pair(per_query: dict[str, dict[str, float]]) -> tuple[list[dict], list[list[str]]]:
-    """``irflow.stats.paired`` on every two systems of ``per_query`` (system -> {query: nDCG@10}), each later one
+    """``irflow.learn.stats.paired`` on every two systems of ``per_query`` (system -> {query: nDCG@10}), each later one
     against each earlier one: (JSON records, table rows)."""
-    from irflow.stats import paired
+    from irflow.learn.stats import paired
 
     systems, pairs, rows = list(per_query), [], []
     for i, base in enumerate(systems):

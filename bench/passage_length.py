@@ -53,15 +53,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from irflow.catalog import Catalog
-    from irflow.encoding import encode_texts
-    from irflow.models import load_sentence_transformer, resolve
-    from irflow.report.runs import UnknownRun, read_table, resolve_run
-    from irflow.stats import paired
-    from irflow.store import Store
-    from irflow.tasks.dense import build_index, search_index
-    from irflow.tasks.evaluate import evaluate_run, qrels_to_dict
-    from irflow.text import passage_texts, query_texts
+    from irflow.engine.catalog import Catalog
+    from irflow.learn.encoding import encode_texts
+    from irflow.engine.models import resolve
+    from irflow.learn.encoding import load_sentence_transformer
+    from irflow.tools.report.runs import UnknownRun, read_table, resolve_run
+    from irflow.learn.stats import paired
+    from irflow.engine.store import Store
+    from irflow.stages.dense import build_index, search_index
+    from irflow.stages.evaluate import evaluate_run, qrels_to_dict
+    from irflow.learn.text import passage_texts, query_texts
 
     if not (Path(args.store) / "catalog.duckdb").is_file():
         ap.error(f"--store {args.store}: not an irflow store (no catalog.duckdb)")

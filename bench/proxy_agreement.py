@@ -97,8 +97,8 @@ def ndcg10(scores: np.ndarray, doc_ids: list[str], qids: list[str], qrels: dict)
 
 def make_proxies(heldout, corpus_ids: list[str]) -> dict[str, dict]:
     """name -> {query id: (text, passage id, the passage's text with the query cut out or None)}."""
-    from irflow import generation
-    from irflow.text import passage_text
+    from irflow.learn import generation
+    from irflow.learn.text import passage_text
 
     out = {"ict": {}, "ict-removed": {}, "crop": {}, "crop-removed": {}}
     for doc_id, title, text in zip(*(heldout.column(c).to_pylist() for c in ("doc_id", "title", "text"))):
@@ -114,12 +114,12 @@ def make_proxies(heldout, corpus_ids: list[str]) -> dict[str, dict]:
 def score_model(m: dict, catalog, test_q: dict, test_qrels: dict, proxies: dict, corpus_ids: list[str]) -> dict:
     """Per-query nDCG@10 on the real test set and on each proxy (before the filters), and the zero-shot
     filters' inputs (query-passage similarity, rank of the passage)."""
-    from irflow.encoding import encode_texts
-    from irflow.models import load_sentence_transformer
+    from irflow.learn.encoding import encode_texts
+    from irflow.learn.encoding import load_sentence_transformer
 
     path = catalog.ref(m["model"]).path if not m["model"].startswith("hub:") else m["model"].removeprefix("hub:")
     if path == "sentence-transformers/all-MiniLM-L6-v2":
-        from irflow.models import minilm_path
+        from irflow.engine.models import minilm_path
         path = minilm_path()
     st = load_sentence_transformer(str(path), "cpu", 256)
     t = catalog.ref(m["embeddings"]).table()
@@ -173,8 +173,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from irflow import api
-    from irflow.corpus_sources import document_id
-    from irflow.selection import select
+    from irflow.sources.corpus_sources import document_id
+    from irflow.decide.selection import select
 
     store = Path(args.store)
     work = store.parent / f"{store.name}-inputs"

@@ -19,10 +19,10 @@ orders that know nothing of the query beyond the list itself:
 - ``label_prior``: by how many queries of the labelled (train) split judge the passage relevant, the list's
   order breaking ties -- a prior a cross-encoder could learn from its labels without reading the query;
 - with ``--cross-encoder DIR`` (repeatable): that cross-encoder's re-ranking as it is, no steps on this
-  dataset (irflow's own scoring, ``irflow.scoring.cross_encoder_scores``, fp32), alone and fused with the
-  list's own scores as RocketQA's ``mc-rerank-fused`` fuses them (``irflow.fusion.fuse_runs``, z-scores per
+  dataset (irflow's own scoring, ``irflow.learn.scoring.cross_encoder_scores``, fp32), alone and fused with the
+  list's own scores as RocketQA's ``mc-rerank-fused`` fuses them (``irflow.learn.fusion.fuse_runs``, z-scores per
   query, ``--list-weight`` on the list), each with its paired t-test against the list's own order
-  (``irflow.stats.paired`` over the queries).
+  (``irflow.learn.stats.paired`` over the queries).
 
 The qrels are the evaluated split's, judged passages outside the list counting as missed, as the
 evaluate stage counts them (its per-query nDCG@10 of ``list`` is the run's row). Prints and writes JSON.
@@ -60,11 +60,11 @@ def main() -> None:
 
     import pyarrow.dataset as ds
 
-    from irflow.catalog import Catalog
-    from irflow.qrels import positives
-    from irflow.report import runs as R
-    from irflow.tasks.evaluate import evaluate_run, qrels_to_dict
-    from irflow.text import doc_texts
+    from irflow.engine.catalog import Catalog
+    from irflow.learn.qrels import positives
+    from irflow.tools.report import runs as R
+    from irflow.stages.evaluate import evaluate_run, qrels_to_dict
+    from irflow.learn.text import doc_texts
 
     store = Path(args.store)
     result = json.loads(Path(args.file).read_text())
@@ -115,7 +115,7 @@ def main() -> None:
 
     def against_list(score) -> dict:
         """the paired test of this order's per-query nDCG@10 against the list's own order"""
-        from irflow.stats import paired
+        from irflow.learn.stats import paired
 
         t = paired(per_query([r["score"] for r in rows]), per_query(score))
         return {"mean_diff": round(t.mean_diff, 4), "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
@@ -136,8 +136,8 @@ def main() -> None:
     }
     crosses = []
     for model in args.cross_encoder:
-        from irflow.fusion import fuse_runs
-        from irflow.scoring import cross_encoder_scores
+        from irflow.learn.fusion import fuse_runs
+        from irflow.learn.scoring import cross_encoder_scores
 
         t0 = time.perf_counter()
         scores = cross_encoder_scores(model, [(query_text[r["query_id"]], passage_text[r["doc_id"]]) for r in rows],

@@ -37,13 +37,13 @@ LABELS = {"bm25-flat": "BM25", "dense-all-MiniLM-L6-v2": "zero-shot MiniLM", "md
 
 def audit_summary(store: str, result) -> dict:
     """Per denoise teacher: candidates, judged positives, dropped and kept by rank bucket, and the teacher's
-    order of the labelled lists (``irflow.teachers.list_order_check``, what the stage warns on)."""
+    order of the labelled lists (``irflow.learn.teachers.list_order_check``, what the stage warns on)."""
     import duckdb
 
     import pyarrow.parquet as pq
 
-    from irflow.store import TABLE_FILE, Store
-    from irflow.teachers import teacher_scores_check
+    from irflow.engine.store import TABLE_FILE, Store
+    from irflow.learn.teachers import teacher_scores_check
 
     s = Store(store)
     out = {}

@@ -6,7 +6,7 @@
 Reads ``train_dev.py`` result files whose variants are the same config at different seeds (run ids, one
 store), takes every system's per-query nDCG@10 from each run's evaluate outputs (as the report page reads
 them), averages each query over the seeds, and compares that mean with the zero-shot row's per-query
-nDCG@10 (the same in every seed: nothing trained) by ``irflow.stats.paired``: wins / losses and the paired
+nDCG@10 (the same in every seed: nothing trained) by ``irflow.learn.stats.paired``: wins / losses and the paired
 t-test's p over the queries. Averaging over seeds takes out the seed's share of each query's variance,
 so a gap that holds at every seed shows more clearly than in any one run; it says nothing about seeds
 not run. ``--arm key=value`` keeps the runs that set that override apart (ANCE's control without a refresh
@@ -28,9 +28,9 @@ ZERO = "dense-"
 
 
 def seed_mean_against(ref: dict[str, float], seeds: list[dict[str, float]]):
-    """(each query's value averaged over ``seeds``, its ``irflow.stats.paired`` test against ``ref``), over the
+    """(each query's value averaged over ``seeds``, its ``irflow.learn.stats.paired`` test against ``ref``), over the
     queries every run and ``ref`` have."""
-    from irflow.stats import paired
+    from irflow.learn.stats import paired
 
     queries = sorted(set(ref).intersection(*seeds))
     mean = {q: sum(s[q] for s in seeds) / len(seeds) for q in queries}

@@ -19,9 +19,9 @@ import random
 
 import harness  # noqa: F401 -- first: offline environment, this checkout on sys.path
 
-from irflow.catalog import Catalog
-from irflow.corpus_sources import document_id
-from irflow.selection import select
+from irflow.engine.catalog import Catalog
+from irflow.sources.corpus_sources import document_id
+from irflow.decide.selection import select
 
 
 def per_query(catalog: Catalog, run_id: str, metric: str = "ndcg@10") -> tuple[dict, dict]:

@@ -31,7 +31,7 @@ from train_dev import paired_test, per_query_ndcg  # noqa: E402
 
 def prepare(dataset: str, work: Path, docs: int, max_words: int, seed: int, queries_limit: int | None) -> dict:
     """The corpus (jsonl), test queries and passage-level qrels as a user's files; what was written."""
-    from irflow.corpus_sources import cut_passages
+    from irflow.sources.corpus_sources import cut_passages
 
     corpus, queries, qrels = harness.read_beir(harness.DATASETS / f"{dataset}.zip")
     qrels = {q: qrels[q] for q in sorted(qrels)[:queries_limit]}

@@ -3,7 +3,7 @@
     .venv/bin/python bench/stage_overhead.py [--reps 3] [--out bench/results/stage_overhead.json]
 
 The slice (SciFact, 8 test queries, 48 passages) and the tiny T5 / bi-encoder / cross-encoder are the
-test suite's GPL sample (``irflow.testing.gpl_sample_config``): every stage of the recipe runs, each on
+test suite's GPL sample (``irflow.dev.testing.gpl_sample_config``): every stage of the recipe runs, each on
 seconds' worth of model work, so what is left is what every stage of every run pays: Prefect's task, the
 catalog, contract checks, Parquet, BM25's child process, the garbage collector. Each rep is a cold run in a new
 store through ``irflow.api.run`` (Prefect's temporary server, as ``irflow run``), one after another in
@@ -37,7 +37,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     import irflow
-    from irflow.testing import gpl_sample_config
+    from irflow.dev.testing import gpl_sample_config
 
     harness.log(f"commit {commit}, irflow from {Path(irflow.__file__).parent}")
     with tempfile.TemporaryDirectory(prefix="stage-overhead-") as tmp:

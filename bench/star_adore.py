@@ -8,7 +8,7 @@ Runs ``configs/star_<ds>.yaml`` and ``configs/ance_<ds>_offline.yaml`` through `
 (ingest, BM25 and the zero-shot model's corpus encoding are computed once) and writes:
 - the table: nDCG@10 and R@100 per system: BM25, zero-shot MiniLM, ANCE's warm-up and last round, STAR,
   STAR + ADORE (the asymmetric model: ADORE's query encoder over STAR's frozen corpus embeddings);
-- paired t-tests over the test queries (``irflow.stats.paired`` on each run's per-query values, both metrics):
+- paired t-tests over the test queries (``irflow.learn.stats.paired`` on each run's per-query values, both metrics):
   STAR and STAR + ADORE against zero-shot, BM25 and ANCE's last round, and STAR + ADORE against STAR (what
   ADORE adds); wins / losses and p;
 - wall time per stage (``RunResult.stages``), the machine and its load before / after.
@@ -46,8 +46,8 @@ def per_query(store: str, run_id: str) -> dict[str, dict[str, dict[str, float]]]
     """metric -> system -> query -> value, from the run's evaluate outputs (as the report page reads them)."""
     from pathlib import Path
 
-    from irflow.catalog import Catalog
-    from irflow.report import runs as R
+    from irflow.engine.catalog import Catalog
+    from irflow.tools.report import runs as R
 
     catalog = Catalog(Path(store) / "catalog.duckdb")
     out: dict = {m: {} for m in METRICS}
@@ -70,7 +70,7 @@ def comparisons(systems: set[str], last_round: str | None) -> list[tuple[str, st
 
 
 def paired_tests(values: dict, pairs: list[tuple[str, str]]) -> list[dict]:
-    from irflow.stats import paired
+    from irflow.learn.stats import paired
 
     out = []
     for system, base in pairs:

@@ -4,7 +4,7 @@ Each variant is configs/star_{dataset}.yaml at bench/strategies.py's budget (NFC
 ADORE off (but in infonce-adore), with its overrides. For each it reports what the run measured (test nDCG@10, R@100) and what
 tells a collapse from a poor model:
 
-    mean_cosine  mean cosine between two of the trained model's corpus embeddings (irflow.collapse;
+    mean_cosine  mean cosine between two of the trained model's corpus embeddings (irflow.learn.collapse;
                zero-shot MiniLM: about 0.18): near 1, every passage points one way
     top10      distinct passages in the test queries' top 10s, and the most frequent one's count (hubs)
     loss       the first and last 10 steps' mean loss; STAR's loss when every score ties is
@@ -49,9 +49,9 @@ def describe(store: str, result, depth: int) -> dict:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from irflow.catalog import Catalog
-    from irflow.qrels import cap_per_query, positive_pairs
-    from irflow.collapse import mean_cosine
+    from irflow.engine.catalog import Catalog
+    from irflow.learn.qrels import cap_per_query, positive_pairs
+    from irflow.learn.collapse import mean_cosine
 
     cat = Catalog(Path(store) / "catalog.duckdb")
     out = {s.name: s.outputs for s in result.stages}
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--summarize", action="store_true", help="only the paired tests and table of --out's variants "
                                                              "(their runs read from --store)")
     args = ap.parse_args()
-    from irflow.config import read
+    from irflow.engine.config import read
 
     out = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     out.update(dataset=args.dataset, steps=args.steps)

@@ -111,7 +111,7 @@ def case_swap(cli, fx):
     shutil.copy(s / "objects" / dense / "data.parquet", f)
     again = cli.run_json(fx.config, s)
     forced = cli.run_json(fx.config, s, "--from", "bm25_search")
-    from irflow.store import fingerprint_dir
+    from irflow.engine.store import fingerprint_dir
     intact = fingerprint_dir(s / "objects" / bm25).startswith(bm25.rsplit("-", 1)[1])
     warned = "damaged" in again.get("stderr", "")
     def show(r):
@@ -318,7 +318,7 @@ CASES = {k[5:]: v for k, v in globals().items() if k.startswith("case_")}
 
 class Fixture:
     def __init__(self, work: Path):
-        from irflow.testing import beir_slice, make_tiny_bi_encoder
+        from irflow.dev.testing import beir_slice, make_tiny_bi_encoder
 
         self.work = work
         shared = harness.DATASETS

@@ -1,7 +1,7 @@
 """The other training strategies against their closest relative, on one dataset, one store, one budget.
 
 Each arm is a config run with overrides; its systems are scored on the dataset's test queries by the run
-itself (nDCG@10, R@100, per-query nDCG@10). Then each new system is paired (irflow.stats.paired) against
+itself (nDCG@10, R@100, per-query nDCG@10). Then each new system is paired (irflow.learn.stats.paired) against
 zero-shot, BM25 and its closest existing relative:
 
     tas-b        GPL's Margin-MSE student on TAS-B batches, MiniLM as the in-batch teacher (offline, for

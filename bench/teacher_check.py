@@ -6,7 +6,7 @@ back from stores.
 
 For each store (its latest run with a ``denoise`` stage, or ``--run``), every ``denoise[...]`` stage's
 ``scores`` output (the teacher's raw score of each retrieved candidate of the labelled queries, and whether
-the candidate is a judged positive) goes through ``irflow.teachers.teacher_scores_check``: per query, the AUC of
+the candidate is a judged positive) goes through ``irflow.learn.teachers.teacher_scores_check``: per query, the AUC of
 the teacher's scores (judged positives against the other retrieved candidates) and of the retriever's own
 order of the same candidates, their means, and paired t-tests (teacher against chance 0.5, teacher against
 the list). ``problem`` is the sentence the stage logs as a warning (null: none). Also per stage: the share
@@ -36,9 +36,9 @@ def main() -> None:
 
     import pyarrow.compute as pc
 
-    from irflow.catalog import Catalog
-    from irflow.report import runs as R
-    from irflow.teachers import teacher_scores_check
+    from irflow.engine.catalog import Catalog
+    from irflow.tools.report import runs as R
+    from irflow.learn.teachers import teacher_scores_check
 
     rows, out = [], {"machine": harness.machine(), "stores": []}
     for store in args.store:

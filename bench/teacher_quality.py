@@ -9,7 +9,7 @@ passage, and how well it ranks each query's candidates (the union of the miners'
 inputs are found through the catalog's lineage from the run's pseudo-labels, not by path.
 
 Teacher variants (same candidates):
-- `pipeline`: the pipeline's fusion teacher -- ``irflow.fusion.fuse_runs`` over the two miners' runs
+- `pipeline`: the pipeline's fusion teacher -- ``irflow.learn.fusion.fuse_runs`` over the two miners' runs
   with the run's ``FusionSettings`` (method, rrf_k, depth; by default z-scores over each miner's
   list, a candidate missing from a list gets that list's per-query minimum), scoring exactly the
   candidate pairs, as ``label_scores`` does; the BM25 weight is varied with --alphas;
@@ -56,7 +56,7 @@ def params_of(con, dataset_id: str) -> dict:
 def model_path(con, store: Path, model_id: str) -> str:
     """Where to load a model input from: a stored model (objects/<id>), or a config-named one (an
     `external` row: the path it was found at, else the name resolved again)."""
-    from irflow.models import resolve
+    from irflow.engine.models import resolve
 
     stored = store / "objects" / model_id
     if stored.is_dir():
@@ -101,18 +101,18 @@ def main() -> None:
 
     import duckdb
 
-    from irflow.catalog import when_unlocked
+    from irflow.engine.catalog import when_unlocked
 
-    from irflow.java import setup_pyserini_env
+    from irflow.engine.java import setup_pyserini_env
 
     setup_pyserini_env()
     import pyarrow as pa
 
-    from irflow.encoding import encode_texts
-    from irflow.fusion import FusionSettings, fuse_runs
-    from irflow.models import load_sentence_transformer
-    from irflow.tasks.bm25 import SEARCH_FIELDS, search
-    from irflow.tasks.dense import embeddings_to_numpy
+    from irflow.learn.encoding import encode_texts
+    from irflow.learn.fusion import FusionSettings, fuse_runs
+    from irflow.learn.encoding import load_sentence_transformer
+    from irflow.stages.bm25 import SEARCH_FIELDS, search
+    from irflow.stages.dense import embeddings_to_numpy
 
     store = Path(args.store).resolve()
     path = str(store / "catalog.duckdb")

@@ -3,9 +3,9 @@
     .venv/bin/python bench/token_lengths_memory.py [--dataset nfcorpus] [--depth 50] [--max-length 128]
 
 RocketQA's denoising scores M_D0's top ``depth`` for every train query (NFCorpus: 2,590 x 50 = 129,500
-pairs). ``irflow.scoring.cross_encoder_scores`` first measures each pair's token length to batch pairs of
+pairs). ``irflow.learn.scoring.cross_encoder_scores`` first measures each pair's token length to batch pairs of
 one length together. Done in one tokenizer call, a fast tokenizer holds every pair's encoding until the
-call returns; ``irflow.encoding.token_lengths`` tokenises ``LENGTH_CHUNK`` pairs at a time. Each way runs
+call returns; ``irflow.learn.encoding.token_lengths`` tokenises ``LENGTH_CHUNK`` pairs at a time. Each way runs
 in a fresh process (its peak RSS is its own) on the same pairs: each train query with ``depth`` passages
 of a seeded draw (the length of a pair is what costs, not which passage it is). Checks that both give the
 same lengths; writes ``bench/results/token_lengths_memory.json``.
@@ -28,8 +28,8 @@ CHILD = """
 import hashlib, json, resource, sys, time
 sys.path.insert(0, {root!r})
 from transformers import AutoTokenizer
-from irflow import encoding
-from irflow.models import minilm_path
+from irflow.learn import encoding
+from irflow.engine.models import minilm_path
 pairs = json.load(open({pairs!r}))
 tok = AutoTokenizer.from_pretrained(minilm_path())
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -61,7 +61,7 @@ def main() -> None:
     pairs = [(queries[q], texts[i]) for q in sorted(qrels) for i in rng.sample(range(len(texts)), args.depth)]
     path = Path(tempfile.mkdtemp(prefix="irflow-lengths-")) / "pairs.json"
     path.write_text(json.dumps(pairs))
-    from irflow import encoding
+    from irflow.learn import encoding
 
     out = {"dataset": args.dataset, "pairs": len(pairs), "queries": len(qrels), "depth": args.depth,
            "max_length": args.max_length, "chunk": encoding.LENGTH_CHUNK, "modes": {}}

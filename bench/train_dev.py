@@ -4,7 +4,7 @@
         --variant "base" --variant "lr5e-5; dual_encoder.lr=5e-5; student.lr=5e-5" \
         [--dev-share 0.2] [--seed 7] [--store DIR] [--out FILE] [--set KEY=VALUE ...] [--to STAGE ...]
 
-1. ``irflow.beir.train_dev_split`` writes a BEIR folder from the config's dataset: the train split's judged
+1. ``irflow.sources.beir.train_dev_split`` writes a BEIR folder from the config's dataset: the train split's judged
    queries cut (seeded) into ``train`` (fit) and ``dev``; the test split's queries and judgements are not
    in it at all.
 2. Each variant (``name; key=value; key=value``: ``--set`` overrides, ``;``-separated since values may hold
@@ -12,7 +12,7 @@
    ``dataset.split=dev``: every system the recipe evaluates (baselines, teachers, students) is read on the
    dev queries. Variants share one store, so what a change does not touch is computed once.
 3. Prints a table (nDCG@10 per system and variant, each system's gain over the zero-shot row and the paired
-   t-test's p over the dev queries, ``irflow.stats.paired``, as the report page computes it) and
+   t-test's p over the dev queries, ``irflow.learn.stats.paired``, as the report page computes it) and
    writes JSON (default ``bench/results/train_dev_<config>.json``; variants of an earlier call are kept
    unless re-run). Record the choice, with its dev numbers, in a comment of the config.
 
@@ -48,15 +48,15 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
 
 
 def paired_against_zero_shot(store: Path, run_id: str) -> dict[str, dict]:
-    """Each system's per-query nDCG@10 against the zero-shot row's (``irflow.stats.paired``: wins / losses
+    """Each system's per-query nDCG@10 against the zero-shot row's (``irflow.learn.stats.paired``: wins / losses
     and the paired t-test's p), read from the run's evaluate outputs as the report page reads them."""
     return paired_with(per_query_ndcg(store, run_id), "dense-")
 
 
 def per_query_ndcg(store: Path, run_id: str) -> dict[str, dict[str, float]]:
     """system -> query -> nDCG@10, from the run's evaluate outputs as the report page reads them."""
-    from irflow.catalog import Catalog
-    from irflow.report import runs as R
+    from irflow.engine.catalog import Catalog
+    from irflow.tools.report import runs as R
 
     catalog = Catalog(Path(store) / "catalog.duckdb")
     per_query = {}
@@ -66,18 +66,18 @@ def per_query_ndcg(store: Path, run_id: str) -> dict[str, dict[str, float]]:
 
 
 def paired_test(a: dict[str, float], b: dict[str, float]) -> dict:
-    """``b`` against ``a`` by query (``irflow.stats.paired``), as the benchmarks' JSON keeps it: mean
+    """``b`` against ``a`` by query (``irflow.learn.stats.paired``), as the benchmarks' JSON keeps it: mean
     difference, wins / losses and the paired t-test's p."""
-    from irflow.stats import paired
+    from irflow.learn.stats import paired
 
     t = paired(a, b)
     return {"mean_diff": round(t.mean_diff, 4), "wins": t.wins, "losses": t.losses, "t_pvalue": round(t.t_pvalue, 4)}
 
 
 def paired_with(per_query: dict[str, dict[str, float]], base: str) -> dict[str, dict]:
-    """Every other system against the first whose name starts with ``base`` (``irflow.stats.paired``:
+    """Every other system against the first whose name starts with ``base`` (``irflow.learn.stats.paired``:
     wins / losses and the paired t-test's p); empty if no system does."""
-    from irflow.stats import paired
+    from irflow.learn.stats import paired
 
     ref = next((s for s in per_query if s.startswith(base)), None)
     if ref is None:
@@ -112,8 +112,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from irflow import api
-    from irflow.beir import train_dev_split
-    from irflow.recipe import load_config
+    from irflow.sources.beir import train_dev_split
+    from irflow.recipes.base import load_config
 
     config = Path(args.config)
     c = load_config(str(config), args.set)
@@ -123,7 +123,7 @@ def main() -> None:
         raise SystemExit(f"--on-split {args.on_split}: choose on a split that is neither the evaluated one "
                          f"('{c.dataset.split}') nor the labelled one; --on-test is for the evaluated split")
     if args.on_split:
-        from irflow.beir import dataset_splits
+        from irflow.sources.beir import dataset_splits
         splits = dataset_splits(c.dataset.source if os.path.isabs(c.dataset.source) else str(Path.cwd() / c.dataset.source))
         if splits is not None and args.on_split not in splits:
             raise SystemExit(f"--on-split {args.on_split}: {c.dataset.source} has no qrels/{args.on_split}.tsv "

@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from irflow import api
-    from irflow.stats import paired
+    from irflow.learn.stats import paired
 
     work, dataset = Path(args.work), "scifact"
     work.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ def _peak_mb() -> float:
 
 
 def _precision() -> str:
-    from irflow.runtime import resolve_precision
+    from irflow.engine.runtime import resolve_precision
 
     return resolve_precision("auto", "train", "cpu")
 
@@ -74,8 +74,8 @@ def arm_st(data, steps: int, merge: bool = True) -> dict:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import MarginMSELoss
 
-    from irflow.models import minilm_path
-    from irflow.training import BatchPlan, seed_everything
+    from irflow.engine.models import minilm_path
+    from irflow.learn.training import BatchPlan, seed_everything
 
     seed_everything(SEED)
     model = SentenceTransformer(minilm_path(), device="cpu")
@@ -103,10 +103,10 @@ def arm_st(data, steps: int, merge: bool = True) -> dict:
 
 
 def arm_irflow(data, steps: int, recompute) -> dict:
-    import irflow.training as training
-    from irflow.models import minilm_path
-    from irflow.runtime import StageRuntime
-    from irflow.tasks.train_student import TrainStudentParams, fit_and_save
+    import irflow.learn.training as training
+    from irflow.engine.models import minilm_path
+    from irflow.engine.runtime import StageRuntime
+    from irflow.stages.train_student import TrainStudentParams, fit_and_save
 
     ex = {"q": [f"q{i}" for i in range(len(data))], "p": [f"p{i}" for i in range(len(data))],
           "n": [f"n{i}" for i in range(len(data))], "margin": [t[3] for t in data]}

@@ -57,14 +57,14 @@ class StepClock:
 
 
 def irflow_ce(pairs, others, steps, batch, max_length) -> float:
-    import irflow.training as training
-    from irflow.models import minilm_path
+    import irflow.learn.training as training
+    from irflow.engine.models import minilm_path
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     import torch
 
-    from irflow.runtime import StageRuntime
-    from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams
-    from irflow.training import BatchPlan, seed_everything, train_loop
+    from irflow.engine.runtime import StageRuntime
+    from irflow.stages.train_cross_encoder import TrainCrossEncoderParams
+    from irflow.learn.training import BatchPlan, seed_everything, train_loop
 
     # The stage's own model set-up and loss (train_cross_encoder), on in-memory pairs.
     texts = [(q, d, 1.0) for q, d in pairs] + [(q, o, 0.0) for (q, _), o in zip(pairs, others)]
@@ -115,12 +115,12 @@ def st_ce(pairs, others, steps, batch, max_length) -> float:
     from sentence_transformers.cross_encoder import CrossEncoder
     from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
 
-    from irflow.models import minilm_path
+    from irflow.engine.models import minilm_path
 
     model = CrossEncoder(minilm_path(), num_labels=1, max_length=max_length, device="cpu")
     loss = BinaryCrossEntropyLoss(model)
-    from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams
-    from irflow.training import BatchPlan
+    from irflow.stages.train_cross_encoder import TrainCrossEncoderParams
+    from irflow.learn.training import BatchPlan
 
     texts = [(q, d, 1.0) for q, d in pairs] + [(q, o, 0.0) for (q, _), o in zip(pairs, others)]
     plan = BatchPlan(len(texts), batch, TrainCrossEncoderParams().seed)  # irflow's batches: the same inputs
@@ -134,10 +134,10 @@ def st_ce(pairs, others, steps, batch, max_length) -> float:
 
 
 def irflow_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
-    import irflow.training as training
-    from irflow.dual_encoder import Job, TrainDualEncoderParams, train
-    from irflow.models import minilm_path
-    from irflow.runtime import StageRuntime
+    import irflow.learn.training as training
+    from irflow.learn.dual_encoder import Job, TrainDualEncoderParams, train
+    from irflow.engine.models import minilm_path
+    from irflow.engine.runtime import StageRuntime
 
     p = TrainDualEncoderParams(batch_size=batch, mini_batch=mini, steps=steps, checkpoint_every=0, warmup_ratio=0,
                                query_max_length=q_len, passage_max_length=p_len, lr=2e-5)
@@ -158,14 +158,14 @@ def st_gradcache(pairs, steps, batch, mini, q_len, p_len) -> float:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-    from irflow.models import minilm_path
+    from irflow.engine.models import minilm_path
 
     model = SentenceTransformer(minilm_path(), device="cpu")
     model.max_seq_length = p_len  # one limit for both sides in sentence-transformers
     loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini)
 
-    from irflow.dual_encoder import TrainDualEncoderParams
-    from irflow.training import BatchPlan
+    from irflow.learn.dual_encoder import TrainDualEncoderParams
+    from irflow.learn.training import BatchPlan
 
     # irflow's batches (the same seed and keys as irflow_gradcache's job): the same inputs per step
     keys = [frozenset([f"q{i}"]) for i in range(len(pairs))]

@@ -20,7 +20,7 @@ def timed_checks():
     """Wrap Store.check to add up its wall time (calls, seconds, bytes hashed)."""
     import time
 
-    from irflow import store as store_mod
+    from irflow.engine import store as store_mod
 
     stats = {"calls": 0, "seconds": 0.0, "hashed_bytes": 0}
     real_check, real_fp = store_mod.Store.check, store_mod.fingerprint_dir
@@ -49,8 +49,12 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/verify.json")
     args = ap.parse_args()
 
-    from irflow import api, maintenance, store as store_mod  # noqa: F401 -- api first: the checks are wrapped after
-    from irflow.catalog import Catalog
+    from irflow import api
+
+    from irflow.tools import maintenance
+
+    from irflow.engine import store as store_mod  # noqa: F401 -- api first: the checks are wrapped after
+    from irflow.engine.catalog import Catalog
 
     root = args.store or tempfile.mkdtemp(prefix="irflow-verify-")
     cat_path = Path(root) / "catalog.duckdb"

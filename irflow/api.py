@@ -11,7 +11,7 @@
 
 Everything a user can get wrong is checked before Prefect starts: the config (every key, type and
 range, and the recipe's cross-stage rules), the models it names, the devices it asks for, and the
-stages named by ``force`` (``--from``) and ``to`` (``--to``). Errors are ``irflow.errors.UserError``
+stages named by ``force`` (``--from``) and ``to`` (``--to``). Errors are ``irflow.engine.errors.UserError``
 subclasses with one readable message; a stage that fails raises ``StageFailed`` naming the stage.
 """
 
@@ -25,14 +25,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from irflow import orchestration, runtime
-from irflow.errors import ConfigError, UserError
-from irflow.executors import executor_for
-from irflow.labels import stage_name
-from irflow.params import model_fields
-from irflow.recipe import RecipeConfig, RunResult, StageResult, get_recipe, load_config, new_run_id, plan, upstream
-from irflow.stage import warnings_logged
-from irflow.store import DEFAULT_STORE
+from irflow.engine import orchestration, runtime
+from irflow.engine.errors import ConfigError, UserError
+from irflow.engine.executors import executor_for
+from irflow.engine.labels import stage_name
+from irflow.engine.params import model_fields
+from irflow.engine.stage import warnings_logged
+from irflow.engine.store import DEFAULT_STORE
+from irflow.recipes.base import (
+    RecipeConfig,
+    RunResult,
+    StageResult,
+    get_recipe,
+    load_config,
+    new_run_id,
+    plan,
+    upstream,
+)
 
 __all__ = ["run", "status", "report", "compare", "load_config", "store_root", "RunResult", "StageResult",
            "StageStatus"]
@@ -60,8 +69,8 @@ def preflight(c: RecipeConfig, store: str) -> list[str]:
     """Fail fast, before any stage runs: every model the config names must be loadable here and every
     device it asks for must exist. Returns warnings: the recipe's advice (settings measured to give a worse
     model, ``RecipeConfig.advice``) and a precision that is slow on this hardware."""
-    from irflow.models import model_ref
-    from irflow.scoring import NotACrossEncoder, check_cross_encoder
+    from irflow.engine.models import model_ref
+    from irflow.learn.scoring import NotACrossEncoder, check_cross_encoder
 
     for where, name in model_fields(c):
         model_ref(name, store, where)  # raises ModelNotAvailable naming `where`
@@ -95,8 +104,8 @@ def check_own_documents(d) -> None:
     import tempfile
     from pathlib import Path
 
-    from irflow.corpus_sources import documents_path, read_documents, source_bytes
-    from irflow.estimate import MAX_SIZED_BYTES, no_progress_bars
+    from irflow.sources.corpus_sources import documents_path, read_documents, source_bytes
+    from irflow.tools.estimate import MAX_SIZED_BYTES, no_progress_bars
 
     if d is None or not getattr(d, "own", False):
         return
@@ -152,7 +161,7 @@ def run(config: Any, overrides: list[str] | tuple[str, ...] | None = None, store
     to: stage names or labels to stop after: only they and the stages they need run (as ``--to``;
     ``RunResult.skipped`` lists the others). ``RunResult.warnings``: what irflow warned about on the way.
     """
-    # This process's warnings, those relayed from Ray workers among them (irflow.shards); two runs started
+    # This process's warnings, those relayed from Ray workers among them (irflow.engine.shards); two runs started
     # at once in one process would share what they collect.
     with warnings_logged(every_thread=True) as warnings:
         result = _run(config, overrides, store, force, run_id=run_id, to=to)
@@ -205,7 +214,7 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
 def catalog(store: str | os.PathLike | None = None, must_exist: bool = True):
     """The catalog of an existing store; UserError if there is none (reading never creates a store), unless
     ``must_exist`` is false."""
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     root = Path(store_root(store))
     if must_exist and not (root / "catalog.duckdb").exists():
@@ -216,10 +225,10 @@ def catalog(store: str | os.PathLike | None = None, must_exist: bool = True):
 def report(run_id: str = "latest", out: str | os.PathLike = "report", store: str | os.PathLike | None = None,
            baselines: list[str] | tuple[str, ...] = (), metric: str = "ndcg@10", sections=()):
     """Write ``out/index.html``, one self-contained page about a run (an id, a unique prefix, or
-    ``latest``); returns a ``irflow.report.ReportResult`` (path, run_id, data: the numbers shown).
-    ``sections``: extra ``irflow.report.Section``s for the page. An unknown run raises UnknownRun (a
+    ``latest``); returns a ``irflow.tools.report.ReportResult`` (path, run_id, data: the numbers shown).
+    ``sections``: extra ``irflow.tools.report.Section``s for the page. An unknown run raises UnknownRun (a
     UserError) naming the recent runs."""
-    from irflow.report import build_report
+    from irflow.tools.report import build_report
 
     return build_report(catalog(store), run_id, out, list(baselines) or None, metric, sections)
 
@@ -227,7 +236,7 @@ def report(run_id: str = "latest", out: str | os.PathLike = "report", store: str
 def compare(run_a: str, run_b: str, store: str | os.PathLike | None = None, metric: str = "ndcg@10"):
     """Run B against run A: config changes by dotted key, stages computed or cached in each, and the
     metrics of the systems both evaluated with wins/ties/losses and paired p-values
-    (``irflow.report.compare.RunComparison``)."""
-    from irflow.report.compare import compare_runs
+    (``irflow.tools.report.compare.RunComparison``)."""
+    from irflow.tools.report.compare import compare_runs
 
     return compare_runs(catalog(store), run_a, run_b, metric)

@@ -11,7 +11,7 @@
     irflow compare RUN_A RUN_B [--metric M] [--json]      what differs between two runs (B against A)
     irflow dev-split SOURCE OUT [--share 0.2]              a BEIR folder whose train queries are cut into train and dev
     irflow verify [--store DIR] [--json]                   re-hash every stored object; exit 1 if any is damaged
-    irflow gc [--store DIR] [--dry-run]                    remove what nothing refers to (see irflow.maintenance)
+    irflow gc [--store DIR] [--dry-run]                    remove what nothing refers to (see irflow.tools.maintenance)
     irflow serve CONFIG --cron "0 3 * * *" [--set ...]     run on a schedule (needs a Prefect server)
     irflow export [RUN_ID | latest | ALIAS] --out DIR [--system NAME] [--format st|onnx]
                                                            a run's (or an alias's) model as a sentence-transformers folder
@@ -35,9 +35,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from irflow import api, orchestration, pace
-from irflow.errors import StageFailed, UserError
-from irflow.store import DEFAULT_STORE
+from irflow import api
+from irflow.engine import orchestration, pace
+from irflow.engine.errors import StageFailed, UserError
+from irflow.engine.store import DEFAULT_STORE
 
 log = logging.getLogger("irflow")
 
@@ -54,7 +55,7 @@ def _model(model_id: str) -> str:
 
 
 def cmd_run(args) -> int:
-    from irflow.tasks.report import format_table
+    from irflow.stages.report import format_table
 
     c = api.load_config(args.config, args.set)  # a bad config fails here, before Prefect or the store is touched
     if not getattr(args, "debug", False):
@@ -71,7 +72,7 @@ def cmd_run(args) -> int:
     print()
     print(format_table(result.metrics))
     if estimated:
-        from irflow import estimate
+        from irflow.tools import estimate
 
         measured = {s.name: s.seconds for s in result.stages if s.status == "computed"}
         print("\n" + estimate.format_estimates(estimated.rows, estimated.hw, measured, estimated.calibrated))
@@ -110,16 +111,16 @@ def cmd_run(args) -> int:
 
 @dataclass(frozen=True)
 class Estimated:
-    rows: list  # irflow.estimate.StageEstimate, calibrated by the store where it could be
+    rows: list  # irflow.tools.estimate.StageEstimate, calibrated by the store where it could be
     prior: list  # the same from the shipped rates alone
-    hw: object  # irflow.estimate.Hardware
-    calibrated: object  # irflow.estimate.Calibration or None
+    hw: object  # irflow.tools.estimate.Hardware
+    calibrated: object  # irflow.tools.estimate.Calibration or None
     load: float | None  # the load average before the run
 
 
 def _record_estimates(result, e: Estimated) -> None:
     """The estimate beside the run in its catalog: what later estimates on this hardware calibrate by."""
-    from irflow import estimate
+    from irflow.tools import estimate
 
     prior = {p.stage: p.seconds for p in e.prior}
     try:
@@ -131,10 +132,10 @@ def _record_estimates(result, e: Estimated) -> None:
 
 
 def _estimate(args) -> Estimated | None:
-    """Before a run: what its stale stages will take here (irflow.estimate, calibrated by what this store
+    """Before a run: what its stale stages will take here (irflow.tools.estimate, calibrated by what this store
     measured on this hardware), printed; None when nothing is stale or the corpus cannot be sized (the
     run then says why)."""
-    from irflow import estimate
+    from irflow.tools import estimate
 
     try:
         plan = api.status(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
@@ -166,7 +167,7 @@ def _estimate(args) -> Estimated | None:
 def cmd_status(args) -> int:
     plan = api.status(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
     if args.graph:
-        from irflow import dag
+        from irflow.tools import dag
 
         sets = "".join(f" --set {s}" for s in args.set or [])
         _write(args.graph, dag.to_svg(dag.planned_graph(plan, _catalog(args, must_exist=False),
@@ -198,8 +199,8 @@ def _write(out: str, text: str) -> None:
 
 
 def cmd_dag(args) -> int:
-    from irflow import dag
-    from irflow.report.runs import resolve_run
+    from irflow.tools import dag
+    from irflow.tools.report.runs import resolve_run
 
     catalog = _catalog(args)
     run_id = resolve_run(catalog, args.run_id)  # an id, a unique prefix, or latest; else names recent runs
@@ -256,7 +257,7 @@ def _fmt_runtime(value) -> str | None:
 
 
 def cmd_dev_split(args) -> int:
-    from irflow.beir import train_dev_split
+    from irflow.sources.beir import train_dev_split
 
     try:
         counts = train_dev_split(args.source, args.out, train_split=args.train_split, dev_share=args.share,
@@ -345,7 +346,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from irflow.report.compare import format_compare
+    from irflow.tools.report.compare import format_compare
 
     diff = api.compare(args.run_a, args.run_b, args.store, args.metric)
     print(json.dumps(diff.to_dict(), default=str) if args.json else format_compare(diff))
@@ -353,7 +354,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from irflow import maintenance
+    from irflow.tools import maintenance
 
     _catalog(args)  # an existing store, or one line saying there is none
     rep = maintenance.verify(api.store_root(args.store))
@@ -375,7 +376,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from irflow import maintenance
+    from irflow.tools import maintenance
 
     _catalog(args)
     rep = maintenance.gc(api.store_root(args.store), dry_run=args.dry_run)
@@ -389,7 +390,7 @@ def cmd_gc(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from irflow.recipe import get_recipe
+    from irflow.recipes.base import get_recipe
 
     store_root = api.store_root(args.store)
     orchestration.configure(store_root)
@@ -406,8 +407,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from irflow import export
-    from irflow.report.runs import resolve_run
+    from irflow.tools import export
+    from irflow.tools.report.runs import resolve_run
 
     catalog = _catalog(args)
     if args.run_id != "latest" and catalog.alias(args.run_id):  # an alias name, before run ids and prefixes
@@ -429,7 +430,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from irflow import export
+    from irflow.tools import export
 
     catalog = _catalog(args)
     if args.history:
@@ -471,7 +472,7 @@ def cmd_models(args) -> int:
 
 def _calibration(store: str | None):
     """What the store (when there is one) measured on this hardware: irflow new's estimates use it."""
-    from irflow import estimate
+    from irflow.tools import estimate
 
     try:
         catalog = api.catalog(store)
@@ -481,9 +482,9 @@ def _calibration(store: str | None):
 
 
 def cmd_new(args) -> int:
-    from irflow import scaffold
-
     import shlex
+
+    from irflow.tools import scaffold
 
     fields = dict(f.split("=", 1) for f in args.field or []) or None
     command = "irflow " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
@@ -679,7 +680,7 @@ def _error(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    from irflow.processes import install_interrupt_handler, interrupted
+    from irflow.engine.processes import install_interrupt_handler, interrupted
 
     install_interrupt_handler()
     orchestration.console_logging()
@@ -713,8 +714,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report_failure(e: Exception, debug: bool) -> int:
-    from irflow.catalog import CatalogLocked
     from irflow.data_contracts import ContractError
+    from irflow.engine.catalog import CatalogLocked
 
     if debug:
         import traceback

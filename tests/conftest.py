@@ -14,11 +14,15 @@ else:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-
 import yaml  # noqa: E402
 
-from irflow.testing import (SHARED_DATASETS, beir_slice, gpl_sample_config, make_tiny_bi_encoder,  # noqa: E402
-                            make_tiny_cross_encoder)
+from irflow.dev.testing import (  # noqa: E402
+    SHARED_DATASETS,
+    beir_slice,
+    gpl_sample_config,
+    make_tiny_bi_encoder,
+    make_tiny_cross_encoder,
+)
 
 
 def pytest_sessionstart(session):

@@ -1,4 +1,4 @@
-"""irflow.ann (IVF-Flat, IVF-PQ with exact re-ranking, indexes filled batch by batch) and the dense
+"""irflow.learn.ann (IVF-Flat, IVF-PQ with exact re-ranking, indexes filled batch by batch) and the dense
 params and stage that use it: seeded clustered vectors for the index properties, real SciFact text
 through the dense_search stage."""
 
@@ -7,14 +7,20 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from irflow import ann
-from irflow.encoding import encode_texts
-from irflow.models import load_sentence_transformer
-from irflow.runtime import StageRuntime
-from irflow.runner import Run
-from irflow.tasks.dense import (DenseRetrieval, DenseSearchParams, EncodeParams, build_index, dense_search,
-                                embeddings_to_numpy, encode_corpus)
-from irflow.testing import make_tiny_bi_encoder, model, scifact_docs
+from irflow.dev.testing import make_tiny_bi_encoder, model, scifact_docs
+from irflow.engine.runner import Run
+from irflow.engine.runtime import StageRuntime
+from irflow.learn import ann
+from irflow.learn.encoding import encode_texts, load_sentence_transformer
+from irflow.stages.dense import (
+    DenseRetrieval,
+    DenseSearchParams,
+    EncodeParams,
+    build_index,
+    dense_search,
+    embeddings_to_numpy,
+    encode_corpus,
+)
 
 DIM = 64
 PQ_RECALL_BOUND = 0.95  # IVF-PQ (8-byte codes, nprobe 8 of 25 cells, 4x shortlist) vs flat, recall@100

@@ -1,4 +1,4 @@
-"""Stage calls at once (irflow.branches), without Ray: toy stages that sleep, submitted as Prefect tasks to
+"""Stage calls at once (irflow.engine.branches), without Ray: toy stages that sleep, submitted as Prefect tasks to
 the run's thread pool. Independent stages overlap in the catalog (at most ``limit`` at once) and give the
 ids of the same calls run one after another; a key called twice at once is computed once; the first
 failure fails the run naming its stage while the stages already running finish; a Ctrl-C stops a running
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from irflow.branches import Branches, Deferred
-from irflow.errors import DataError, StageFailed
-from irflow.params import Params
-from irflow.processes import check_interrupted
-from irflow.stage import PENDING, Output, stage
-from irflow.runner import Run
+from irflow.engine.branches import Branches, Deferred
+from irflow.engine.errors import DataError, StageFailed
+from irflow.engine.params import Params
+from irflow.engine.processes import check_interrupted
+from irflow.engine.runner import Run
+from irflow.engine.stage import PENDING, Output, stage
 
 
 class Nap(Params):

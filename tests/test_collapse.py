@@ -1,4 +1,4 @@
-"""Embedding collapse (irflow.collapse): the mean cosine by hand, when it warns, and a STAR run that can
+"""Embedding collapse (irflow.learn.collapse): the mean cosine by hand, when it warns, and a STAR run that can
 only lower its loss by collapsing, warned about and recorded in the model's training log."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from irflow.collapse import collapse_warning, mean_cosine
-from irflow.dual_encoder import Job, TrainDualEncoderParams, train
-from irflow.runtime import StageRuntime
-from irflow.testing import make_tiny_bi_encoder, scifact_docs
+from irflow.dev.testing import make_tiny_bi_encoder, scifact_docs
+from irflow.engine.runtime import StageRuntime
+from irflow.learn.collapse import collapse_warning, mean_cosine
+from irflow.learn.dual_encoder import Job, TrainDualEncoderParams, train
 
 
 def test_mean_cosine_of_distinct_pairs_by_hand():

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from irflow import api
-from irflow.errors import ConfigError, UserError
-from irflow.params import Params
-from irflow.testing import run_cli
+from irflow.dev.testing import run_cli
+from irflow.engine.errors import ConfigError, UserError
+from irflow.engine.params import Params
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -183,7 +183,7 @@ def test_defaults_are_filled_in_and_overrides_typed():
     c = api.load_config(DEMO, ["train.lr=3e-5", "bm25.k1=1.2"])
     assert c.train.lr == 3e-5 and c.bm25.k1 == 1.2
     # a value the file does not give comes from the stage's own params model, written once
-    from irflow.tasks.bm25 import BM25Weights
+    from irflow.stages.bm25 import BM25Weights
 
     assert c.bm25.b == BM25Weights().b
     # the config is frozen: a recipe cannot be changed behind the cache key's back
@@ -225,10 +225,10 @@ def test_every_field_of_every_params_model_is_described():
     import importlib
     import pkgutil
 
-    import irflow.flows
-    import irflow.tasks
+    import irflow.recipes
+    import irflow.stages
 
-    for pkg in (irflow.tasks, irflow.flows):
+    for pkg in (irflow.stages, irflow.recipes):
         for m in pkgutil.iter_modules(pkg.__path__):
             importlib.import_module(f"{pkg.__name__}.{m.name}")
 
@@ -281,7 +281,7 @@ def test_cli_bad_config_one_line_per_problem_exit_2(tmp_path):
 def _bad_corpus(tmp_path: Path) -> Path:
     """A real SciFact slice whose corpus has one malformed line: it passes config validation (the
     splits exist) and fails in the ingest stage."""
-    from irflow.testing import SHARED_DATASETS, beir_slice
+    from irflow.dev.testing import SHARED_DATASETS, beir_slice
 
     src = beir_slice(SHARED_DATASETS / "scifact.zip", tmp_path / "bad", n_test_queries=3, n_extra_docs=5)
     with open(src / "corpus.jsonl", "a") as f:
@@ -350,7 +350,7 @@ def test_a_fresh_store_gives_no_prefect_home_warning(tmp_path):
     """Prefect's import tries to create PREFECT_HOME (inside a store that does not exist yet) and warns;
     irflow creates it itself before a flow runs, so an API user sees no warning."""
     store = tmp_path / "not-yet" / "store"
-    code = ("import warnings; warnings.simplefilter('error', UserWarning); from irflow import orchestration; "
+    code = ("import warnings; warnings.simplefilter('error', UserWarning); from irflow.engine import orchestration; "
             f"orchestration.configure({str(store)!r}); import prefect; orchestration.prefect_home(); print('ok')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -362,7 +362,7 @@ def test_model_free_queries_are_warned_about_before_anything_runs(tmp_path):
     """GPL on ICT / cropping queries was measured to lower the student below zero-shot: the recipe says
     so, with the numbers, before a run (preflight: what `irflow run` and `status` log) and in `irflow
     config`; the demo's own query source gets no warning. The numbers it cites are the benchmark's."""
-    from irflow.flows.gpl import model_free_measured
+    from irflow.recipes.gpl import model_free_measured
 
     results = json.loads((REPO / "bench" / "results" / "model_free.json").read_text())["runs"]
     measured = {src: {(r["dataset"], r["teacher"], r["metrics"]["dense-all-MiniLM-L6-v2"]["ndcg@10"],
@@ -401,7 +401,7 @@ def test_the_console_log_has_no_faiss_loader_lines():
     """faiss-cpu logs, at INFO, a ModuleNotFoundError for each CPU build it lacks (AVX-512, AVX2) before it
     loads another: on a run's console that reads like a failure. The console log leaves them out and
     keeps irflow's own INFO lines."""
-    code = ("from irflow.orchestration import console_logging; console_logging(); import faiss, logging; "
+    code = ("from irflow.engine.orchestration import console_logging; console_logging(); import faiss, logging; "
             "faiss.IndexFlatIP(4); logging.getLogger('irflow').info('ready')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -9,10 +9,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from irflow.testing import SHARED_DATASETS
-
 from irflow import data_contracts as dc
 from irflow.data_contracts import ContractError
+from irflow.dev.testing import SHARED_DATASETS
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from irflow import api
-from irflow.executors import EXECUTORS
-from irflow.testing import beir_slice
+from irflow.dev.testing import beir_slice
+from irflow.engine.executors import EXECUTORS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,13 +32,19 @@ def _load(name: str, code: str, folder: Path):
 
 
 def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared_datasets, prefect_harness):
-    from irflow import recipe as recipes
+    from irflow.recipes import base as recipes
+
+    import irflow.engine.executors as executors
 
     stage_code, recipe_code, executor_code = _blocks()
+    # the executor as a module of the executors package, found by the package's discovery
+    (tmp_path / "executors").mkdir()
+    (tmp_path / "executors" / "threads.py").write_text(executor_code)
+    executors.__path__.append(str(tmp_path / "executors"))
+    executors._DISCOVERED = False
     try:
-        _load("irflow.tasks.lowercase", stage_code, tmp_path)
-        _load("irflow.flows.lowercased", recipe_code, tmp_path)
-        _load("contributing_executor", executor_code, tmp_path)
+        _load("irflow.stages.lowercase", stage_code, tmp_path)
+        _load("irflow.recipes.lowercased", recipe_code, tmp_path)
         data = beir_slice(shared_datasets / "scifact.zip", tmp_path / "slice", n_test_queries=6, n_extra_docs=40,
                           seed=2)
         cfg = {"flow": "lowercased", "dataset": {"name": "slice", "source": str(data)},
@@ -52,8 +58,10 @@ def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared
         assert pc.all(pc.equal(corpus["text"], pc.utf8_lower(corpus["text"]))).as_py()
         shards = [s for s in catalog.stage_runs(r.run_id) if s["name"] == "lowercase"][0]["shards"]
         assert len(shards) >= 2
+        assert "threads" in executors.names()
     finally:
         recipes._REGISTRY.pop("lowercased", None)
         EXECUTORS.pop("threads", None)
-        for name in ("irflow.tasks.lowercase", "irflow.flows.lowercased", "contributing_executor"):
+        executors.__path__.remove(str(tmp_path / "executors"))
+        for name in ("irflow.stages.lowercase", "irflow.recipes.lowercased", "irflow.engine.executors.threads"):
             sys.modules.pop(name, None)

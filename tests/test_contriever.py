@@ -1,4 +1,4 @@
-"""The contriever recipe (irflow.flows.contriever): crop pairs from the corpus alone, InfoNCE with MoCo, the
+"""The contriever recipe (irflow.recipes.contriever): crop pairs from the corpus alone, InfoNCE with MoCo, the
 trained model evaluated and promotable, then GPL's students starting from it (pre-training before GPL). On
 a small real SciFact slice with a tiny local BERT."""
 import json
@@ -6,10 +6,10 @@ import json
 import pytest
 
 from irflow import api
-from irflow.errors import ConfigError
-from irflow.generation import crop_queries
-from irflow.tasks.train_student import TrainStudentParams, positive_texts
-from irflow.testing import SHARED_DATASETS, beir_slice, make_tiny_bi_encoder
+from irflow.dev.testing import SHARED_DATASETS, beir_slice, make_tiny_bi_encoder
+from irflow.engine.errors import ConfigError
+from irflow.learn.generation import crop_queries
+from irflow.stages.train_student import TrainStudentParams, positive_texts
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 

@@ -1,4 +1,4 @@
-"""irflow.corpus_sources: a user's own documents (JSONL, Parquet, CSV/TSV, a folder of files), queries and
+"""irflow.sources.corpus_sources: a user's own documents (JSONL, Parquet, CSV/TSV, a folder of files), queries and
 qrels, read from real SciFact data written out in each format."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from irflow import corpus_sources as cs
 from irflow import data_contracts
-from irflow.beir import IngestError
-from irflow.testing import SHARED_DATASETS
+from irflow.dev.testing import SHARED_DATASETS
+from irflow.sources import corpus_sources as cs
+from irflow.sources.beir import IngestError
 
 N = 60
 SAMPLE = Path(cs.__file__).parent / "samples" / "scifact-sample.zip"
@@ -141,7 +141,7 @@ def test_numeric_ids_become_strings(tmp_path, docs):
 
 def test_rows_without_ids_get_content_ids_and_repeats_are_one_document(tmp_path, docs, caplog):
     path = write_csv(tmp_path / "c.csv", docs + docs[:2], {"title": "title", "text": "text"})
-    with caplog.at_level(logging.WARNING, logger="irflow.corpus_sources"):
+    with caplog.at_level(logging.WARNING, logger="irflow.sources.corpus_sources"):
         stats = cs.read_corpus(path, tmp_path / "out.parquet")
     want = [("row-" + hashlib.sha256(f"{t}\n{x}".encode()).hexdigest()[:16], t, x) for _, t, x in expected(docs)]
     assert rows(tmp_path / "out.parquet") == want
@@ -181,7 +181,7 @@ def test_folder_of_txt_md_html(tmp_path, docs, caplog):
     (root / "paper.pdf").write_bytes(b"%PDF-1.4")
     (root / "notes" / "sheet.xlsx").write_bytes(b"PK")
     assert cs.detect_format(root) == "folder"
-    with caplog.at_level(logging.WARNING, logger="irflow.corpus_sources"):
+    with caplog.at_level(logging.WARNING, logger="irflow.sources.corpus_sources"):
         stats = cs.read_corpus(root, tmp_path / "out.parquet")
     assert "2 file(s) of other types ignored (.pdf: 1, .xlsx: 1)" in caplog.text
     assert rows(tmp_path / "out.parquet") == [(name, *want[name]) for name in sorted(want)]
@@ -370,7 +370,7 @@ def test_empty_texts_are_dropped_and_counted(tmp_path, docs, caplog):
     empty_at = [2, 5, len(docs) - 1]
     records = [{**d, "text": " \t "} if i in empty_at else d for i, d in enumerate(docs)]
     path = write_jsonl(tmp_path / "c.jsonl", records)
-    with caplog.at_level(logging.WARNING, logger="irflow.corpus_sources"):
+    with caplog.at_level(logging.WARNING, logger="irflow.sources.corpus_sources"):
         stats = cs.read_corpus(path, tmp_path / "out.parquet")
     assert f"{len(empty_at)} document(s) with empty text dropped (first: {path}:{empty_at[0] + 1})" in caplog.text
     assert stats.empty_dropped == len(empty_at) and stats.documents == len(docs) - len(empty_at)

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from irflow.catalog import Catalog
-from irflow.processes import pid_alive as alive
-from irflow.testing import beir_slice, make_tiny_bi_encoder
+from irflow.dev.testing import beir_slice, make_tiny_bi_encoder
+from irflow.engine.catalog import Catalog
+from irflow.engine.processes import pid_alive as alive
 
 IRFLOW = [sys.executable, "-m", "irflow.cli"]
 
@@ -223,7 +223,7 @@ def test_a_ctrl_c_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch, caps
     """Python raises a Ctrl-C's KeyboardInterrupt wherever the main thread is; inside a finaliser
     (``__del__`` run by the garbage collector) it is printed as "ignored" and lost. The CLI's handler
     remembers it: the next stage boundary raises it again."""
-    from irflow import processes
+    from irflow.engine import processes
 
     class Finaliser:
         def __del__(self):
@@ -252,7 +252,8 @@ def test_a_ctrl_c_landing_outside_the_run_is_still_one_line_and_130(where, monke
     into its own error (it must not be reported as a failure)."""
     import gc
 
-    from irflow import cli, processes
+    from irflow import cli
+    from irflow.engine import processes
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
     if where == "clean-up":
@@ -283,7 +284,7 @@ def test_a_child_dies_when_the_thread_that_started_it_ends(setpriv, own_session,
     forked child; without it (not Linux's util-linux) a preexec_fn sets the signal."""
     import shutil
 
-    from irflow import processes
+    from irflow.engine import processes
 
     if not setpriv:
         monkeypatch.setattr(shutil, "which", lambda name: None)
@@ -317,7 +318,7 @@ def test_prefect_failure_records_of_a_converted_ctrl_c_stay_off_the_console(monk
     import io
     import logging
 
-    from irflow import orchestration, processes
+    from irflow.engine import orchestration, processes
 
     out = io.StringIO()
     handler = logging.StreamHandler(out)
@@ -344,7 +345,7 @@ def test_spawned_children_need_nothing_of_the_callers_main_module(tmp_path):
     import subprocess
     import sys
 
-    body = ("import os\nfrom irflow.processes import run_in_spawned_child\nprint('script ran')\n"
+    body = ("import os\nfrom irflow.engine.processes import run_in_spawned_child\nprint('script ran')\n"
             "print('child', run_in_spawned_child(os.getpid) != os.getpid())\n")
     piped = subprocess.run([sys.executable, "-"], input=body, capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0 and "child True" in piped.stdout, piped.stderr[-2000:]

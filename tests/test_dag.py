@@ -1,4 +1,4 @@
-"""A run's graph (irflow.dag, `irflow dag`, `irflow status --graph`), `--to`, and what Prefect shows of a
+"""A run's graph (irflow.tools.dag, `irflow dag`, `irflow status --graph`), `--to`, and what Prefect shows of a
 run (cached stages named "Cached", a summary artifact), on the baselines recipe over a real SciFact
 slice with a tiny bi-encoder (as tests/test_flows.py), plus a failed toy stage and a tiny trained model
 run without Prefect.
@@ -10,18 +10,19 @@ import xml.etree.ElementTree as ET
 from typing import Literal
 
 import pytest
-from pydantic import Field
 import yaml
+from pydantic import Field
 
-from irflow import api, dag
-from irflow.catalog import Catalog
-from irflow.errors import ConfigError, DataError, StageFailed, UserError
-from irflow.params import Params
-from irflow.recipe import Recipe, RecipeConfig, execute, upstream
-from irflow.stage import Output, stage
-from irflow.runner import Run
-from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder
-from irflow.testing import run_cli as cli
+from irflow import api
+from irflow.dev.testing import beir_slice, ingest_folder, make_tiny_bi_encoder
+from irflow.dev.testing import run_cli as cli
+from irflow.engine.catalog import Catalog
+from irflow.engine.errors import ConfigError, DataError, StageFailed, UserError
+from irflow.engine.params import Params
+from irflow.engine.runner import Run
+from irflow.engine.stage import Output, stage
+from irflow.recipes.base import Recipe, RecipeConfig, execute, upstream
+from irflow.tools import dag
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -98,8 +99,7 @@ def test_run_graph_is_the_catalogs_run(setup):
 
 def test_rerun_is_cached_in_the_graph_and_in_prefect(setup, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
-                                                FlowRunFilterId)
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 
     first = setup["first"]
     second = api.run(setup["config"], store=setup["store"])
@@ -244,7 +244,7 @@ def test_a_failed_stage_is_in_the_graph(setup):
 
 
 def test_a_trained_model_has_its_lineage(setup):
-    from irflow.tasks.train_student import TrainStudentParams, train_student
+    from irflow.stages.train_student import TrainStudentParams, train_student
 
     run = Run(setup["store"], "toy-train")
     data = ingest_folder(run, setup["data"], dangling_qrels="keep")

@@ -1,4 +1,4 @@
-"""DeepCT (irflow.deepct, irflow.tasks.deepct, the baselines recipe's deepct section) on a small real SciFact
+"""DeepCT (irflow.learn.deepct, irflow.stages.deepct, the baselines recipe's deepct section) on a small real SciFact
 slice with train queries and a tiny local BERT: the arithmetic by hand, a few training steps, the weighted
 corpus, the config rules and the recipe's wiring."""
 
@@ -9,14 +9,15 @@ import pyarrow.compute as pc
 import pytest
 from pydantic import ValidationError
 
-from irflow import api, deepct
-from irflow.errors import ConfigError, DataError
-from irflow.runner import Run
-from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.tasks.deepct import DeepCTWeightParams, TrainDeepCTParams, deepct_weight, train_deepct, training_windows
-from irflow.testing import SHARED_DATASETS, beir_slice, ingest_folder, make_tiny_bi_encoder, model
-from irflow.text import passage_text
-from irflow.worker import torch_threads
+from irflow import api
+from irflow.dev.testing import SHARED_DATASETS, beir_slice, ingest_folder, make_tiny_bi_encoder, model
+from irflow.engine.errors import ConfigError, DataError
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig, StageRuntime
+from irflow.engine.worker import torch_threads
+from irflow.learn import deepct
+from irflow.learn.text import passage_text
+from irflow.stages.deepct import DeepCTWeightParams, TrainDeepCTParams, deepct_weight, train_deepct, training_windows
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 RUNTIME = RuntimeConfig(device="cpu", threads=1)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from irflow.errors import ConfigError
-from irflow.recipe import load_config
+from irflow.engine.errors import ConfigError
+from irflow.recipes.base import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_pull_step_resolves_to_this_checkout(monkeypatch, tmp_path):
 def test_a_deployed_run_fails_with_the_cli_message(tmp_path, prefect_harness):
     """What a worker runs: the recipe flow on a config. A bad config fails the flow run (not a generic
     RuntimeError from a CLI inside a flow) with the message the CLI would print."""
-    from irflow.flows.gpl import gpl_flow
+    from irflow.recipes.gpl import gpl_flow
 
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "configs" / "demo.yaml").read_text().replace("lr: 2.0e-5", "lrr: 2.0e-5"))
@@ -73,7 +73,7 @@ def test_a_deployed_run_fails_with_the_cli_message(tmp_path, prefect_harness):
     with pytest.raises(ConfigError, match=r"train.lrr: unknown key \(did you mean 'lr'\?\)"):
         state.result()
     with pytest.raises(ConfigError, match="config is for flow 'gpl', not 'baselines'"):
-        from irflow.flows.baselines import baselines_flow
+        from irflow.recipes.baselines import baselines_flow
 
         baselines_flow.fn(config=str(ROOT / "configs" / "demo.yaml"), store=str(tmp_path / "store"))
 
@@ -102,10 +102,10 @@ def test_prefect_server_answers_what_deploy_and_worker_ask(prefect_harness):
 
 def test_every_registered_recipe_has_a_deployment_of_its_own_flow():
     """Recipes register themselves where they are defined; prefect.yaml must deploy each one's flow."""
-    from irflow.recipe import recipe_names
+    from irflow.recipes.base import recipe_names
 
     entrypoints = {d["entrypoint"] for d in _deployments()[1]}
-    missing = [n for n in recipe_names() if f"irflow/flows/{n}.py:{n}_flow" not in entrypoints]
+    missing = [n for n in recipe_names() if f"irflow/recipes/{n}.py:{n}_flow" not in entrypoints]
     assert not missing, f"recipes without a deployment in prefect.yaml: {missing}"
 
 
@@ -114,7 +114,7 @@ def test_a_recipe_module_with_postponed_annotations_is_refused_at_import(tmp_pat
 
     src = tmp_path / "myrecipe.py"
     src.write_text("from __future__ import annotations\n"
-                   "from irflow.recipe import RecipeConfig, recipe\n"
+                   "from irflow.recipes.base import RecipeConfig, recipe\n"
                    "class C(RecipeConfig):\n    pass\n"
                    "@recipe('mine', C)\ndef mine(c, run):\n    return []\n")
     spec = importlib.util.spec_from_file_location("myrecipe", src)

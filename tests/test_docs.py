@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from irflow import cli, docs_gen
-from irflow.recipe import get_recipe, recipe_names
+from irflow import cli
+from irflow.dev import docs_gen
+from irflow.recipes.base import get_recipe, recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
-REGENERATE = ".venv/bin/python -m irflow.docs_gen (or make docs), then commit the pages"
+REGENERATE = ".venv/bin/python -m irflow.dev.docs_gen (or make docs), then commit the pages"
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.losses import (CrossBatchInfoNCE, ListwiseDistillationLoss, MultipleNegativesRankingLoss,
-                           grad_cache_step)
-from irflow.models import load_sentence_transformer
-from irflow.qrels import judged_positives
-from irflow.runtime import RuntimeConfig
-from irflow.runner import Run
-from irflow.tasks.train_dual_encoder import train_dual_encoder, training_examples
-from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, model, scifact_docs
+from irflow.dev.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, model, scifact_docs
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig
+from irflow.learn.dual_encoder import TrainDualEncoderParams
+from irflow.learn.encoding import load_sentence_transformer
+from irflow.learn.losses import (
+    CrossBatchInfoNCE,
+    ListwiseDistillationLoss,
+    MultipleNegativesRankingLoss,
+    grad_cache_step,
+)
+from irflow.learn.qrels import judged_positives
+from irflow.stages.train_dual_encoder import train_dual_encoder, training_examples
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from irflow import estimate, pace
-from irflow.catalog import Catalog
+from irflow.engine import pace
+from irflow.engine.catalog import Catalog
+from irflow.tools import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 HW = estimate.Hardware("cpu-avx2", 2, None, 8000)
@@ -60,7 +61,7 @@ def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_co
 
 def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_path):
     """train.qgen.steps: null (the QGen baseline trains as long as GPL) is estimated from the stage's params."""
-    from irflow.recipe import load_config
+    from irflow.recipes.base import load_config
 
     c = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), ["train.qgen.steps=null"])
     size = estimate.CorpusSize(5183, 200, 300, 809)

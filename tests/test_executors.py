@@ -1,4 +1,4 @@
-"""Executors behind one protocol (irflow.executors): a third executor is one class, and the engine compares
+"""Executors behind one protocol (irflow.engine.executors): a third executor is one class, and the engine compares
 no executor names outside that module."""
 
 import re
@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from irflow import api
-from irflow.executors import EXECUTORS, LocalExecutor, register
-from irflow.testing import beir_slice, make_tiny_bi_encoder
+from irflow.dev.testing import beir_slice, make_tiny_bi_encoder
+from irflow.engine.executors import EXECUTORS, register
+from irflow.engine.executors.local import LocalExecutor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,7 @@ class ThreadsExecutor(LocalExecutor):
     used = 0
 
     def map_shards(self, stage, label, jobs, rt):
-        from irflow.shards import run_shard
+        from irflow.engine.shards import run_shard
 
         type(self).used += len(jobs)
         with ThreadPoolExecutor(2) as pool:
@@ -57,7 +58,7 @@ def test_a_thread_pool_executor_is_one_class_and_runs_the_baselines_alike(tmp_pa
 
 
 def test_an_unknown_executor_is_refused_naming_the_known_ones():
-    from irflow.errors import ConfigError
+    from irflow.engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"runtime.executor: .*'rey' is not an executor \(local, ray\)"):
         api.load_config(ROOT / "configs" / "demo_baselines.yaml", ["runtime.executor=rey"])

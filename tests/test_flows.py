@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from irflow import api
-from irflow.errors import ConfigError
-from irflow.models import ModelNotAvailable
-from irflow.testing import beir_slice, make_tiny_bi_encoder
-from irflow.testing import run_cli as cli
+from irflow.dev.testing import beir_slice, make_tiny_bi_encoder
+from irflow.dev.testing import run_cli as cli
+from irflow.engine.errors import ConfigError
+from irflow.engine.models import ModelNotAvailable
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_stages_run_with_the_older_objects_frozen_out_of_the_collector(setup, mo
     collector's scans, and unfreezes them at its end."""
     import gc
 
-    from irflow import runner as stage
+    from irflow.engine import runner as stage
 
     frozen_at_release = []
     release = stage.release_memory
@@ -86,9 +86,9 @@ def test_stages_run_with_the_older_objects_frozen_out_of_the_collector(setup, mo
 def test_a_ctrl_c_turned_into_an_error_outside_a_stage_marks_the_run_interrupted(setup, monkeypatch):
     """A Ctrl-C can land outside any stage (here in the report after the stages, in a DuckDB query that
     makes it its own error): the run row says interrupted, as the CLI does, not failed."""
-    from irflow import processes
-    from irflow.catalog import Catalog
-    from irflow.tasks import report
+    from irflow.engine import processes
+    from irflow.engine.catalog import Catalog
+    from irflow.stages import report
 
     def ctrl_c_in_the_report(run, evaluations, selected=None):
         processes._interrupted = True  # what the CLI's SIGINT handler does

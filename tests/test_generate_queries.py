@@ -4,7 +4,7 @@ Params are typed: a source's settings are validated when its params model is bui
 pydantic ValidationError before any stage runs); the generator is an input ref (``model``), keyed by
 its weights; device, precision and threads come from the run's runtime and are not keyed.
 
-Both stages are sharded by corpus (irflow.shards): shards of a few passages give the same datasets
+Both stages are sharded by corpus (irflow.engine.shards): shards of a few passages give the same datasets
 (same ids) as one shard -- t5 too, its shards rounded up to whole batches --, ``queries_per_passage:
 auto`` counts the whole corpus, and a failed shard leaves the others' parts for the next run."""
 
@@ -22,19 +22,26 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from irflow import data_contracts, generation
-from irflow.errors import DataError, StageFailed
-from irflow.models import ModelNotAvailable, resolve
-from irflow.params import Params
-from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.runner import Run
-from irflow.tasks import generate_queries as gq
-from irflow.tasks.doc2query import Doc2QueryParams, doc2query_expand, expand_corpus
-from irflow.generation import BatchGenerator
-from irflow.tasks.generate_queries import (CropSource, ICTSource, T5Source, UnlabelledSource, generate_queries,
-                                           queries_per_passage)
-from irflow.testing import SHARED_DATASETS, beir_slice, ingest_folder, make_tiny_t5, model
-from irflow.text import passage_text
+from irflow import data_contracts
+from irflow.dev.testing import SHARED_DATASETS, beir_slice, ingest_folder, make_tiny_t5, model
+from irflow.engine.errors import DataError, StageFailed
+from irflow.engine.models import ModelNotAvailable, resolve
+from irflow.engine.params import Params
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig, StageRuntime
+from irflow.learn import generation
+from irflow.learn.generation import BatchGenerator
+from irflow.learn.text import passage_text
+from irflow.stages import generate_queries as gq
+from irflow.stages.doc2query import Doc2QueryParams, doc2query_expand, expand_corpus
+from irflow.stages.generate_queries import (
+    CropSource,
+    ICTSource,
+    T5Source,
+    UnlabelledSource,
+    generate_queries,
+    queries_per_passage,
+)
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -157,7 +164,7 @@ def test_t5_shards_give_the_same_datasets_as_one_shard(data, baseline, caplog):
     """shard_rows 3 with batch_size 4: rounded up to 4 (shards never split a batch), 3 shards of the 10
     passages; every sampled query is the one the unsharded run drew (same ids, queries and qrels)."""
     assert [s["rows"] for s in baseline["ctx"].catalog.stage_runs("r")[0]["shards"]] == [[0, N_T5_DOCS]]
-    with caplog.at_level("INFO", logger="irflow.shards"):
+    with caplog.at_level("INFO", logger="irflow.engine.shards"):
         ctx, out = run_gq(data, "store-t5-sharded", t5_params(), runtime=sharded(3))
     assert "shard_rows 3 rounded up to 4, a multiple of 4" in caplog.text
     assert [s["rows"] for s in last_shards(ctx)] == [[0, 4], [4, 8], [8, 10]]
@@ -169,7 +176,7 @@ def test_t5_shards_give_the_same_datasets_as_one_shard(data, baseline, caplog):
 def test_t5_failed_shard_then_only_missing_shards_run(data, baseline, monkeypatch):
     """A shard that fails fails the stage naming its rows and publishes nothing; the finished shards'
     parts (one per output) stay, and the next run computes only the shards without all their parts."""
-    from irflow import shards
+    from irflow.engine import shards
 
     params, store = t5_params(), data["root"] / "store-resume"
     real_shard, real_generate = shards.run_shard, generation._generate_batch
@@ -450,7 +457,7 @@ def test_unknown_source_is_rejected(data):
 
 def test_generate_defaults_are_written_once():
     """The GPL recipe's generate section is the stage's params plus the model: no default of its own."""
-    from irflow.flows.gpl import GPLConfig, T5Generate
+    from irflow.recipes.gpl import GPLConfig, T5Generate
 
     section = GPLConfig.model_fields["generate"].default
     assert isinstance(section, T5Generate) and section.source == "t5"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from irflow import api
-from irflow.models import ModelNotAvailable
-from irflow.testing import run_cli as cli
+from irflow.dev.testing import run_cli as cli
+from irflow.engine.models import ModelNotAvailable
 
 
 def run(config, store, *sets, force=()):
@@ -61,7 +61,7 @@ def test_bm25_fused_with_each_student_is_the_hybrid_fusion_of_their_stored_runs(
     """hybrid-gpl-student is BM25's test run and the GPL student's, fused as `hybrid` fuses BM25 and the
     zero-shot model (same method and weights); hybrid.students: false leaves those systems out and
     recomputes nothing."""
-    from irflow.fusion import fuse_runs
+    from irflow.learn.fusion import fuse_runs
 
     out = {s.name: s.outputs for s in gpl_sample_run.stages}
     table = lambda stage: _table(setup["store"], out[stage]["run"])  # noqa: E731
@@ -139,7 +139,7 @@ def test_rounds_relabel_with_the_last_student_as_the_dense_miner(setup, gpl_samp
                 "train_student[gpl]", "train_student[qgen]", "evaluate[gpl-student]"} & changed
     assert {m["system"] for m in two.metrics} >= {"gpl-student", "gpl-student-r2", "qgen-student"}
 
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     out = {s.name: s.outputs for s in two.stages}
     first = out["train_student[gpl]"]["student"]
@@ -172,7 +172,7 @@ def test_paper_config_fails_fast_offline(tmp_path):
 def _table(store_dir, dataset_id):
     import pyarrow.parquet as pq
 
-    from irflow.store import TABLE_FILE, Store
+    from irflow.engine.store import TABLE_FILE, Store
 
     return pq.read_table(Store(store_dir).object_dir(dataset_id) / TABLE_FILE)
 
@@ -181,7 +181,7 @@ def _params(store_dir, dataset_id) -> dict:
     """The params of the stage run that wrote a dataset, as the catalog recorded them."""
     import json
 
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     return json.loads(Catalog(Path(store_dir) / "catalog.duckdb").dataset(dataset_id)["params"])
 
@@ -225,7 +225,7 @@ def test_fusion_teacher_can_score_every_candidate_with_every_miner(setup):
                 assert s <= floor[pair[0]] + 1e-4
         assert any(p not in listed for p in scored)  # the test means something: some candidate was missing
     # the teacher fused the re-scored runs
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     labels = out["label_scores"]["out"]
     parents = {a["dataset_id"] for a in Catalog(store / "catalog.duckdb").lineage(labels)}

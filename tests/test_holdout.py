@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from irflow.runtime import StageRuntime
-from irflow.store import TABLE_FILE, DatasetRef
-from irflow.tasks.ingest import HoldoutParams, holdout
-from irflow.twins import twin_groups
+from irflow.engine.runtime import StageRuntime
+from irflow.engine.store import TABLE_FILE, DatasetRef
+from irflow.learn.twins import twin_groups
+from irflow.stages.ingest import HoldoutParams, holdout
 
 SAMPLE = Path(__file__).resolve().parents[1] / "irflow" / "samples" / "scifact-sample.zip"
 
@@ -86,7 +86,7 @@ def test_twin_groups_keep_different_documents_apart(docs):
 
 
 def test_a_corpus_with_nothing_to_hold_out_says_what_to_do(tmp_path, docs):
-    from irflow.errors import DataError
+    from irflow.engine.errors import DataError
 
     with pytest.raises(DataError, match="holds out 0.*dataset.proxy: null"):
         _split(tmp_path, docs[:3], "tiny", fraction=0.01)
@@ -95,8 +95,8 @@ def test_a_corpus_with_nothing_to_hold_out_says_what_to_do(tmp_path, docs):
 def test_proxy_queries_are_cut_out_of_the_passages_the_proxy_searches(tmp_path, docs):
     """ICT queries of the held-out passages, cut out of them: each judged passage no longer holds its
     query (nor is it empty), every other passage and every id and position is the corpus's own."""
-    from irflow.tasks.generate_queries import ICTSource, generate_queries
-    from irflow.tasks.ingest import cut_proxy_queries
+    from irflow.stages.generate_queries import ICTSource, generate_queries
+    from irflow.stages.ingest import cut_proxy_queries
 
     rt = StageRuntime(threads=1, workdir=tmp_path)
     corpus = _corpus(tmp_path, docs[:300], "c")
@@ -128,7 +128,7 @@ def test_proxy_queries_are_cut_out_of_the_passages_the_proxy_searches(tmp_path, 
 def test_a_t5_proxy_cannot_be_cut(docs):
     from pydantic import ValidationError
 
-    from irflow.flows.common import ProxyConfig
+    from irflow.recipes.common import ProxyConfig
 
     assert ProxyConfig().cuts and not ProxyConfig(cut=False).cuts
     with pytest.raises(ValidationError, match="t5 queries are not cut out"):

@@ -24,12 +24,12 @@ import pytest
 from pydantic import ValidationError
 
 from irflow import data_contracts
-from irflow.beir import IngestError, dataset_splits, is_url
-from irflow.errors import DataError, StageFailed, UserError
-from irflow.runner import Run
-from irflow.store import fingerprint_file, remove_tree
-from irflow.tasks.ingest import IngestParams, ingest_beir, source_ref
-from irflow.testing import SHARED_DATASETS, beir_slice
+from irflow.dev.testing import SHARED_DATASETS, beir_slice
+from irflow.engine.errors import DataError, StageFailed, UserError
+from irflow.engine.runner import Run
+from irflow.engine.store import fingerprint_file, remove_tree
+from irflow.sources.beir import IngestError, dataset_splits, is_url
+from irflow.stages.ingest import IngestParams, ingest_beir, source_ref
 
 DATASETS = SHARED_DATASETS
 SCIFACT = DATASETS / "scifact.zip"
@@ -57,7 +57,7 @@ def ctx(tmp_path) -> Run:
 
 
 def ingest(ctx: Run, source, md5: str | None = None, **params):
-    """What the recipes do (irflow.flows.common.ingest): the source as an external input ref, then the stage."""
+    """What the recipes do (irflow.recipes.common.ingest): the source as an external input ref, then the stage."""
     ref = ctx.external(source_ref(str(source), md5, ctx.store.root / "downloads"), {"source": str(source)})
     return ingest_beir.run(ctx, IngestParams(**params), source=ref)
 
@@ -381,7 +381,7 @@ def test_dangling_policy_is_part_of_the_key(sl, ctx):
 def test_a_source_holding_two_datasets_is_refused_naming_both(sl, ctx, tmp_path):
     """A zip (or folder) with scifact/... and nfcorpus/... would mix one's corpus with the other's
     qrels: refused, one line naming both folders -- by the config check and by the stage."""
-    from irflow.testing import run_cli
+    from irflow.dev.testing import run_cli
 
     nf = beir_slice(NFCORPUS, tmp_path / "nf", n_test_queries=3, n_extra_docs=5, seed=2)
     both = tmp_path / "both.zip"
@@ -428,8 +428,8 @@ def test_a_dataset_in_a_folder_of_its_zip_reads_only_that_folder(sl, ctx, tmp_pa
 def test_a_dataset_without_the_evaluated_split_is_refused(sl, ctx, tmp_path):
     """Known before any stage for a local source (the config check: dataset.split), else by
     select_queries once the source is read (a URL): one line, a user error, naming the splits there."""
-    from irflow.flows.common import DatasetConfig
-    from irflow.tasks.ingest import SelectQueriesParams, select_queries
+    from irflow.recipes.common import DatasetConfig
+    from irflow.stages.ingest import SelectQueriesParams, select_queries
 
     (sl / "qrels" / "test.tsv").unlink()
     with pytest.raises(ValidationError, match=r"split: 'test' is not a split of .* \(its qrels: train\)"):
@@ -651,8 +651,8 @@ def _beir_qrels(folder: Path, split: str) -> set[tuple[str, str, str]]:
 def test_train_dev_split_keeps_every_test_query_out(tmp_path):
     """The real sample: the train split's judged queries are cut into train (fit) and dev by query, every
     judgement lands on exactly one side, and the folder holds no test query, text or judgement."""
-    from irflow.beir import train_dev_split
-    from irflow.recipe import load_config
+    from irflow.recipes.base import load_config
+    from irflow.sources.beir import train_dev_split
 
     counts = train_dev_split(SAMPLE, tmp_path / "cut", dev_share=0.2, seed=7)
     with zipfile.ZipFile(SAMPLE) as z:
@@ -689,7 +689,7 @@ def test_train_dev_split_keeps_every_test_query_out(tmp_path):
 
 
 def test_cli_dev_split(tmp_path):
-    from irflow.testing import run_cli
+    from irflow.dev.testing import run_cli
 
     code, out, err = run_cli("dev-split", SAMPLE, tmp_path / "cut", "--share", "0.25", "--seed", "3")
     assert code == 0, err

@@ -1,5 +1,5 @@
 """What a run's report shows of its inside: trainers' loss histories as datasets with lineage, and the
-figures of irflow.inside (losses, GPL's margins, RocketQA's denoising by rank bucket) on the sample GPL
+figures of irflow.tools.inside (losses, GPL's margins, RocketQA's denoising by rank bucket) on the sample GPL
 and RocketQA runs the recipes' own tests make (tests/conftest.py), checked against the stored tables."""
 
 import base64
@@ -15,10 +15,10 @@ import pytest
 from PIL import Image
 
 from irflow import api
-from irflow.catalog import Catalog
 from irflow.data_contracts import ContractError, get
-from irflow.inside import inside_sections
-from irflow.store import TABLE_FILE, Store
+from irflow.engine.catalog import Catalog
+from irflow.engine.store import TABLE_FILE, Store
+from irflow.tools.inside import inside_sections
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUMBER = r"-?\d+(?:\.\d+)?(?:e[-+]\d+)?"  # as "{:.4g}" writes it
@@ -188,7 +188,7 @@ def test_rocketqa_sections_count_per_bucket_what_denoising_dropped_and_kept(rock
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         text = unescape(html)
         # said once: in the warning's sentence when the check fails, else in the caption's own
-        from irflow.teachers import teacher_scores_check
+        from irflow.learn.teachers import teacher_scores_check
 
         warned = teacher_scores_check(_stored(store, outputs["scores"])).problem() is not None
         assert text.count("mean AUC") == 1 and ("Warning: the teacher" in text) == warned

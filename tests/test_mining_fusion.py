@@ -1,4 +1,4 @@
-"""Fusion (zscore / minmax / rrf, ``irflow.fusion``) and mine_negatives (topk / range / random / mix): the
+"""Fusion (zscore / minmax / rrf, ``irflow.learn.fusion``) and mine_negatives (topk / range / random / mix): the
 math on hand-made runs, then both stages on BM25 runs over a small real SciFact slice."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 from pydantic import ValidationError
 
 from irflow import data_contracts
-from irflow.fusion import FusionSettings, fuse_runs, run_weights
-from irflow.runtime import RuntimeConfig
-from irflow.runner import Run
-from irflow.tasks.fuse import FuseParams, fuse
-from irflow.tasks.mine_negatives import MineParams, MixCounts, mine_negatives, mine_tables
-from irflow.testing import SHARED_DATASETS
+from irflow.dev.testing import SHARED_DATASETS
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig
+from irflow.learn.fusion import FusionSettings, fuse_runs, run_weights
+from irflow.stages.fuse import FuseParams, fuse
+from irflow.stages.mine_negatives import MineParams, MixCounts, mine_negatives, mine_tables
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -129,7 +129,7 @@ def test_rrf_matches_the_formula():
 def test_duplicates_are_removed_before_normalising():
     """A run that lists a document twice for a query counts it once (best score, best rank) *before*
     its scores are normalised: the repeated row must not move the mean, the min or the ranks."""
-    from irflow.tasks.pseudo_label import FusionTeacher, fusion_scores
+    from irflow.stages.pseudo_label import FusionTeacher, fusion_scores
 
     lists_a = {"q1": [("d1", 3.0), ("d2", 2.0), ("d3", 1.0), ("d1", -1.0)]}  # d1 again, as the lowest
     lists_b = {"q1": [("d2", 0.9), ("d4", 0.5), ("d4", 0.1)]}  # d4 again, lower
@@ -405,9 +405,9 @@ def test_mine_params_are_validated():
 # ---- stages on BM25 runs over a real slice ------------------------------------------------------
 @pytest.fixture(scope="module")
 def bm25_setup(tmp_path_factory):
-    from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams, bm25_index, bm25_search
-    from irflow.tasks.generate_queries import ICTSource, generate_queries
-    from irflow.testing import beir_slice, ingest_folder
+    from irflow.dev.testing import beir_slice, ingest_folder
+    from irflow.stages.bm25 import BM25IndexParams, BM25SearchParams, bm25_index, bm25_search
+    from irflow.stages.generate_queries import ICTSource, generate_queries
 
     root = tmp_path_factory.mktemp("mf")
     folder = beir_slice(SCIFACT, root / "slice", n_test_queries=5, n_extra_docs=40, seed=2)
@@ -453,7 +453,7 @@ def test_mine_negatives_stage_on_bm25_runs(bm25_setup):
 
 
 def test_bm25_negatives_can_leave_the_top_ranks_out(bm25_setup):
-    from irflow.flows.common import top_negative_mining
+    from irflow.recipes.common import top_negative_mining
 
     run, gen, runs = bm25_setup["run"], bm25_setup["gen"], bm25_setup["runs"][:1]
     every = top_negative_mining(30, 0)
@@ -468,7 +468,7 @@ def test_bm25_negatives_can_leave_the_top_ranks_out(bm25_setup):
 
 
 def test_ance_rounds_can_leave_the_models_top_ranks_out(bm25_setup):
-    from irflow.flows.ance import RoundConfig, round_negative_mining
+    from irflow.recipes.ance import RoundConfig, round_negative_mining
 
     run, gen, runs = bm25_setup["run"], bm25_setup["gen"], bm25_setup["runs"][:1]
     every = RoundConfig(depth=30, negatives_per_query=5)
@@ -516,7 +516,7 @@ def test_candidate_pairs_and_scored_run():
     """The pairs every retriever scores for a fusion teacher: the distinct pairs of the given queries, and a
     run of exactly them ranked by score (ties by doc id) that passes the run contract."""
     from irflow.data_contracts import get
-    from irflow.pairs import candidate_pairs, scored_run
+    from irflow.learn.pairs import candidate_pairs, scored_run
 
     negatives = pa.table({"query_id": ["q2", "q1", "q1", "q3"], "doc_id": ["a", "b", "a", "c"],
                           "miner": ["x", "x", "y", "x"], "rank": [1, 1, 2, 1]})

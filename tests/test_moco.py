@@ -1,4 +1,4 @@
-"""Contriever's MoCo (irflow.moco) and the student's ``moco`` option: the key encoder is the EMA of the
+"""Contriever's MoCo (irflow.learn.moco) and the student's ``moco`` option: the key encoder is the EMA of the
 query encoder, the queue is a FIFO of fixed size, the loss is InfoNCE over the batch's keys and the queue,
 and the option trains end to end through train_student, keyed only when it runs."""
 
@@ -18,11 +18,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from irflow.moco import KeyQueue, MoCo, MoCoLoss, momentum_update
-from irflow.runner import Run
-from irflow.runtime import StageRuntime
-from irflow.tasks.train_student import MoCoParams, TrainStudentParams, train_student
-from irflow.training import BatchPlan, LoopParams, train_loop
+from irflow.engine.runner import Run
+from irflow.engine.runtime import StageRuntime
+from irflow.learn.moco import KeyQueue, MoCo, MoCoLoss, momentum_update
+from irflow.learn.training import BatchPlan, LoopParams, train_loop
+from irflow.stages.train_student import MoCoParams, TrainStudentParams, train_student
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,7 +158,7 @@ def test_a_query_s_own_passage_in_the_queue_is_no_negative():
 # ---- params -----------------------------------------------------------------------------------------
 def test_moco_params_are_validated_by_dotted_key():
     from irflow import api
-    from irflow.errors import ConfigError
+    from irflow.engine.errors import ConfigError
 
     assert MoCoParams().enabled is False
     with pytest.raises(ValidationError, match="moco.queue_size: 10 is not a multiple of batch_size 4"):
@@ -210,7 +210,7 @@ _TOPICS = ["protein folding in yeast cells", "solar panel efficiency at noon", "
 
 
 def _inputs(run, bi) -> dict:
-    from irflow.testing import model
+    from irflow.dev.testing import model
 
     docs = {f"d{i}": f"{t} and what follows from {t.split()[0]}" for i, t in enumerate(_TOPICS)}
     queries = {f"q{i}": t.split(" in ")[0].split(" at ")[0] for i, t in enumerate(_TOPICS)}
@@ -228,9 +228,9 @@ def _inputs(run, bi) -> dict:
 def test_train_student_with_moco_trains_end_to_end_resumes_and_is_keyed(tmp_path, monkeypatch, caplog):
     from sentence_transformers import SentenceTransformer
 
-    from irflow import training
-    from irflow.errors import StageFailed
-    from irflow.testing import make_tiny_bi_encoder
+    from irflow.dev.testing import make_tiny_bi_encoder
+    from irflow.engine.errors import StageFailed
+    from irflow.learn import training
 
     bi = make_tiny_bi_encoder(tmp_path / "bi")
     run = Run(str(tmp_path / "a"), "run-moco")

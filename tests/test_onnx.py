@@ -1,4 +1,4 @@
-"""ONNX Runtime inference (irflow.onnx_inference): a tiny exported model gives torch's embeddings and
+"""ONNX Runtime inference (irflow.learn.onnx_inference): a tiny exported model gives torch's embeddings and
 cross-encoder scores (fp32, allclose); the backend is runtime (never keyed) and int8 is a keyed param
 whose default keeps the keys of stores made before it existed; the export is a stored model with
 lineage, made once; a bad backend is refused naming its key."""
@@ -6,18 +6,17 @@ lineage, made once; a bad backend is refused naming its key."""
 import numpy as np
 import pytest
 
-from irflow import onnx_inference
 from irflow.api import load_config
-from irflow.errors import ConfigError
-from irflow.encoding import encode_texts
-from irflow.models import load_sentence_transformer
-from irflow.runtime import RuntimeConfig
-from irflow.scoring import cross_encoder_scores
-from irflow.runner import Run
-from irflow.tasks.dense import DenseSearchParams, EncodeParams, dense_search, encode_corpus
-from irflow.tasks.rerank import RerankParams, rerank
-from irflow.teachers import CrossEncoderTeacher
-from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
+from irflow.dev.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
+from irflow.engine.errors import ConfigError
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig
+from irflow.learn import onnx_inference
+from irflow.learn.encoding import encode_texts, load_sentence_transformer
+from irflow.learn.scoring import cross_encoder_scores
+from irflow.learn.teachers import CrossEncoderTeacher
+from irflow.stages.dense import DenseSearchParams, EncodeParams, dense_search, encode_corpus
+from irflow.stages.rerank import RerankParams, rerank
 
 TEXTS = ["what causes cancer", "Vitamin D deficiency is associated with increased risk of falls in older adults.",
          "protein", "Chaperones assist the folding of newly made proteins in the cell " * 6, "a b c d e f g"] * 3
@@ -95,7 +94,7 @@ def test_int8_is_close_and_does_not_depend_on_the_batch(tiny):
 
 
 def test_int8_without_integer_dot_products_warns(tiny, monkeypatch, caplog):
-    from irflow import runtime as irt
+    from irflow.engine import runtime as irt
 
     ce8 = onnx_inference.export(str(tiny["ce"]), tiny["root"] / "ce-int8-warn", "score", "int8")
     for flags, warned in ((frozenset({"avx2"}), True), (frozenset({"avx2", "avx512_vnni"}), False)):
@@ -113,8 +112,8 @@ def test_quantization_is_keyed_only_when_set():
         int8 = p.model_copy(update={"quantization": "int8"})
         assert int8.key_dump()["quantization"] == "int8"
     # the key of encode_corpus with the default is the one computed before the field existed
-    from irflow.cache import cache_key
-    from irflow.store import DatasetRef
+    from irflow.engine.cache import cache_key
+    from irflow.engine.store import DatasetRef
 
     refs = {"corpus": DatasetRef("corpus-1", "corpus", "table", "corpus", "/x"),
             "model": DatasetRef("hub:m", "m", "model", None, "/m")}
@@ -123,7 +122,7 @@ def test_quantization_is_keyed_only_when_set():
                                                                 {k: [v] for k, v in refs.items()})
     assert encode_corpus.key(EncodeParams(quantization="int8"), refs) != encode_corpus.key(EncodeParams(), refs)
     # nested: a teacher's quantization in a stage's params
-    from irflow.tasks.score_candidates import ScoreCandidatesParams
+    from irflow.stages.score_candidates import ScoreCandidatesParams
 
     sc = ScoreCandidatesParams(teacher=CrossEncoderTeacher(type="cross_encoder"))
     assert "quantization" not in sc.key_dump()["teacher"]
@@ -221,7 +220,7 @@ def test_backend_auto_probes_once_per_model_and_runs_the_faster(slice_refs, tiny
     torch's either way."""
     import json
 
-    from irflow import backend_probe
+    from irflow.engine import backends as backend_probe
 
     root, data = slice_refs["root"], slice_refs["data"]
     run, out = _stages(root / "auto", data, tiny, "auto")

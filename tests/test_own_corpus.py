@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from irflow.catalog import Catalog
-from irflow.testing import make_tiny_bi_encoder, make_tiny_cross_encoder, run_cli
+from irflow.dev.testing import make_tiny_bi_encoder, make_tiny_cross_encoder, run_cli
+from irflow.engine.catalog import Catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "irflow" / "samples" / "scifact-sample.zip"
@@ -60,7 +60,7 @@ def _new_run_export(own, corpus: Path, recipe: str = "gpl", new_args: list[str] 
     assert code == 0, err[-3000:]
     result = json.loads(out.strip().splitlines()[-1])
     # the estimate printed before the run is kept beside its stages: what later estimates calibrate by
-    from irflow import estimate
+    from irflow.tools import estimate
 
     kept = Catalog(own["store"] / "catalog.duckdb").estimated_stages(estimate.hardware_key(estimate.hardware()))
     assert {r["stage"] for r in kept} >= {s["name"] for s in result["stages"] if s["status"] == "computed"
@@ -87,8 +87,8 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
 
     # the exported folder is the model that was measured: SentenceTransformer loads it and encodes the evaluated
     # passages into the embeddings the run searched (the same sequence length, pooling and normalisation)
-    from irflow.labels import stage_name
-    from irflow.text import passage_texts
+    from irflow.engine.labels import stage_name
+    from irflow.learn.text import passage_texts
 
     catalog = Catalog(own["store"] / "catalog.duckdb")
     runs = catalog.stage_runs(r["run_id"], with_inputs=True)
@@ -129,7 +129,7 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
         assert again["selected"]["model_id"] == sel["model_id"]
 
     # 6 more documents: the summary counts the passages new since the last run, from the two corpora
-    from irflow.corpus_sources import document_id
+    from irflow.sources.corpus_sources import document_id
 
     with zipfile.ZipFile(SAMPLE) as z:
         name = min((n for n in z.namelist() if n.endswith("corpus.jsonl")), key=len)
@@ -150,7 +150,7 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
 def test_held_out_documents_never_reach_training(own):
     """The proxy's passages are set aside before anything trains: no training query is made from them and
     no training pair uses them; with passages cut, a document's passages stay on one side."""
-    from irflow.corpus_sources import document_id
+    from irflow.sources.corpus_sources import document_id
 
     cfg = own["root"] / "cut.yaml"
     code, out, err = run_cli("new", "gpl", "--corpus", own["root"] / "docs.jsonl", "--model", own["bi"],
@@ -245,8 +245,8 @@ def test_a_folder_of_text_files_with_a_labelled_set(own):
     torch_vectors = SentenceTransformer(str(out_dir), device="cpu").encode(texts)
     assert torch_vectors.shape == (2, 32)
     # the ONNX export beside it encodes the same (irflow's ONNX Runtime path, no torch)
-    from irflow.encoding import encode_texts
-    from irflow.onnx_inference import load
+    from irflow.learn.encoding import encode_texts
+    from irflow.learn.onnx_inference import load
 
     onnx_vectors = encode_texts(load(str(out_dir / "onnx"), threads=1), texts, batch_size=8, normalize=False)
     np.testing.assert_allclose(onnx_vectors, torch_vectors, atol=1e-5)
@@ -288,7 +288,7 @@ def test_export_settings_make_a_model_without_normalize_encode_unit_vectors(tmp_
     one (and the evaluated sequence length), so plain `encode` returns the vectors the run searched."""
     from sentence_transformers import SentenceTransformer
 
-    from irflow.export import apply_inference_settings
+    from irflow.tools.export import apply_inference_settings
 
     folder = make_tiny_bi_encoder(tmp_path / "plain", normalize=False)
     texts = ["a query about cells", "a passage " * 40]

@@ -1,4 +1,4 @@
-"""Promotion to a named alias (irflow.promotion) and training continued from the model in use (GPL's
+"""Promotion to a named alias (irflow.decide.promotion) and training continued from the model in use (GPL's
 train.init), on real text: the bundled SciFact sample's documents as your own corpus (no labels: the proxy
 evaluation), a tiny random bi-encoder as the poor model and MiniLM (packaged, offline) as the good one.
 
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from irflow import api
-from irflow.catalog import Catalog
-from irflow.promotion import KEPT, PROMOTED, decide
-from irflow.testing import make_tiny_bi_encoder, run_cli
+from irflow.decide.promotion import KEPT, PROMOTED, decide
+from irflow.dev.testing import make_tiny_bi_encoder, run_cli
+from irflow.engine.catalog import Catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "irflow" / "samples" / "scifact-sample.zip"
@@ -56,7 +56,7 @@ def tiny(own):
 
 @pytest.fixture(scope="module")
 def minilm(own, tiny):
-    from irflow import catalog as catalog_module
+    from irflow.engine import catalog as catalog_module
 
     def ctrl_c(*args):  # a Ctrl-C after the INSERT, before the COMMIT
         raise KeyboardInterrupt

@@ -15,15 +15,26 @@ import pyarrow.compute as pc
 import pytest
 from pydantic import ValidationError
 
-from irflow.errors import StageFailed
-from irflow.fusion import fuse_runs
-from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.runner import Run
-from irflow.tasks.fuse import FuseParams, fuse
-from irflow.tasks.pseudo_label import (AutoScale, CrossEncoderTeacher, FusionTeacher, LabelParams,
-                                       LabelScoresParams, PseudoLabelParams, build_triples, fusion_scores,
-                                       label_positives, label_scores, pseudo_label, to_table)
-from irflow.testing import SHARED_DATASETS, lexical_run
+from irflow.dev.testing import SHARED_DATASETS, lexical_run
+from irflow.engine.errors import StageFailed
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig, StageRuntime
+from irflow.learn.fusion import fuse_runs
+from irflow.stages.fuse import FuseParams, fuse
+from irflow.stages.pseudo_label import (
+    AutoScale,
+    CrossEncoderTeacher,
+    FusionTeacher,
+    LabelParams,
+    LabelScoresParams,
+    PseudoLabelParams,
+    build_triples,
+    fusion_scores,
+    label_positives,
+    label_scores,
+    pseudo_label,
+    to_table,
+)
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -57,8 +68,8 @@ def test_lengths_are_measured_a_chunk_at_a_time_with_the_lengths_and_scores_of_o
     are held, and the lengths, so the batches and the scores, are those of one call."""
     from transformers import AutoTokenizer
 
-    from irflow import encoding
-    from irflow.scoring import cross_encoder_scores
+    from irflow.learn import encoding
+    from irflow.learn.scoring import cross_encoder_scores
 
     docs, queries = env["docs"], env["queries_text"]
     # whole passages (truncated) and 12-word ones (not): pairs of many lengths
@@ -94,14 +105,14 @@ def test_lengths_are_measured_a_chunk_at_a_time_with_the_lengths_and_scores_of_o
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
+    from irflow.dev.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
 
     base = tmp_path_factory.mktemp("pl")
     run = Run(str(base / "store"), "run-1")
     sl = beir_slice(SCIFACT, base / "slice", n_test_queries=4, n_train_queries=8, n_extra_docs=40)
     beir = ingest_folder(run, sl)
     corpus = beir["corpus"].table()
-    # BEIR's passage text, written out here rather than taken from irflow.text
+    # BEIR's passage text, written out here rather than taken from irflow.learn.text
     docs = {d: f"{t or ''} {x or ''}".strip()
             for d, t, x in zip(*(corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
     # Generated queries (cropping-style): the first words of 10 passages; the source is the positive.
@@ -179,7 +190,7 @@ def _statuses(run: Run) -> list[str]:
 
 # ---- tests ----------------------------------------------------------------------------------------
 def test_cross_encoder_scores_are_raw_logits(env):
-    from irflow.scoring import cross_encoder_scores
+    from irflow.learn.scoring import cross_encoder_scores
 
     docs = env["docs"]
     pairs = [(env["gen_q"][q], docs[d]) for q, d in zip(sorted(env["gen_q"]), sorted(docs)[5:11])]
@@ -196,7 +207,7 @@ def test_a_pairs_score_does_not_depend_on_its_batch(env):
     """Scored alone, two at a time or all at once, every pair gets the same score bit for bit: what
     makes a sharded teacher publish the dataset one shard does (the batch's row count used to change
     the last bits: a matmul's kernels depend on its shape)."""
-    from irflow.scoring import cross_encoder_scores
+    from irflow.learn.scoring import cross_encoder_scores
 
     docs, queries = env["docs"], env["queries_text"]
     pairs = [(queries[q], docs[d]) for q in sorted(queries)[:6] for d in sorted(docs)[:5]]
@@ -443,7 +454,7 @@ def test_fuse_stage_and_fusion_teacher_give_identical_scores(env, method, depth)
 
 
 def test_least_squares_scale():
-    from irflow.tasks.pseudo_label import least_squares_scale
+    from irflow.stages.pseudo_label import least_squares_scale
 
     t = np.array([1.0, -2.0, 3.0, 0.5])
     assert least_squares_scale(t, 0.07 * t) == pytest.approx(0.07)
@@ -454,7 +465,7 @@ def test_least_squares_scale():
 
 
 def test_scale_auto_matches_student_units(env):
-    from irflow.tasks.pseudo_label import student_margins
+    from irflow.stages.pseudo_label import student_margins
 
     run = env["run"]
     inputs = dict(**_qrels_inputs(env), teacher_rankings=[env["lex_run"], env["dense_run"]])
@@ -513,7 +524,7 @@ def test_runtime_device_reaches_every_model_load(env):
 def test_teacher_max_length_default_is_written_once(monkeypatch):
     """The cross-encoder's max_length default lives in the stage's params; the GPL recipe inherits it
     (GPL reads 350 tokens), it does not restate it."""
-    import irflow.flows.gpl as gpl
+    import irflow.recipes.gpl as gpl
     from irflow.api import load_config
 
     default = CrossEncoderTeacher.model_fields["max_length"].default
@@ -590,7 +601,7 @@ def test_label_scores_in_shards_give_the_labels_of_one_shard_and_of_the_whole_ta
     else:
         # GPL's triples, written out here: per generated query (in id order) its source passage and
         # negatives_per_positive negatives sampled (seeded per query and positive) from the miners' lists
-        from irflow.sampling import sample
+        from irflow.learn.sampling import sample
 
         negs, all_d = env["negs_t"], set(env["docs"])
         pools = {}

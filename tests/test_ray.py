@@ -17,12 +17,12 @@ import pytest
 import yaml
 
 from irflow import api
-from irflow.catalog import Catalog
-from irflow.errors import ConfigError, DataError, StageFailed
-from irflow.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
+from irflow.dev.testing import beir_slice, make_tiny_bi_encoder, make_tiny_cross_encoder, make_tiny_t5
+from irflow.engine.catalog import Catalog
+from irflow.engine.errors import ConfigError, DataError, StageFailed
 
 RAY = ["runtime.executor=ray", "runtime.ray.workers=2"]
-_RAY_NAMES = ("raylet", "gcs_server", "ray::", "irflow.ray_cluster", "default_worker.py", "dashboard/agent.py",
+_RAY_NAMES = ("raylet", "gcs_server", "ray::", "irflow.engine.executors.ray_cluster", "default_worker.py", "dashboard/agent.py",
               "runtime_env/agent")
 
 
@@ -109,7 +109,7 @@ def test_baselines_on_ray_equal_the_local_run_and_leave_no_ray_process(data, bas
 
 
 def test_a_failing_branch_on_ray_fails_the_run_naming_its_stage(data, baselines, monkeypatch):
-    from irflow.tasks.bm25 import bm25_index
+    from irflow.stages.bm25 import bm25_index
 
     def broken(p, rt, *, corpus):
         time.sleep(2)  # while the dense branch encodes on the workers

@@ -1,5 +1,5 @@
 """Reports a person looks at: `irflow report` (one self-contained HTML page per run) and `irflow compare`,
-checked against the store; and irflow.stats against scipy / numpy computed independently.
+checked against the store; and irflow.learn.stats against scipy / numpy computed independently.
 
 The runs are the session's GPL and RocketQA samples (tests/conftest.py): when test_gpl_flow and
 test_rocketqa ran first in the session, these reuse their first runs and compute nothing.
@@ -7,9 +7,9 @@ test_rocketqa ran first in the session, these reuse their first runs and compute
 
 import html
 import json
-from html import escape as html_escape
 import math
 import re
+from html import escape as html_escape
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -21,12 +21,12 @@ import pytest
 from scipy import stats as sp
 
 from irflow import api
-from irflow.report import SECTION_BUILDERS, Section, build_report
-from irflow.stats import bootstrap_ci, paired
-from irflow.testing import run_cli as cli
+from irflow.dev.testing import run_cli as cli
+from irflow.learn.stats import bootstrap_ci, paired
+from irflow.tools.report import SECTION_BUILDERS, Section, build_report
 
 
-# ---- irflow.stats against independent computations ------------------------------------------------
+# ---- irflow.learn.stats against independent computations ------------------------------------------------
 def test_bootstrap_ci_is_numpys_percentile_bootstrap_and_seeded():
     rng = np.random.default_rng(7)
     values = rng.random(40)
@@ -52,7 +52,7 @@ def test_bootstrap_ci_in_blocks_equals_one_draw():
     values = np.random.default_rng(3).random(300)
     idx = np.random.default_rng(0).integers(0, 300, size=(10_000, 300))
     expected = tuple(np.quantile(values[idx].mean(axis=1), [0.025, 0.975]))
-    from irflow import stats
+    from irflow.learn import stats
 
     old = stats._BLOCK_VALUES
     stats._BLOCK_VALUES = 300 * 7  # blocks of 7 resamples
@@ -110,7 +110,7 @@ def test_paired_on_a_few_queries_with_ties_gives_scipys_permutation_p():
     assert checked >= 30
 
 
-# ---- reading the store independently of irflow.report ---------------------------------------------
+# ---- reading the store independently of irflow.tools.report ---------------------------------------------
 def catalog_rows(store: Path, sql: str, params=()) -> list[tuple]:
     con = duckdb.connect(str(store / "catalog.duckdb"), read_only=True)
     try:
@@ -239,7 +239,7 @@ def test_gpl_report_against_the_store(gpl, tmp_path):
     assert len([a for t, a in page.tags if t == "img" and a["src"].startswith("data:image/png;base64,")]) == 8 + 2
     assert ">Training losses</h2>" in text and "GPL teacher: pseudo-label margins" in text
     # the run's DAG: every stage the catalog recorded for the run, drawn in the page's SVG
-    from irflow.catalog import Catalog
+    from irflow.engine.catalog import Catalog
 
     svg = text[text.index("<svg"):text.index("</svg>")]
     stages = {r["name"] for r in Catalog(store / "catalog.duckdb").stage_runs(run_id)}
@@ -294,8 +294,8 @@ def test_report_sections_are_an_extension_point(gpl, tmp_path, monkeypatch):
         seen.append((ctx.run_id, len(ctx.data.systems)))
         return Section("From a builder", "<p>built for every report</p>")
 
-    monkeypatch.setattr("irflow.report.SECTION_BUILDERS", SECTION_BUILDERS + [builder])
-    from irflow.catalog import Catalog
+    monkeypatch.setattr("irflow.tools.report.SECTION_BUILDERS", SECTION_BUILDERS + [builder])
+    from irflow.engine.catalog import Catalog
 
     catalog = Catalog(Path(gpl["store"]) / "catalog.duckdb")
     result = build_report(catalog, gpl["run"].run_id, tmp_path, baselines=["bm25-flat"],

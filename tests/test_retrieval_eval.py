@@ -11,15 +11,22 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from irflow.encoding import encode_texts
-from irflow.errors import StageFailed
-from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.runner import Run
-from irflow.tasks.dense import (DenseSearchParams, EncodeParams, build_index, dense_search, embeddings_to_numpy,
-                                encode_corpus, search_index)
-from irflow.tasks.evaluate import EvaluateParams, evaluate, evaluate_run, mrr_at_k
-from irflow.testing import make_tiny_bi_encoder, model
-from irflow.text import passage_texts
+from irflow.dev.testing import make_tiny_bi_encoder, model
+from irflow.engine.errors import StageFailed
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig, StageRuntime
+from irflow.learn.encoding import encode_texts
+from irflow.learn.text import passage_texts
+from irflow.stages.dense import (
+    DenseSearchParams,
+    EncodeParams,
+    build_index,
+    dense_search,
+    embeddings_to_numpy,
+    encode_corpus,
+    search_index,
+)
+from irflow.stages.evaluate import EvaluateParams, evaluate, evaluate_run, mrr_at_k
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +165,7 @@ def test_retrieval_params_are_validated():
         DenseSearchParams(system="d", depth=0)
     with pytest.raises(ValidationError, match="top_k"):
         DenseSearchParams(system="d", top_k=10)  # the old key: an error, never a silent default
-    from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams
+    from irflow.stages.bm25 import BM25IndexParams, BM25SearchParams
 
     with pytest.raises(ValidationError, match="variant"):
         BM25IndexParams(variant="bogus")
@@ -219,8 +226,8 @@ def test_evaluate_stage_averages_over_the_asked_queries(tmp_path):
 def test_bm25_search_removes_query_id_hits_and_the_jvm_heap_is_the_runtimes(tmp_path, scifact_docs, monkeypatch):
     import subprocess
 
-    from irflow.tasks import bm25
-    from irflow.tasks.bm25 import BM25IndexParams, BM25SearchParams, bm25_index, bm25_search, index_command
+    from irflow.stages import bm25
+    from irflow.stages.bm25 import BM25IndexParams, BM25SearchParams, bm25_index, bm25_search, index_command
 
     cmd = index_command(tmp_path / "c", tmp_path / "i", "multifield", 3, "3g")
     assert "-Xmx3g" in cmd and cmd.index("-Xmx3g") < cmd.index("-cp")  # a JVM option, before the class
@@ -297,7 +304,7 @@ def test_judged_documents_missing_from_the_corpus_count_as_in_pytrec_eval():
 def slice_with_missing_docs(tmp_path_factory, shared_datasets):
     """A real SciFact slice (10 test queries) from whose corpus every judged document of two test
     queries is removed, and one more query judges a document that is not there besides its own."""
-    from irflow.testing import beir_slice
+    from irflow.dev.testing import beir_slice
 
     sl = beir_slice(shared_datasets / "scifact.zip", tmp_path_factory.mktemp("missing") / "scifact",
                     n_test_queries=10, n_extra_docs=20, seed=3)
@@ -321,10 +328,10 @@ def test_queries_without_a_judged_document_in_the_corpus(slice_with_missing_docs
     """Through the stages on real data: keep (the default) evaluates the two queries whose judged
     documents are all missing (0 each) and the metrics and the printed report count them; drop leaves
     them out. A "perfect" run ranks each query's judged documents that exist first."""
-    from irflow.flows.common import Dataset
-    from irflow.tasks.evaluate import EvaluationParams
-    from irflow.tasks.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
-    from irflow.tasks.report import format_table, record_metrics
+    from irflow.recipes.common import Dataset
+    from irflow.stages.evaluate import EvaluationParams
+    from irflow.stages.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
+    from irflow.stages.report import format_table, record_metrics
 
     s = slice_with_missing_docs
     run = Run(str(tmp_path / "store"), "run-1")
@@ -374,8 +381,8 @@ def test_queries_without_a_judged_document_in_the_corpus(slice_with_missing_docs
 
 
 def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
-    """irflow.flows.common.evaluate_runs's wiring, with the stages run outside Prefect (stage.run)."""
-    from irflow.flows import common
+    """irflow.recipes.common.evaluate_runs's wiring, with the stages run outside Prefect (stage.run)."""
+    from irflow.recipes import common
 
     calls = []
 
@@ -391,8 +398,8 @@ def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
 
 _COMPARE_WITH_PYSERINI = """
 import json, sys
-from irflow.java import LuceneBM25Searcher, setup_pyserini_env
-from irflow.tasks.bm25 import SEARCH_FIELDS
+from irflow.engine.java import LuceneBM25Searcher, setup_pyserini_env
+from irflow.stages.bm25 import SEARCH_FIELDS
 
 setup_pyserini_env("512m")  # Java 21 before pyserini starts the JVM
 from pyserini.search.lucene import LuceneSearcher
@@ -417,7 +424,7 @@ def test_bm25_searcher_returns_pyserinis_hits_and_scores(tmp_path, scifact_docs)
     import subprocess
     import sys
 
-    from irflow.tasks.bm25 import BM25IndexParams, bm25_index
+    from irflow.stages.bm25 import BM25IndexParams, bm25_index
 
     run = Run(str(tmp_path / "store"), "r", runtime=RuntimeConfig(jvm_heap="512m", threads=1))
     corpus, _ = run.store.publish_table("corpus", "corpus", scifact_docs)

@@ -9,15 +9,15 @@ import pytest
 import yaml
 
 from irflow import api
-from irflow.errors import ConfigError
-from irflow.qrels import judged_positives
-from irflow.scoring import NotACrossEncoder
-from irflow.tasks.augment import AugmentSettings, augment_tables
-from irflow.tasks.denoise import DenoiseParams, denoise_tables
-from irflow.tasks.score_candidates import candidate_pairs
-from irflow.teachers import fit_platt, fit_platt_on_lists, sigmoid
-from irflow.testing import beir_slice
-from irflow.testing import run_cli as cli
+from irflow.dev.testing import beir_slice
+from irflow.dev.testing import run_cli as cli
+from irflow.engine.errors import ConfigError
+from irflow.learn.qrels import judged_positives
+from irflow.learn.scoring import NotACrossEncoder
+from irflow.learn.teachers import fit_platt, fit_platt_on_lists, sigmoid
+from irflow.stages.augment import AugmentSettings, augment_tables
+from irflow.stages.denoise import DenoiseParams, denoise_tables
+from irflow.stages.score_candidates import candidate_pairs
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_m_c_fused_with_m_d0_is_the_weighted_sum_of_their_z_scores_over_the_re_r
     the fused order is w z(M_D0) + (1 - w) z(M_C) over the passages M_C re-ranked."""
     import pyarrow.parquet as pq
 
-    from irflow.store import TABLE_FILE, Store
+    from irflow.engine.store import TABLE_FILE, Store
 
     result = run(setup, "rocketqa", "cross_encoder.rerank_md0_weight=0.3")
     assert result.computed == {"fuse[mc-rerank-fused]", "evaluate[mc-rerank-fused]"}
@@ -145,8 +145,8 @@ def test_platt_calibrated_m_c_labels_augmentation_with_the_fit_it_denoised_with(
     calibration input."""
     import pyarrow.parquet as pq
 
-    from irflow.store import TABLE_FILE, Store
-    from irflow.tasks.augment import AugmentParams
+    from irflow.engine.store import TABLE_FILE, Store
+    from irflow.stages.augment import AugmentParams
 
     platt = ["denoise.calibration.method=platt"]
     first = run(setup, "rocketqa", *platt)
@@ -189,7 +189,7 @@ def test_platt_calibrated_m_c_labels_augmentation_with_the_fit_it_denoised_with(
 def test_denoise_outputs_are_consistent(setup):
     import pyarrow.parquet as pq
 
-    from irflow.store import TABLE_FILE, Store
+    from irflow.engine.store import TABLE_FILE, Store
 
     result = run(setup, "rocketqa")
     store = Store(setup["store"])
@@ -260,8 +260,8 @@ def test_hybrid_fuses_bm25_with_the_zero_shot_model_and_each_dual_encoder_reusin
     here: the very dataset RocketQA's run stored, reused."""
     import pyarrow.parquet as pq
 
-    from irflow.fusion import fuse_runs
-    from irflow.store import TABLE_FILE, Store
+    from irflow.engine.store import TABLE_FILE, Store
+    from irflow.learn.fusion import fuse_runs
 
     duals = ("md0", "md0-bm25neg", "md1-ce", "md1-fusion", "md0-hardneg", "md1-listwise", "md2")
     result = run(setup, "rocketqa", "hybrid.enabled=true")
@@ -333,9 +333,9 @@ def test_augment_keeps_confident_queries_only():
 def unlabelled(tmp_path_factory, shared_datasets):
     """Augmentation's inputs on a real SciFact slice: 14 queries (their labels unused), a word-overlap
     ranking standing in for M_D1's list, a second one (titles only) for the fusion teacher, a tiny M_C."""
-    from irflow.runner import Run
-    from irflow.testing import ingest_folder, lexical_run, make_tiny_cross_encoder, model
-    from irflow.text import passage_texts
+    from irflow.dev.testing import ingest_folder, lexical_run, make_tiny_cross_encoder, model
+    from irflow.engine.runner import Run
+    from irflow.learn.text import passage_texts
 
     base = tmp_path_factory.mktemp("augment")
     run = Run(str(base / "store"), "augment")
@@ -352,7 +352,7 @@ def unlabelled(tmp_path_factory, shared_datasets):
 
 
 def _augment_scoring(env, teacher: str, depth: int = 8):
-    from irflow.tasks.score_candidates import ScoreCandidatesParams
+    from irflow.stages.score_candidates import ScoreCandidatesParams
 
     inputs = dict(ranking=env["ranking"], queries=env["queries"], corpus=env["corpus"])
     if teacher == "cross_encoder":
@@ -379,12 +379,12 @@ def test_augment_scoring_in_shards_gives_the_data_of_one_shard_and_of_the_single
     """The teacher's reading of the unlabelled queries' top `depth` in shards of 4 queries publishes the
     scores (and so the augmented qrels and negatives) one shard does; and those equal what the single
     augment stage computed: the ranking's top depth scored at once, probabilities, the same decision."""
-    from irflow.runtime import RuntimeConfig, StageRuntime
-    from irflow.runner import Run
-    from irflow.tasks.augment import AugmentParams, augment
-    from irflow.tasks.score_candidates import score_candidates
-    from irflow.teachers import teacher_scores
-    from irflow.text import doc_texts, query_texts
+    from irflow.engine.runner import Run
+    from irflow.engine.runtime import RuntimeConfig, StageRuntime
+    from irflow.learn.teachers import teacher_scores
+    from irflow.learn.text import doc_texts, query_texts
+    from irflow.stages.augment import AugmentParams, augment
+    from irflow.stages.score_candidates import score_candidates
 
     env = unlabelled
     p, inputs = _augment_scoring(env, teacher)
@@ -424,9 +424,9 @@ def test_augment_scoring_in_shards_gives_the_data_of_one_shard_and_of_the_single
 
 
 def test_an_augment_threshold_change_redecides_without_rescoring(unlabelled):
-    from irflow.runner import Run
-    from irflow.tasks.augment import AugmentParams, augment
-    from irflow.tasks.score_candidates import score_candidates
+    from irflow.engine.runner import Run
+    from irflow.stages.augment import AugmentParams, augment
+    from irflow.stages.score_candidates import score_candidates
 
     env = unlabelled
     p, inputs = _augment_scoring(env, "fusion", depth=6)
@@ -472,7 +472,7 @@ def test_platt_converges_where_plain_newton_diverged():
 def _table_ref(root: Path, name: str, table) -> "DatasetRef":
     import pyarrow.parquet as pq
 
-    from irflow.store import DatasetRef
+    from irflow.engine.store import DatasetRef
 
     (root / name).mkdir(parents=True)
     pq.write_table(table, root / name / "data.parquet")
@@ -486,8 +486,8 @@ def test_platt_denoising_is_fitted_on_the_lists_not_on_the_positives_outside_the
     probability rises with the score, and the audit drops fewer unjudged candidates the lower the rank."""
     import pyarrow as pa
 
-    from irflow.runtime import StageRuntime
-    from irflow.tasks.denoise import denoise
+    from irflow.engine.runtime import StageRuntime
+    from irflow.stages.denoise import denoise
 
     rng = np.random.default_rng(3)
     qrels, run, scored = [], [], []
@@ -581,7 +581,7 @@ def test_a_bi_encoder_given_as_the_cross_encoder_is_refused(setup, tmp_path):
     c = api.load_config(setup["rocketqa"], ["cross_encoder.train=false", f"cross_encoder.model={setup['ce']}"])
     api.preflight(c, str(tmp_path / "s2"))
     with pytest.raises(NotACrossEncoder, match="ForSequenceClassification"):
-        from irflow.scoring import check_cross_encoder
+        from irflow.learn.scoring import check_cross_encoder
 
         hf = tmp_path / "plain"
         hf.mkdir()
@@ -618,7 +618,7 @@ def _lists(rng, queries=150, depth=50):
 
 
 def test_list_auc_counts_pairs_and_ties_by_hand():
-    from irflow.teachers import list_auc
+    from irflow.learn.teachers import list_auc
 
     assert list_auc(np.array([3.0, 2.0, 1.0]), np.array([1, 0, 0])) == 1.0
     assert list_auc(np.array([1.0, 2.0, 3.0]), np.array([1, 0, 0])) == 0.0
@@ -628,7 +628,7 @@ def test_list_auc_counts_pairs_and_ties_by_hand():
 
 
 def test_list_order_check_flags_a_teacher_at_chance_or_below_the_retriever_and_passes_one_that_orders():
-    from irflow.teachers import list_order_check
+    from irflow.learn.teachers import list_order_check
 
     rng = np.random.default_rng(5)
     qids, ranks, labels = _lists(rng)
@@ -657,8 +657,8 @@ def test_denoising_with_a_teacher_at_chance_warns_with_its_numbers(tmp_path, cap
 
     import pyarrow as pa
 
-    from irflow.runtime import StageRuntime
-    from irflow.tasks.denoise import denoise
+    from irflow.engine.runtime import StageRuntime
+    from irflow.stages.denoise import denoise
 
     rng = np.random.default_rng(9)
     qids, ranks, labels = _lists(rng, queries=60, depth=30)
@@ -691,8 +691,8 @@ def test_the_cli_repeats_a_denoising_teacher_at_chance_after_the_run(setup, rock
     again under the run's summary, where a long run's progress lines cannot bury it."""
     import pyarrow.parquet as pq
 
-    from irflow.store import TABLE_FILE, Store
-    from irflow.teachers import teacher_scores_check
+    from irflow.engine.store import TABLE_FILE, Store
+    from irflow.learn.teachers import teacher_scores_check
 
     scores = pq.read_table(Store(setup["store"]).object_dir(rocketqa_sample_run.stage("denoise[ce]").outputs["scores"])
                            / TABLE_FILE)

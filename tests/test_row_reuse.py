@@ -1,4 +1,4 @@
-"""Row-level reuse (irflow.row_reuse): a map stage on a changed corpus computes only new and edited rows.
+"""Row-level reuse (irflow.engine.row_reuse): a map stage on a changed corpus computes only new and edited rows.
 
 Real SciFact passages in versions (90% of them, then all, then 1 in 50 edited and 1 in 50 deleted); each
 later version in a store that holds the earlier ones, against a cold run of that version in a store of
@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from irflow.runner import Run
-from irflow.runtime import RuntimeConfig
-from irflow.tasks.dense import EncodeParams, encode_corpus
-from irflow.tasks.generate_queries import ICTSource, T5Source, generate_queries
-from irflow.testing import make_tiny_bi_encoder, make_tiny_t5, model, scifact_docs
+from irflow.dev.testing import make_tiny_bi_encoder, make_tiny_t5, model, scifact_docs
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig
+from irflow.stages.dense import EncodeParams, encode_corpus
+from irflow.stages.generate_queries import ICTSource, T5Source, generate_queries
 
 RUNTIME = RuntimeConfig(device="cpu", threads=1, shard_rows=64)
 N = 200
@@ -104,7 +104,7 @@ def test_t5_sampled_passage_by_passage_is_reused_and_auto_counts_the_corpus(setu
     assert ids(grown) == ids(cold)
 
     # auto draws round(250k / corpus size) per passage: another count is another family (nothing reused)
-    from irflow.row_reuse import family
+    from irflow.engine.row_reuse import family
 
     auto = ICTSource(source="ict", queries_per_passage="auto")
     inputs = {"corpus": None}

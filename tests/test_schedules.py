@@ -2,7 +2,7 @@
 flow runs of small configs, both ways users schedule one -- `irflow serve --cron` and a deployment of
 prefect.yaml with its schedule switched on, served by a process worker -- and each run completing with
 every stage cached. The served config reads a folder of the user's documents: documents added to it
-between two scheduled runs are the only passages the next run encodes (irflow.row_reuse).
+between two scheduled runs are the only passages the next run encodes (irflow.engine.row_reuse).
 
 Why this test exists: with SQLAlchemy 2.1 in the lock, Prefect 3.8's scheduler service failed on every
 loop (`InvalidRequestError: Can't evaluate bulk DML statement`), so no schedule ever created a run while
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from irflow.catalog import Catalog
-from irflow.testing import beir_slice, make_tiny_bi_encoder, scifact_docs
+from irflow.dev.testing import beir_slice, make_tiny_bi_encoder, scifact_docs
+from irflow.engine.catalog import Catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

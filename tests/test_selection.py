@@ -1,8 +1,8 @@
-"""irflow.selection: a trained model is shipped only when it beats the model it started from beyond noise."""
+"""irflow.decide.selection: a trained model is shipped only when it beats the model it started from beyond noise."""
 
 import random
 
-from irflow.selection import select
+from irflow.decide.selection import select
 
 
 def _scores(seed: int, n: int, shift: float, noise: float) -> tuple[dict, dict]:
@@ -42,7 +42,7 @@ def test_a_proxy_from_the_training_queries_generator_never_selects_a_trained_mod
     the run keeps the starting model however clear the proxy's gain (measured: below zero-shot on the real
     qrels of SciFact and NFCorpus); with a query log it may select the student."""
     from irflow import api
-    from irflow.flows.gpl import same_generator
+    from irflow.recipes.gpl import same_generator
 
     start, trained = _scores(0, 200, 0.05, 0.02)
     s = select({"zero": start, "gpl": trained}, "zero", "proxy", caveat="the proxy's queries come from ict")
@@ -99,13 +99,12 @@ def test_no_real_difference_among_five_candidates_is_rarely_selected():
 
 
 def test_a_proxy_bm25_saturates_is_called_out(caplog):
-    from types import SimpleNamespace
 
-    from irflow.recipe import _warn_if_saturated
+    from irflow.recipes.base import _warn_if_saturated
 
     rows = [{"system": "bm25-flat", "ndcg@10": 0.995}, {"system": "dense-x", "ndcg@10": 0.86}]
     with caplog.at_level("WARNING", logger="irflow"):
-        _warn_if_saturated(SimpleNamespace(evaluation="labelled"), rows)
+        _warn_if_saturated("labelled", rows)
         assert not caplog.records
-        _warn_if_saturated(SimpleNamespace(evaluation="proxy (ict queries)"), rows)
+        _warn_if_saturated("proxy (ict queries)", rows)
     assert len(caplog.records) == 1 and "bm25-flat scores 0.9950" in caplog.text and "saturated" in caplog.text

@@ -1,4 +1,4 @@
-"""Sharded stages (irflow.shards) with the in-process executor, on a real SciFact slice: shards of a
+"""Sharded stages (irflow.engine.shards) with the in-process executor, on a real SciFact slice: shards of a
 few rows give the same datasets (same ids) as one shard, a failed shard fails its stage naming its
 rows and publishes nothing, and the next run computes only the missing shards."""
 
@@ -7,9 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from irflow import api, shards
-from irflow.store import DatasetRef, Store, write_parts
-from irflow.testing import beir_slice, make_tiny_bi_encoder
+from irflow import api
+from irflow.dev.testing import beir_slice, make_tiny_bi_encoder
+from irflow.engine import shards
+from irflow.engine.store import DatasetRef, Store, write_parts
 
 SHARDED = ("encode_corpus[zero-shot]", "dense_search[zero-shot]", "bm25_search[flat]")
 
@@ -96,7 +97,7 @@ def test_a_shard_reads_only_its_rows(setup):
 def test_parts_assemble_to_the_bytes_of_one_table(tmp_path, monkeypatch):
     """Any split of the rows into parts gives the file `stage_table` writes for the whole table, so the
     content id of a sharded stage does not depend on shard_rows (row groups included)."""
-    import irflow.store as store_mod
+    import irflow.engine.store as store_mod
 
     monkeypatch.setattr(store_mod, "ROW_GROUP", 100)
     n = 350
@@ -116,8 +117,8 @@ def test_parts_assemble_to_the_bytes_of_one_table(tmp_path, monkeypatch):
 
 
 def test_plan_rounds_shard_rows_up_to_the_stages_alignment_and_names_a_part_per_output():
-    from irflow.tasks.dense import encode_corpus
-    from irflow.tasks.generate_queries import generate_queries
+    from irflow.stages.dense import encode_corpus
+    from irflow.stages.generate_queries import generate_queries
 
     assert shards.plan(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert shards.plan(10, 3, align=4) == [(0, 4), (4, 8), (8, 10)]  # whole batches of 4

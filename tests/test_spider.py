@@ -14,13 +14,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 from pydantic import ValidationError
 
-from irflow import api, generation
-from irflow.corpus_sources import document_id
-from irflow.errors import ConfigError, DataError, StageFailed
-from irflow.runner import Run
-from irflow.runtime import RuntimeConfig
-from irflow.tasks.generate_queries import SpiderSource, generate_queries
-from irflow.testing import scifact_docs
+from irflow import api
+from irflow.dev.testing import scifact_docs
+from irflow.engine.errors import ConfigError, DataError, StageFailed
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig
+from irflow.learn import generation
+from irflow.sources.corpus_sources import document_id
+from irflow.stages.generate_queries import SpiderSource, generate_queries
 
 WORDS = 40  # passage length: SciFact abstracts (~200 words) give ~5 passages each
 N_DOCS = 30

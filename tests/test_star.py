@@ -14,20 +14,20 @@ import torch
 import yaml
 
 from irflow import api
-from irflow.adore import TrainQueryEncoderParams, embedding_matrix
-from irflow.dual_encoder import TrainDualEncoderParams
-from irflow.errors import ConfigError
-from irflow.losses import LambdaLoss, StarLoss
-from irflow.qrels import judged_positives, positives
-from irflow.runner import Run
-from irflow.runtime import RuntimeConfig
-from irflow.store import fingerprint_dir
-from irflow.tasks.dense import EncodeParams, encode_corpus
-from irflow.tasks.train_query_encoder import train_query_encoder
-from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, model
-from irflow.testing import run_cli as cli
-from irflow.text import passage_texts
-from irflow.training import BatchPlan
+from irflow.dev.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, model
+from irflow.dev.testing import run_cli as cli
+from irflow.engine.errors import ConfigError
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig
+from irflow.engine.store import fingerprint_dir
+from irflow.learn.adore import TrainQueryEncoderParams, embedding_matrix
+from irflow.learn.dual_encoder import TrainDualEncoderParams
+from irflow.learn.losses import LambdaLoss, StarLoss
+from irflow.learn.qrels import judged_positives, positives
+from irflow.learn.text import passage_texts
+from irflow.learn.training import BatchPlan
+from irflow.stages.dense import EncodeParams, encode_corpus
+from irflow.stages.train_query_encoder import train_query_encoder
 
 
 def _l(x: float) -> float:  # RankNet: log(1 + exp(x))
@@ -100,8 +100,8 @@ def test_lambdaloss_weights_are_the_ndcg_change_of_swapping_the_pair_in_the_rank
 def adore(tmp_path_factory, shared_datasets):
     """STAR stand-in (a tiny normalised bi-encoder without dropout), its corpus embeddings, and two ADORE steps
     whose every candidate search is recorded."""
-    import irflow.adore
-    import irflow.tasks.train_query_encoder as stage_module
+    import irflow.learn.adore
+    import irflow.stages.train_query_encoder as stage_module
 
     root = tmp_path_factory.mktemp("adore")
     data = beir_slice(shared_datasets / "scifact.zip", root / "slice", n_test_queries=2, n_train_queries=12,
@@ -114,7 +114,7 @@ def adore(tmp_path_factory, shared_datasets):
     params = TrainQueryEncoderParams(steps=2, batch_size=16, lr=1e-3, warmup_ratio=0.0, depth=10, negatives_per_query=4,
                                      query_max_length=16, checkpoint_every=0)
     calls, jobs = [], []
-    real_candidates, real_train = irflow.adore.candidates, stage_module.train
+    real_candidates, real_train = irflow.learn.adore.candidates, stage_module.train
 
     def recording(q, docs, *args):
         c = real_candidates(q, docs, *args)
@@ -127,7 +127,7 @@ def adore(tmp_path_factory, shared_datasets):
         return real_train(job, rt)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(irflow.adore, "candidates", recording)
+        mp.setattr(irflow.learn.adore, "candidates", recording)
         mp.setattr(stage_module, "train", keep_job)
         out = train_query_encoder.run(run, params, queries=refs["queries"], qrels=refs["qrels"], embeddings=emb,
                                       base_model=star, document_model=star)
@@ -204,7 +204,7 @@ def test_adore_hard_negatives_are_the_current_query_encoders_top_non_positives(a
 
 
 def test_adore_drops_the_positives_beyond_depth_unless_asked_to_keep_them():
-    from irflow.adore import beyond_depth_warning, candidates
+    from irflow.learn.adore import beyond_depth_warning, candidates
 
     docs = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.8, 0.2], [0.0, 1.0], [0.5, 0.5]])
     q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # query 0 ranks rows 0,1,2,4,3; query 1 ranks 3,4,2,1,0
@@ -266,7 +266,7 @@ def test_star_then_adore_end_to_end_cached_rerun_and_export(star_sample, prefect
     import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
-    from irflow.store import TABLE_FILE, Store
+    from irflow.engine.store import TABLE_FILE, Store
 
     first = api.run(star_sample["config"], [], store=star_sample["store"])
     systems = {m["system"] for m in first.metrics}
@@ -314,7 +314,7 @@ def test_star_then_adore_end_to_end_cached_rerun_and_export(star_sample, prefect
 
 
 def test_the_run_estimate_counts_the_trainers_steps_from_their_params(star_sample, tmp_path):
-    from irflow import estimate
+    from irflow.tools import estimate
 
     over = ["star.steps=null", "star.epochs=3", "adore.steps=null", "adore.epochs=2"]
     plan = api.status(star_sample["config"], over, store=tmp_path / "store")

@@ -10,20 +10,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
-from irflow.testing import SHARED_DATASETS
-
 from pydantic import Field, ValidationError
 
-from irflow.catalog import Catalog
 from irflow.data_contracts import ContractError
-from irflow.errors import StageFailed
-from irflow.params import NoParams, Params
-from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.stage import Output, Stage, stage
-from irflow.runner import Run
-from irflow.store import TABLE_FILE, DatasetRef, Store, remove_tree
-from irflow.testing import beir_slice, ingest_folder, scifact_docs
+from irflow.dev.testing import SHARED_DATASETS, beir_slice, ingest_folder, scifact_docs
+from irflow.engine.catalog import Catalog
+from irflow.engine.errors import StageFailed
+from irflow.engine.params import NoParams, Params
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig, StageRuntime
+from irflow.engine.stage import Output, Stage, stage
+from irflow.engine.store import TABLE_FILE, DatasetRef, Store, remove_tree
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -249,7 +246,7 @@ def test_runtime_reaches_the_stage_and_is_recorded(ctx, docs):
 
 def test_a_failing_stage_is_named(ctx, docs):
     src, _ = ctx.store.publish_table("corpus", "corpus", docs)
-    from irflow.errors import DataError
+    from irflow.engine.errors import DataError
 
     @stage("picky", version="1", outputs=Output("out", "corpus"))
     def picky(p: NoParams, rt: StageRuntime, *, docs: DatasetRef) -> pa.Table:
@@ -445,7 +442,7 @@ def test_catalog_waits_for_another_process(tmp_path, monkeypatch):
 
 
 def test_the_catalog_is_held_only_during_an_access_while_threads_share_the_process_duckdb(tmp_path, docs):
-    """Each access ATTACHes the file to the process's in-memory DuckDB (irflow.memdb) and DETACHes it
+    """Each access ATTACHes the file to the process's in-memory DuckDB (irflow.engine.memdb) and DETACHes it
     after: right after an access another process writes to it; nested accesses share one attachment;
     accesses from several threads, beside contract checks in others (cursors of the same DuckDB), all
     land."""
@@ -484,7 +481,7 @@ def test_the_catalog_is_held_only_during_an_access_while_threads_share_the_proce
 
 
 def test_catalog_locked_too_long_is_a_clear_cli_error(tmp_path, monkeypatch):
-    from irflow.testing import run_cli
+    from irflow.dev.testing import run_cli
 
     store = tmp_path / "store"
     store.mkdir()
@@ -501,7 +498,7 @@ def test_catalog_locked_too_long_is_a_clear_cli_error(tmp_path, monkeypatch):
 
 
 def test_config_changes_name_the_leaf_that_changed():
-    from irflow.cache import config_changes
+    from irflow.engine.cache import config_changes
 
     old = {"teacher": {"type": "fusion", "weights": {"bm25": 0.3, "minilm": 0.7}}, "seed": 42, "gone": 1}
     new = {"teacher": {"weights": {"minilm": 0.5, "bm25": 0.5}, "type": "fusion"}, "seed": 42, "added": [1, 2]}
@@ -516,7 +513,7 @@ def test_config_changes_name_the_leaf_that_changed():
 def test_cache_keys_do_not_drift():
     """A key computed today equals the one computed when this test was written: a change to the payload
     or its hashing would turn every stored result into a miss."""
-    from irflow.cache import cache_key
+    from irflow.engine.cache import cache_key
 
     inputs = {"queries": [DatasetRef("sha256:abc", "queries", "queries", "queries", "/x")],
               "bm25_index": [DatasetRef("sha256:def", "idx", "index", None, "/y"),

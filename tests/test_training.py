@@ -20,15 +20,15 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from irflow import runtime as irt
-from irflow import training
-from irflow.errors import DataError, StageFailed
-from irflow.runtime import RuntimeConfig, StageRuntime
-from irflow.runner import Run
-from irflow.tasks.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder, training_pairs
-from irflow.tasks.train_student import TrainStudentParams, mnrl_examples, train_student
-from irflow.testing import SHARED_DATASETS
-from irflow.training import CHECKPOINT, BatchPlan, LoopParams, epoch_batches, train_loop
+from irflow.dev.testing import SHARED_DATASETS
+from irflow.engine import runtime as irt
+from irflow.engine.errors import DataError, StageFailed
+from irflow.engine.runner import Run
+from irflow.engine.runtime import RuntimeConfig, StageRuntime
+from irflow.learn import training
+from irflow.learn.training import CHECKPOINT, BatchPlan, LoopParams, epoch_batches, train_loop
+from irflow.stages.train_cross_encoder import TrainCrossEncoderParams, train_cross_encoder, training_pairs
+from irflow.stages.train_student import TrainStudentParams, mnrl_examples, train_student
 
 SCIFACT = SHARED_DATASETS / "scifact.zip"
 
@@ -40,7 +40,7 @@ def _batch(seed=0, n=6, dim=8):
 
 
 def test_margin_mse_formula_and_similarity():
-    from irflow.losses import MarginMSELoss
+    from irflow.learn.losses import MarginMSELoss
 
     q, p, n, labels = _batch()
     dot = MarginMSELoss(similarity="dot").from_embeddings(q, p, n, labels)
@@ -56,7 +56,7 @@ def test_margin_mse_formula_and_similarity():
 
 
 def test_mnrl_formula_scale_and_hard_negatives():
-    from irflow.losses import MultipleNegativesRankingLoss
+    from irflow.learn.losses import MultipleNegativesRankingLoss
 
     q, p, n, _ = _batch(1)
     assert MultipleNegativesRankingLoss(similarity="cos").scale == 20.0
@@ -175,7 +175,7 @@ def _words(s):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from irflow.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
+    from irflow.dev.testing import beir_slice, ingest_folder, make_tiny_bi_encoder, make_tiny_cross_encoder, model
 
     base = tmp_path_factory.mktemp("train")
     root = base / "store"
@@ -183,7 +183,7 @@ def env(tmp_path_factory):
     sl = beir_slice(SCIFACT, base / "slice", n_test_queries=2, n_train_queries=10, n_extra_docs=30)
     beir = ingest_folder(run, sl)
     corpus = beir["corpus"].table()
-    # BEIR's passage text, written out here rather than taken from irflow.text
+    # BEIR's passage text, written out here rather than taken from irflow.learn.text
     docs = {d: f"{t or ''} {x or ''}".strip()
             for d, t, x in zip(*(corpus.column(c).to_pylist() for c in ("doc_id", "title", "text")))}
     src = sorted(docs)[:12]
@@ -269,8 +269,8 @@ class _ForwardSpy:
 def test_margin_mse_decreases_on_a_repeated_batch(env):
     from sentence_transformers import SentenceTransformer
 
-    from irflow.losses import MarginMSELoss
-    from irflow.tasks.train_student import _embed
+    from irflow.learn.losses import MarginMSELoss
+    from irflow.stages.train_student import _embed
 
     torch.manual_seed(0)
     model = SentenceTransformer(env["bi"], device="cpu")
@@ -332,7 +332,7 @@ def test_train_student_margin_mse_saves_a_loadable_model_and_caches(env):
 
 
 def test_listwise_examples_group_each_query_and_keep_the_margins(env):
-    from irflow.tasks.train_student import listwise_examples
+    from irflow.stages.train_student import listwise_examples
 
     pl = env["pl_t"]
     ex = listwise_examples(pl)
@@ -372,8 +372,8 @@ def test_train_student_listwise_kl_trains_on_whole_lists(env):
 def test_listwise_kl_decreases_on_a_repeated_list(env):
     from sentence_transformers import SentenceTransformer
 
-    from irflow.losses import ListwiseDistillationLoss
-    from irflow.tasks.train_student import _embed, listwise_examples
+    from irflow.learn.losses import ListwiseDistillationLoss
+    from irflow.stages.train_student import _embed, listwise_examples
 
     torch.manual_seed(0)
     model = SentenceTransformer(env["bi"], device="cpu")
@@ -395,7 +395,7 @@ def test_listwise_kl_decreases_on_a_repeated_list(env):
 
 
 def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, caplog):
-    from irflow.testing import model
+    from irflow.dev.testing import model
 
     params = _student_params(steps=7, checkpoint_every=3, similarity="cos")
 
@@ -473,7 +473,7 @@ def test_runtime_precision_reaches_student_training(env, tmp_path):
     """Through the runner: runtime.precision.train = bf16 makes the model's forward passes inside the
     loop run under bf16 autocast (bf16 activations); fp32 does not autocast. Encoding precision is
     another setting and does not leak into training."""
-    from irflow.testing import model
+    from irflow.dev.testing import model
 
     params = _student_params(steps=1, checkpoint_every=0)
     out = {}
@@ -496,7 +496,7 @@ def test_recomputed_activations_train_the_same_weights_and_the_model_is_released
     holds the trained model (its memory can be given back)."""
     import weakref
 
-    from irflow.testing import model
+    from irflow.dev.testing import model
 
     trained = []
     checkpoint_activations = training.checkpoint_activations
@@ -564,7 +564,7 @@ def _ce_params(**kw) -> TrainCrossEncoderParams:
 
 
 def _bce_on_pairs(model_path, env, ex):
-    from irflow.scoring import cross_encoder_scores
+    from irflow.learn.scoring import cross_encoder_scores
 
     pairs = [(env["queries_text"][q], env["docs"][d]) for q, d in zip(ex["q"], ex["d"])]
     logits = torch.from_numpy(cross_encoder_scores(model_path, pairs, batch_size=16, max_length=48,
@@ -602,9 +602,9 @@ def test_train_cross_encoder_learns_and_loads(env):
 def test_listwise_cross_encoder_learns_to_put_each_positive_above_its_own_negatives(env, tmp_path):
     """loss: listwise groups each positive with the negatives drawn for it and lowers the softmax
     cross-entropy of those groups (LCE); batch_size still counts pairs; bce stays out of the key."""
-    from irflow.losses import LocalizedContrastiveLoss
-    from irflow.scoring import cross_encoder_scores
-    from irflow.tasks.train_cross_encoder import pair_groups
+    from irflow.learn.losses import LocalizedContrastiveLoss
+    from irflow.learn.scoring import cross_encoder_scores
+    from irflow.stages.train_cross_encoder import pair_groups
 
     params = _ce_params(loss="listwise", negatives_per_positive=3, batch_size=8, steps=40)
     assert params.examples_per_step() == 2  # groups of 4 pairs
@@ -632,7 +632,7 @@ def test_listwise_cross_encoder_learns_to_put_each_positive_above_its_own_negati
 
 
 def test_localized_contrastive_loss_is_the_positive_s_softmax_cross_entropy_in_its_group():
-    from irflow.losses import LocalizedContrastiveLoss
+    from irflow.learn.losses import LocalizedContrastiveLoss
 
     logits = torch.tensor([[2.0, 1.0, 0.0], [0.5, 3.0, float("-inf")]])
     want = (-torch.log_softmax(torch.tensor([2.0, 1.0, 0.0]), 0)[0]
@@ -646,7 +646,7 @@ def test_localized_contrastive_loss_is_the_positive_s_softmax_cross_entropy_in_i
 def test_cross_encoder_positives_per_query_caps_each_query(env):
     """positives_per_query keeps a seeded sample of each query's positives, each still with its
     negatives_per_positive negatives (never judged); left at its default it stays out of the cache key."""
-    from irflow.qrels import judged_positives, positives
+    from irflow.learn.qrels import judged_positives, positives
 
     qrels = env["qrels"].table()
     docs = sorted(env["docs"])
@@ -672,7 +672,7 @@ def test_train_cross_encoder_from_a_bi_encoder_and_resume(env, tmp_path, monkeyp
     a crash after step 3 resumes from the step-2 checkpoint to the same weights."""
     from transformers import AutoModelForSequenceClassification
 
-    from irflow.testing import model
+    from irflow.dev.testing import model
 
     params = _ce_params(max_length=64, lr=1e-3, warmup_steps=1, steps=4, checkpoint_every=2)
 
@@ -820,7 +820,7 @@ def test_cross_encoder_on_two_processes_takes_the_steps_of_one(env, tmp_path):
     split a batch of 8 and are refused naming the key."""
     from transformers import AutoModelForSequenceClassification
 
-    from irflow.testing import make_tiny_cross_encoder, model
+    from irflow.dev.testing import make_tiny_cross_encoder, model
 
     ce = make_tiny_cross_encoder(tmp_path / "ce", dropout=0.0)  # dropout masks differ with the batch layout
     params = _ce_params(steps=3, warmup_steps=1, checkpoint_every=0)
@@ -839,7 +839,7 @@ def test_cross_encoder_on_two_processes_takes_the_steps_of_one(env, tmp_path):
 def test_student_on_two_processes_takes_the_steps_of_one(env, tmp_path):
     """GPL's Margin-MSE student: 2 torchrun processes of 4 examples each train like 1 process with
     batches of 8; 3 processes cannot split a batch of 8 and are refused naming the key."""
-    from irflow.testing import make_tiny_bi_encoder, model
+    from irflow.dev.testing import make_tiny_bi_encoder, model
 
     bi = make_tiny_bi_encoder(tmp_path / "bi", dropout=0.0)
     params = _student_params(batch_size=8, steps=3, warmup_steps=1, checkpoint_every=0)
@@ -857,7 +857,7 @@ def test_a_process_computes_its_weighted_share_of_each_batch(monkeypatch, tmp_pa
     """Shares are contiguous and partition the batch; weighted by rows * processes / batch, their mean
     losses average to the whole batch's mean loss, also when the batch does not split evenly. In the
     loop, process 1 of 2 computes the loss of the second half of every batch."""
-    from irflow import distributed
+    from irflow.engine import distributed
 
     torch.manual_seed(0)
     errors = torch.randn(7)
@@ -889,7 +889,7 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(env, tmp_path):
     """Rank 0 of a 2-process student run writes the step-2 checkpoint; a 1-process run resumes from it,
     and so does a 2-process run (both processes read it): each ends with the weights of the
     uninterrupted run."""
-    from irflow.testing import make_tiny_bi_encoder, model
+    from irflow.dev.testing import make_tiny_bi_encoder, model
 
     bi = make_tiny_bi_encoder(tmp_path / "bi", dropout=0.0)
     params = _student_params(batch_size=8, steps=3, warmup_steps=1, checkpoint_every=2)
@@ -921,8 +921,8 @@ def test_a_training_process_killed_by_a_signal_gets_one_more_try_and_a_python_er
     """A process that dies of SIGABRT (a gloo abort was seen once in CI) costs one more torchrun with a
     fresh process group; a second abort, or a Python error at the first, fails with the whole output
     kept beside the job."""
-    from irflow import distributed
-    from irflow.testing import abort_or_raise
+    from irflow.dev.testing import abort_or_raise
+    from irflow.engine import distributed
 
     def attempts(**job) -> int:
         log = tmp_path / "attempts"
@@ -946,7 +946,7 @@ def test_a_training_process_killed_by_a_signal_gets_one_more_try_and_a_python_er
 
 def test_an_abort_counts_even_when_torchrun_names_the_peer_that_saw_it_as_the_root_cause():
     """CI once saw rank 0 exit 1 (its socket closed) before torchrun noticed rank 1's abort."""
-    from irflow.distributed import _killing_signal
+    from irflow.engine.distributed import _killing_signal
 
     peer_first = ("Fatal Python error: Aborted\n\nCurrent thread 0x00007f (most recent call first):\n"
                   "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
@@ -963,7 +963,7 @@ def test_recompute_activations_auto_turns_on_only_when_a_step_would_not_fit(env,
     the reason gives the estimate. The choice is runtime, never keyed (the weights are the same)."""
     from sentence_transformers import SentenceTransformer
 
-    from irflow.runtime import StageRuntime
+    from irflow.engine.runtime import StageRuntime
 
     m = SentenceTransformer(str(env["bi"]), device="cpu")
     m.max_seq_length = 200

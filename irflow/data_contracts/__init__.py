@@ -5,7 +5,7 @@ contract *before* it is published to the store, so a dataset in the store is alw
 Checks run in DuckDB directly over the Arrow table (no copy), which keeps them fast on whole BEIR
 datasets. They also run over a parquet file as a ``pyarrow.dataset.Dataset`` (``Rows``), which DuckDB
 scans batch by batch reading only the columns a check names: a corpus written by a streaming stage
-is checked without ever being held in memory (see ``irflow.store.write_rows``).
+is checked without ever being held in memory (see ``irflow.engine.store.write_rows``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from irflow import memdb
+from irflow.engine import memdb
 
 
 class ContractError(ValueError):
@@ -38,13 +38,13 @@ _LOCAL = threading.local()
 
 @contextmanager
 def _one_connection():
-    """One DuckDB connection (a cursor of the process's in-memory instance, ``irflow.memdb``) for every
+    """One DuckDB connection (a cursor of the process's in-memory instance, ``irflow.engine.memdb``) for every
     check of one validation, closed at its end. A new instance per query cost a GPL sample run 7 s
     (~220 queries), and one per validation still ~13 ms each. The instance itself lives as long as
     the process. Long-lived instances once went with a SIGSEGV: the BM25 indexer's forked child
     (``subprocess.run`` with a ``preexec_fn``, in a run with executor ray) died before it ran Java, in
     3 of tests/test_ray.py's runs. Children no longer run Python between fork and exec
-    (``irflow.processes.dying_with_parent``), and tests/test_ray.py passes with the instance kept."""
+    (``irflow.engine.processes.dying_with_parent``), and tests/test_ray.py passes with the instance kept."""
     con = _LOCAL.con = memdb.cursor()
     try:
         yield

@@ -1,0 +1,385 @@
+"""Where and how stages run: device, precision, threads, JVM heap. Never part of a cache key.
+
+The same params on the same inputs are the same result, whether computed on a laptop CPU or a GPU:
+runtime settings decide speed, not what is computed (floating-point noise aside), so they are kept
+out of cache keys and recorded per stage run instead (``irflow lineage`` shows them).
+
+Kinds of work, each with its own device and precision (a scalar applies to all):
+
+- ``encode``: corpus and query encoding with bi-encoders
+- ``score``: pseudo-labelling: cross-encoder scoring (and the student's own margins for ``scale: auto``)
+- ``generate``: query generation (T5)
+- ``train``: bi-encoder and cross-encoder training
+
+Precision ``auto`` follows the hardware: training uses bf16 autocast where the device computes bf16
+natively (a CUDA GPU that supports it; a CPU with AVX-512 BF16 or AMX), fp32 elsewhere; inference
+uses fp32 (its outputs -- embeddings, scores -- are what other stages and the metrics read).
+``bf16-native`` is bf16 where the device computes it natively and fp32 elsewhere, for any kind of work
+(the offline RocketQA configs score with it: cross-encoder scoring ~1.4-2x faster in bf16 on AVX-512
+BF16). A forced ``bf16`` that is slow on this machine is honoured with a warning: on an AVX2-only CPU
+one MiniLM training step took 39.4 s under bf16 autocast against 1.57 s in fp32, and scoring 32
+(query, passage) pairs at 128 tokens 12.8 s against 1.8-2.1 s.
+
+``backend`` (torch | onnx) is how inference runs: ``onnx`` runs the stages that encode or score with
+a model (encoding, dense search, the cross-encoder teachers, rerank) on ONNX Runtime, on the CPU, with
+the model exported once into the store (``irflow.learn.onnx_inference``). It is exact (fp32, allclose to
+torch), so it is runtime, never keyed; int8 is not exact and is a keyed param (``quantization``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import logging
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PositiveInt, field_validator, model_validator
+
+from irflow.engine.params import Params
+
+log = logging.getLogger("irflow.engine.runtime")
+
+WORK_KINDS = ("encode", "score", "generate", "train")
+Work = Literal["encode", "score", "generate", "train"]
+Precision = Literal["auto", "bf16-native", "fp32", "bf16", "fp16"]
+Backend = Literal["torch", "onnx", "auto"]
+INFERENCE_WORK = ("encode", "score")  # the kinds of work runtime.backend applies to
+_DEVICE = re.compile(r"^(auto|cpu|mps|meta|(cuda|xpu)(:\d+)?)$")
+
+
+def _check_device(v: str | None) -> str | None:
+    if v is not None and not _DEVICE.match(v):
+        raise ValueError(f"'{v}' is not a device (auto, cpu, cuda, cuda:N, mps)")
+    return v
+
+
+class DeviceMap(Params):
+    default: str = Field("auto", description="device for every kind of work not named below: auto (a CUDA GPU "
+                                             "if there is one, else cpu), cpu, cuda, cuda:N, mps")
+    encode: str | None = Field(None, description="device for bi-encoder encoding (null: default)")
+    score: str | None = Field(None, description="device for cross-encoder scoring (null: default)")
+    generate: str | None = Field(None, description="device for query generation (null: default)")
+    train: str | None = Field(None, description="device for training (null: default)")
+
+    @field_validator("*")
+    @classmethod
+    def _device(cls, v):
+        return _check_device(v)
+
+    def for_work(self, work: str) -> str:
+        return getattr(self, work, None) or self.default
+
+
+class PrecisionMap(Params):
+    default: Precision = Field("auto", description="precision for every kind of work not named below: auto "
+                                                   "(training: bf16 where the hardware has it natively, else "
+                                                   "fp32; inference: fp32), bf16-native (bf16 where the hardware "
+                                                   "has it natively, else fp32; any work), fp32, bf16, fp16")
+    encode: Precision | None = Field(None, description="precision of bi-encoder encoding (null: default)")
+    score: Precision | None = Field(None, description="precision of cross-encoder scoring (null: default)")
+    generate: Precision | None = Field(None, description="precision of query generation (null: default)")
+    train: Precision | None = Field(None, description="autocast precision of training (null: default)")
+
+    def for_work(self, work: str) -> str:
+        return getattr(self, work, None) or self.default
+
+
+class RayConfig(Params):
+    """Where ``executor: ray`` runs shards (``runtime.ray.*``)."""
+
+    address: str | None = Field(None, description="null: start a local Ray cluster for this run and stop it "
+                                                  "when the run ends (also on Ctrl-C or kill -9 of the run); "
+                                                  "'auto', 'host:6379' or 'ray://host:10001': join an existing "
+                                                  "cluster (it is left running)")
+    workers: PositiveInt | None = Field(None, description="local cluster: CPU slots, i.e. shards running at "
+                                                          "once (null: every CPU of this process)")
+    threads_per_worker: PositiveInt | None = Field(None, description="torch/faiss threads in each shard task "
+                                                                     "(null: CPUs divided by workers, at least 1)")
+    gpus_per_shard: float = Field(0.0, ge=0, description="GPUs each shard of a device stage asks Ray for "
+                                                         "(Ray's num_gpus; fractions share a GPU; 0: CPU)")
+    concurrent_stages: PositiveInt = Field(4, description="stages that do not read each other's outputs run at "
+                                                          "the same time, at most this many (their shards share "
+                                                          "the workers; stages that compute with torch in the "
+                                                          "run's process take turns); 1: one after another")
+
+
+class RuntimeConfig(Params):
+    """The ``runtime:`` section of a config; on the command line ``--set runtime.device=cuda`` (or
+    ``runtime.precision=...``, ``runtime.threads=...``): the CLI has no flags of its own for them."""
+
+    device: DeviceMap = Field(DeviceMap(), description="device per kind of work; a string sets all of them")
+    precision: PrecisionMap = Field(PrecisionMap(), description="precision per kind of work; a string sets all")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch, faiss and Lucene (null: every "
+                                                        "CPU this process may use)")
+    backend: Backend = Field("torch", description="how encoding and cross-encoder scoring run (corpus and query "
+                                                  "encoding, dense search, the cross-encoder teachers, rerank): "
+                                                  "torch; onnx: ONNX Runtime on the CPU, fp32, the model "
+                                                  "exported once into the store (export_onnx); or auto: whichever "
+                                                  "a short probe finds faster for each model on this hardware, "
+                                                  "remembered in the store (irflow.learn.backend_probe; ONNX Runtime "
+                                                  "measured 0.78x torch on an Intel Xeon with AMX, 1.31x on an AMD "
+                                                  "EPYC with AVX-512). Exact either way (allclose), so never "
+                                                  "keyed; int8 is each stage's keyed `quantization`")
+    train_processes: int = Field(1, ge=1, description="processes (torchrun; one per GPU on CUDA) that share "
+                                                      "each training step: every batch is split between them "
+                                                      "and their gradients averaged, so the result is that of "
+                                                      "one process; batch sizes must be divisible by it")
+    jvm_heap: str = Field("2g", pattern=r"^\d+[kmgKMG]?$",
+                          description="maximum heap of the JVM that runs Lucene (BM25), e.g. 2g; the JVM "
+                                      "shares the process with torch, and its own default is a quarter of RAM")
+    recompute_activations: bool | Literal["auto"] = Field(
+        "auto", description="training keeps only each transformer layer's input and recomputes the layer in the "
+                            "backward pass (activation checkpointing): the same weights, bit for bit, with the "
+                            "activation memory of one layer instead of all of them, for more compute (a MiniLM "
+                            "step on 2 CPU cores: 1.3-1.5x the CPU time). auto: on only when a step's activations "
+                            "(estimated from the batch, the sequence length and the model's size) would take "
+                            "more than half the memory available to the device, said in the log; true / false: "
+                            "always / never")
+
+    executor: str = Field("local", description="local: stages and their shards run in this process, one after "
+                                               "another; ray: shards run as Prefect tasks on Ray workers, and "
+                                               "independent stages at once (runtime.ray); or an executor "
+                                               "registered with irflow.engine.executors.register")
+    ray: RayConfig = Field(RayConfig(), description="the Ray cluster of executor ray")
+    shard_rows: PositiveInt = Field(100_000, description="rows of a sharded stage's input per shard (corpus "
+                                                         "passages, queries or pairs): the unit of parallel work, "
+                                                         "of memory, and of resuming a killed run")
+    reuse_rows: bool = Field(True, description="map stages (corpus encoding, query generation) reuse the rows an "
+                                               "earlier run computed for unchanged passages and compute only new "
+                                               "or edited ones (irflow.engine.row_reuse; the result is the same either "
+                                               "way); false: compute every row")
+
+    @model_validator(mode="after")
+    def _onnx_on_cpu(self):
+        if self.backend == "onnx":
+            gpu = sorted({d for w in INFERENCE_WORK for d in [self.device.for_work(w)] if d not in ("auto", "cpu")})
+            if gpu:
+                # Not silently moved: the user asked for that device. onnxruntime here is the CPU build.
+                raise ValueError(f"backend onnx runs on the CPU (onnxruntime's CPU provider), but runtime.device "
+                                 f"puts encoding or scoring on {', '.join(gpu)}; use runtime.backend torch there, "
+                                 f"or runtime.device.encode/score cpu (or auto)")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalars(cls, data):
+        if isinstance(data, dict):
+            data = dict(data)
+            for k in ("device", "precision"):
+                if isinstance(data.get(k), str):
+                    data[k] = {"default": data[k]}
+        return data
+
+    def cpu_threads(self) -> int:
+        return self.threads or available_cpus()
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ---- hardware -------------------------------------------------------------------------------
+def _cpuinfo(field: str) -> str | None:
+    """The first value of a field of /proc/cpuinfo (Linux), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: where bf16 matmuls run in hardware (else they are emulated, and slow)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def resolve_device(spec: str) -> str:
+    if spec != "auto":
+        return spec
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def native_bf16(device: str) -> bool:
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if kind == "cpu":
+        return cpu_has_native_bf16()
+    return False
+
+
+def resolve_precision(spec: str, work: str, device: str) -> str:
+    if spec == "auto":
+        return "bf16" if work == "train" and native_bf16(device) else "fp32"
+    if spec == "bf16-native":
+        return "bf16" if native_bf16(device) else "fp32"
+    return spec
+
+
+def precision_warning(precision: str, work: str, device: str) -> str | None:
+    """Why a forced precision is a bad idea here, or None."""
+    kind = device.split(":")[0]
+    if precision == "bf16" and kind == "cpu" and not cpu_has_native_bf16():
+        return (f"runtime.precision: bf16 for {work} on a CPU without native bf16 (no avx512_bf16/amx_bf16 "
+                f"flag): measured 25x slower than fp32 for a MiniLM training step on such a CPU; "
+                f"precision 'auto' or 'bf16-native' picks fp32 here")
+    if precision == "fp16" and kind == "cpu":
+        return f"runtime.precision: fp16 for {work} on the CPU: CPUs have no fast fp16 path; use fp32 or auto"
+    if precision == "bf16" and kind == "cuda" and not native_bf16(device):
+        return f"runtime.precision: bf16 for {work}, but this GPU has no native bf16; use fp16, fp32 or auto"
+    return None
+
+
+def check_devices(rt: RuntimeConfig) -> None:
+    """Raise ValueError if a device the config names cannot be used here (before any work)."""
+    wanted = {rt.device.for_work(w) for w in WORK_KINDS} - {"auto", "cpu", "meta"}
+    if not wanted:
+        return
+    import torch
+
+    for d in sorted(wanted):
+        kind = d.split(":")[0]
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"runtime.device: '{d}', but torch sees no CUDA device here "
+                                 f"(torch {torch.__version__}); use auto or cpu")
+            index = int(d.split(":")[1]) if ":" in d else 0
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"runtime.device: '{d}', but there are {torch.cuda.device_count()} CUDA device(s)")
+        elif kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ValueError(f"runtime.device: '{d}', but MPS is not available here")
+
+
+# ---- what a stage gets ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageRuntime:
+    """Runtime of one stage computation: resolved device and precision for the stage's kind of work,
+    threads, JVM heap, and its working directories. Tests build one directly: ``StageRuntime()``."""
+
+    device: str = "cpu"
+    precision: str = "fp32"
+    threads: int = 2
+    jvm_heap: str = "2g"
+    recompute_activations: bool | str = "auto"  # RuntimeConfig.recompute_activations (auto: by need)
+    workdir: Path | None = None  # scratch, removed after the stage
+    resume_dir: Path | None = None  # survives a crash; checkpoints and shards of this cache key
+    work: str | None = None
+    train_processes: int = 1  # RuntimeConfig.train_processes
+    backend: str = "torch"  # RuntimeConfig.backend (encode and score work; else torch)
+    # source model path -> its exported ONNX model's directory, for the models this stage runs on ONNX
+    # Runtime (backend onnx, or quantization int8): exported by the stage runner before it computes
+    # (irflow.engine.runner, the export_onnx stage), so that stage code only asks ``onnx_model(model)``.
+    onnx_models: dict = field(default_factory=dict)
+
+    def onnx_model(self, model) -> str | None:
+        """The exported ONNX model to run instead of ``model`` (a DatasetRef or a path), or None: torch."""
+        return self.onnx_models.get(getattr(model, "path", model))
+
+    def autocast(self):
+        """torch autocast for this stage's precision (a no-op context for fp32)."""
+        import torch
+
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=dtype)
+
+    def provenance(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("workdir", "resume_dir", "onnx_models")}
+        if self.onnx_models:  # which exported models ran: their store ids (the directory's name)
+            d["onnx_models"] = {src: Path(dst).name for src, dst in self.onnx_models.items()}
+        d.update(host_info(self.device))
+        return d
+
+
+def stage_runtime(rt: RuntimeConfig, work: str | None, workdir: Path | None = None,
+                  resume_dir: Path | None = None, *, onnx_capable: bool = False,
+                  onnx_models: dict[str, str] | None = None) -> StageRuntime:
+    """``onnx_capable``: the stage can run its models on ONNX Runtime (``stage(onnx=...)``); the others
+    run torch whatever ``backend`` says (the trainers; the student's margins in pseudo_label).
+    ``onnx_models``: the exported models it runs instead of the sources (``StageRuntime.onnx_model``)."""
+    backend = rt.backend if onnx_capable and work in INFERENCE_WORK else "torch"
+    if backend == "auto":  # the runner's probe decided (irflow.learn.backend_probe): the models it exported say which
+        backend = "onnx" if onnx_models else "torch"
+    if work is None:
+        device, precision = "cpu", "fp32"
+    elif backend == "onnx":
+        device, precision = "cpu", "fp32"  # ONNX Runtime's CPU provider, exact (the config refuses a GPU)
+    else:
+        device = resolve_device(rt.device.for_work(work))
+        precision = resolve_precision(rt.precision.for_work(work), work, device)
+    return StageRuntime(device=device, precision=precision, threads=rt.cpu_threads(), jvm_heap=rt.jvm_heap,
+                        recompute_activations=rt.recompute_activations, workdir=workdir, resume_dir=resume_dir,
+                        work=work, train_processes=rt.train_processes, backend=backend,
+                        onnx_models=dict(onnx_models or {}))
+
+
+def resolved_plan(rt: RuntimeConfig) -> dict[str, dict]:
+    """{work kind: {device, precision, warning}}: what `auto` picks on this machine (for the run's log)."""
+    out = {}
+    for w in WORK_KINDS:
+        device = resolve_device(rt.device.for_work(w))
+        precision = resolve_precision(rt.precision.for_work(w), w, device)
+        out[w] = {"device": device, "precision": precision, "warning": precision_warning(precision, w, device)}
+    return out
+
+
+_VERSIONED = ("torch", "transformers", "sentence-transformers", "onnxruntime", "pyserini", "faiss-cpu", "duckdb",
+              "pyarrow", "prefect", "irflow")
+
+
+@functools.lru_cache(maxsize=1)
+def library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in _VERSIONED:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (runnable processes, this one's threads among them); None where
+    the system has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def host_info(device: str) -> dict:
+    info = {"cpu": cpu_model(), "cpu_native_bf16": cpu_has_native_bf16(), "versions": library_versions()}
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+            info["cuda"] = torch.version.cuda
+    return info

@@ -1,0 +1,438 @@
+"""How long a run will take here, and how much memory, before it starts: per stage, from the corpus's size
+and the rates measured on this kind of hardware (``irflow/measured/rates.json``).
+
+The model: a stage's time is its fixed cost (a Prefect task, a JVM for BM25) plus its work in text-tokens
+(texts x their length, capped at the stage's max length) times the hardware's seconds per 1,000
+text-tokens for that kind of work (encode, score, train), scaled by the model's size (layers x hidden^2,
+against MiniLM's 6 x 384) and by cores (rates are for 2). A trainer's steps are its params' ``steps``, else
+``epochs`` over its examples (the train split's positives, counted here). ``irflow new`` writes the estimate into the
+config it makes; ``irflow run`` prints it before the first stage and the measured seconds after.
+These are estimates: within a factor of two on the machines the rates come from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+from irflow.engine.labels import stage_name
+from irflow.learn.collapse import COSINE_PROBE
+
+RATES = Path(__file__).resolve().parents[1] / "measured" / "rates.json"
+WORDS_TO_TOKENS = 1.3  # WordPiece tokens per whitespace word in English prose (SciFact: 1.32)
+QUERY_TOKENS = 20  # a query's tokens
+
+
+@lru_cache(maxsize=1)
+def rates() -> dict:
+    return json.loads(RATES.read_text())
+
+
+@dataclass(frozen=True)
+class Hardware:
+    kind: str  # a key of rates.json's hardware: cpu-avx2, cpu-avx512, cpu-amx, cuda
+    cores: int
+    gpu: str | None
+    memory_mb: int
+
+    def describe(self) -> str:
+        return self.gpu or f"{self.cores} CPU cores, {self.kind.removeprefix('cpu-').upper()}"
+
+
+def hardware() -> Hardware:
+    from irflow.engine.runtime import cpu_flags
+
+    mem = 0
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError):
+        pass
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 -- no torch, no GPU: a CPU estimate
+        pass
+    flags = cpu_flags()
+    kind = ("cuda" if gpu else "cpu-amx" if "amx_bf16" in flags else
+            "cpu-avx512" if "avx512f" in flags else "cpu-avx2")
+    return Hardware(kind, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                    gpu, mem)
+
+
+@dataclass(frozen=True)
+class CorpusSize:
+    passages: int
+    mean_words: float
+    queries: int = 0  # evaluation queries (labelled or proxy)
+    log_queries: int = 0  # a query log's queries (generate.source: unlabelled)
+    train_positives: tuple[int, ...] = ()  # per query of the train split, its positives (supervised recipes)
+    train_passages: int = 0  # passages with a train positive (DeepCT's training windows)
+
+    def train_pairs(self, per_query: int | None = None) -> int:
+        """The train split's (query, positive) pairs, at most ``per_query`` a query."""
+        return sum(min(n, per_query or n) for n in self.train_positives)
+
+    @property
+    def mean_tokens(self) -> float:
+        return self.mean_words * WORDS_TO_TOKENS
+
+
+@dataclass
+class StageEstimate:
+    stage: str
+    seconds: float
+    peak_mb: int
+    work: str  # what the time is made of, in words
+    kind: str = "fixed"  # which rate the time grows with: encode, score, train, generate, bm25, or fixed
+
+
+def model_scale(name: str | None) -> float:
+    """A model's cost against MiniLM-L6 (6 layers x 384): layers x hidden^2, from its config.json when it is
+    a local folder, else from its name (base: 12 x 768, large: 24 x 1024)."""
+    if not name:
+        return 1.0
+    cfg = Path(name) / "config.json"
+    if cfg.is_file():
+        c = json.loads(cfg.read_text())
+        layers = c.get("num_hidden_layers") or c.get("num_layers") or 6
+        hidden = c.get("hidden_size") or c.get("d_model") or 384
+        return max(0.01, layers * hidden**2 / (6 * 384**2))
+    low = name.lower()
+    return 24 * 1024**2 / (6 * 384**2) if "large" in low else 12 * 768**2 / (6 * 384**2) if "base" in low else 1.0
+
+
+def _rate(hw: Hardware, work: str) -> float:
+    per_1k = rates()["hardware"][hw.kind][work]["value"]
+    return per_1k * (2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
+
+
+def _tokens(size: CorpusSize, max_len: int) -> float:
+    return min(size.mean_tokens, max_len)
+
+
+def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
+             params: dict[str, dict] | None = None, queries: dict[str, int] | None = None) -> list[StageEstimate]:
+    """Seconds and peak memory of each of ``stages`` (plan labels: ``encode_corpus[zero-shot]``) under config
+    ``c`` on a corpus of ``size``. ``params``: label -> the stage's params (``api.status``'s), which the
+    supervised trainers' estimates read their steps and lengths from; ``queries``: label -> the queries a
+    search stage reads (``searched_queries``; otherwise the evaluation's and the generated ones)."""
+    hw = hw or hardware()
+    fixed = rates()["fixed_seconds"]["value"]
+    mem = rates()["memory_mb"]["value"]
+    dense = getattr(c, "dense", None)
+    enc_len = getattr(dense, "max_seq_length", None) or 256
+    train = getattr(c, "train", None)
+    model = getattr(train, "model", None) or getattr(dense, "model", None) or getattr(c, "base_model", None)
+    scale = model_scale(model)
+    emb_mb = size.passages * 384 * 4 * 2 / 2**20 * max(1.0, scale ** 0.5)
+    n_gen = _generated_queries(c, size)
+    out = []
+    for label in stages:
+        base = stage_name(label)
+        sec, peak, work, kind = fixed.get(base, 1), mem["base"], "fixed cost", "fixed"
+        if base == "encode_corpus":
+            toks = size.passages * _tokens(size, enc_len)
+            sec += toks / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
+            peak += mem["model"] + emb_mb
+            work, kind = f"{size.passages:,} passages x {_tokens(size, enc_len):.0f} tokens", "encode"
+        elif base in ("dense_search", "dense_score"):
+            sec += (queries or {}).get(label, size.queries + n_gen) * QUERY_TOKENS / 1000 * _rate(hw, "encode") * scale
+            peak += mem["model"] + emb_mb
+            work, kind = "query encoding + search", "encode"
+        elif base == "bm25_index":
+            sec += size.passages / rates()["bm25_passages_per_s"]["value"]
+            peak += mem["jvm"]
+            work, kind = f"{size.passages:,} passages indexed", "bm25"
+        elif base in ("bm25_search", "bm25_score"):
+            peak += mem["jvm"]
+            n = (queries or {}).get(label, size.queries + n_gen)
+            sec += n / 200
+            work, kind = f"{n:,} queries searched", "bm25"
+        elif base == "generate_queries" and "[t5" in label or base == "doc2query_expand":
+            gen = getattr(c, "generate", None)
+            qpp = getattr(gen, "queries_per_passage", 1)
+            qpp = qpp if isinstance(qpp, int) else 3
+            sec += size.passages * qpp * rates()["hardware"][hw.kind]["generate_query_s"]["value"] * (
+                2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
+            peak += 2 * mem["model"]
+            work, kind = f"{size.passages * qpp:,} queries sampled", "generate"
+        elif base == "label_scores" and getattr(getattr(c, "teacher", None), "type", "") == "cross_encoder":
+            t = c.teacher
+            pairs = n_gen * (c.label.negatives_per_positive + 1)
+            sec += pairs * _tokens(size, t.max_length) / 1000 * _rate(hw, "score") * model_scale(t.model)
+            peak += mem["model"]
+            work, kind = f"{pairs:,} (query, passage) pairs scored", "score"
+        elif base == "pseudo_label" and isinstance(_scale(c, (params or {}).get(label)), dict):
+            # scale: auto encodes a sample of the triples (query, positive, negative) with the student
+            p = (params or {}).get(label) or getattr(c, "label").model_dump()
+            triples = n_gen * max(1, getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
+            sample = min(triples, p.get("scale_sample") or 1000)
+            length = p["scale"].get("max_seq_length") or enc_len
+            sec += sample * (QUERY_TOKENS + 2 * _tokens(size, length)) / 1000 * _rate(hw, "encode") * scale
+            sec += fixed["model_load"]
+            peak += mem["model"]
+            work, kind = f"{sample:,} triples encoded for the margin scale", "encode"
+        elif base == "train_student" and train is not None:
+            # the stage's own params where the plan gives them (the QGen baseline's steps default to GPL's)
+            p = (params or {}).get(label) or _train_params(train, qgen="qgen" in label)
+            steps, batch, length = p["steps"] or train.steps, p["batch_size"], p["max_seq_length"]
+            texts = (2 if p["loss"] == "mnrl" else 3) * batch
+            toks = batch * QUERY_TOKENS + (texts - batch) * min(size.mean_tokens, length)
+            sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
+            peak += mem["train"] * max(1.0, scale ** 0.5) * batch / 16
+            work, kind = f"{steps} steps of {batch}", "train"
+        elif base in TRAINERS and (params or {}).get(label):
+            sec, peak, work = _trainer(base, params[label], size, hw, scale, fixed, mem)
+            kind = "train"
+        elif base == "deepct_weight" and (params or {}).get(label):
+            n = _windows(size.mean_tokens, params[label]["max_length"])
+            sec += size.passages * size.mean_tokens / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
+            peak += mem["model"]
+            work, kind = f"{size.passages:,} passages x {n} windows weighted", "encode"
+        out.append(StageEstimate(label, round(sec, 1), int(peak), work, kind))
+    return out
+
+
+def _scale(c, params: dict | None):
+    """pseudo_label's margin scale as the plan or the config gives it (a dict: auto, fitted on a sample)."""
+    if params is not None:
+        return params.get("scale")
+    label = getattr(c, "label", None)
+    scale = getattr(label, "scale", None)
+    return scale.model_dump() if hasattr(scale, "model_dump") else scale
+
+
+def _train_params(train, qgen: bool) -> dict:
+    """A student trainer's params from a recipe's ``train`` config (when the plan does not give them)."""
+    if hasattr(train, "gpl_params"):
+        return (train.qgen_params() if qgen else train.gpl_params()).model_dump()
+    return {"steps": train.steps, "batch_size": train.batch_size, "max_seq_length": train.max_seq_length,
+            "loss": getattr(train, "loss", "margin_mse")}
+
+
+def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:
+    """label -> how many queries each planned stage with a ``queries`` input reads: a stored input's rows
+    (from ``catalog``), the train split's queries for one the run's ``select_queries[train]`` will make;
+    other stages are left to the default."""
+    out = {}
+    for p in plan:  # api.status's StageStatus rows
+        ids = p.inputs.get("queries") or []
+        if len(ids) != 1:
+            continue
+        if ids[0].startswith("<select_queries[train]") and size.train_positives:
+            out[p.name] = len(size.train_positives)
+        elif not ids[0].startswith("<") and catalog is not None:
+            row = catalog.dataset(ids[0])
+            if row and row.get("num_rows") is not None:
+                out[p.name] = int(row["num_rows"])
+    return out
+
+
+TRAINERS = ("train_dual_encoder", "train_query_encoder", "train_cross_encoder", "train_deepct")
+
+
+def _trainer(base: str, p: dict, size: CorpusSize, hw: Hardware, scale: float, fixed: dict,
+             mem: dict) -> tuple[float, int, str]:
+    """(seconds, peak MB, work) of a supervised trainer from its params (a dump of its params model: every
+    field but the KEYED_WHEN_SET ones at their default, read with ``get``): its steps (``steps``, else
+    ``epochs`` over the train split's examples) x the text-tokens one step embeds."""
+    batch = p["batch_size"]
+    doc = size.mean_tokens
+    if base == "train_dual_encoder":
+        per_query = p["list_size"] if p["loss"] == "listwise_kl" else 1 + p["negatives_per_line"]
+        examples = size.train_pairs(p.get("positives_per_query")) * (
+            p["negative_lines"] if p["negatives_per_line"] else 1)
+        passage = min(doc, p["passage_max_length"])
+        toks = batch * (min(QUERY_TOKENS, p["query_max_length"]) + per_query * passage)
+        extra = 2 * COSINE_PROBE * passage  # the collapse check embeds its probe passages twice
+    elif base == "train_query_encoder":  # the documents are frozen: only queries are embedded
+        examples, extra = len(size.train_positives), 0.0
+        toks = batch * min(QUERY_TOKENS, p["query_max_length"])
+    elif base == "train_cross_encoder":
+        examples, extra = size.train_pairs(p.get("positives_per_query")) * (1 + p["negatives_per_positive"]), 0.0
+        toks = batch * min(doc + QUERY_TOKENS, p["max_length"])
+    else:  # train_deepct: every window of each passage with a train positive
+        examples, extra = size.train_passages * _windows(doc, p["max_length"]), 0.0
+        toks = batch * min(doc, p["max_length"])
+    steps = p["steps"] or p["epochs"] * -(-examples // batch)
+    if not steps:
+        return fixed.get(base, 1), mem["base"], "steps unknown (no train split counted)"
+    sec = (fixed.get(base, 1) + steps * toks / 1000 * _rate(hw, "train") * scale
+           + extra / 1000 * _rate(hw, "encode") * scale + fixed["model_load"])
+    peak = mem["base"] + mem["train"] * max(1.0, scale ** 0.5) * batch / 16
+    return round(sec, 1), int(peak), f"{steps} steps of {batch}"
+
+
+def _windows(tokens: float, max_length: int) -> int:
+    """The windows of ``max_length`` tokens (two of them special) a passage of ``tokens`` is read in."""
+    return max(1, -(-int(tokens) // max(1, max_length - 2)))
+
+
+def _generated_queries(c, size: CorpusSize) -> int:
+    gen = getattr(c, "generate", None)
+    if gen is None:
+        return 0
+    if gen.source == "unlabelled":
+        return size.log_queries or size.queries
+    qpp = getattr(gen, "queries_per_passage", 1)
+    return size.passages * (qpp if isinstance(qpp, int) else 3)
+
+
+def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
+    """Count the passages and words of a config's dataset (``dataset:`` section), reading it as a run would
+    (your own documents: cut into passages) into a temporary file."""
+    import tempfile
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from irflow.sources.beir import is_beir_source
+    from irflow.sources.corpus_sources import read_corpus, read_documents, source_bytes
+
+    src = Path(d.source).expanduser()
+    beir = is_beir_source(d.source)
+    size = source_bytes(src)
+    if size > MAX_SIZED_BYTES:
+        raise ValueError(f"{d.source} is {size / 2**20:,.0f} MB: too large to read twice (irflow new estimates it once)")
+    with tempfile.TemporaryDirectory(prefix="irflow-size-") as tmp, no_progress_bars():
+        out = Path(tmp) / "corpus.parquet"
+        if beir:
+            read_corpus(src, out, format="beir")
+        else:
+            read_documents(src, out, d)
+        t = pq.read_table(out, columns=["text"])
+    words = pc.list_value_length(pc.utf8_split_whitespace(t.column("text")))
+    mean = pc.mean(words).as_py() or 0.0
+    log_q = 0
+    if getattr(d, "query_log", None):
+        log_q = sum(1 for ln in Path(d.query_log).read_text(errors="replace").splitlines() if ln.strip())
+    if proxy_queries is not None:
+        queries = proxy_queries
+    elif beir or d.qrels is not None:
+        queries = 300
+    elif d.proxy is None:  # nothing evaluated
+        queries = 0
+    else:  # one query per held-out document: about the fraction of the documents (passages: an upper bound)
+        queries = round(d.proxy.fraction * t.num_rows)
+        if d.proxy.documents is not None:
+            queries = min(queries, d.proxy.documents)
+    pairs = _train_positives(src) if beir and src.exists() else []
+    per_query = Counter(q for q, _ in pairs)
+    return CorpusSize(t.num_rows, round(mean, 1), queries, log_q, tuple(per_query[q] for q in sorted(per_query)),
+                      len({d for _, d in pairs}))
+
+
+def _train_positives(src: Path) -> list[tuple[str, str]]:
+    """The (query, passage) positives of a BEIR source's train split (none: no qrels/train.tsv)."""
+    from irflow.learn.qrels import positive_pairs
+    from irflow.sources.beir import BeirSource, _read_qrels
+
+    b = BeirSource(src)
+    member = b.qrels_files().get("train")
+    return positive_pairs(_read_qrels(b, member, "train"), "train") if member else []
+
+
+MAX_SIZED_BYTES = 200 * 2**20  # a source read before the run to size it; larger ones are left to irflow new
+
+
+@contextmanager
+def no_progress_bars():
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
+
+
+# ---- calibrated by this store -------------------------------------------------------------------
+CALIBRATE_FROM = 5.0  # stages estimated shorter than this (seconds) say more about fixed costs than rates
+BUSY = 0.5  # other work above this many runnable processes per core: the cores were not free
+
+
+def hardware_key(hw: Hardware) -> str:
+    """What a store's measured rates are kept under: the CPU model and cores (or the GPU)."""
+    from irflow.engine.runtime import cpu_model
+
+    return hw.gpu or f"{cpu_model()} / {hw.cores} cores"
+
+
+def load_average() -> float | None:
+    from irflow.engine.runtime import load_average as load
+
+    return load()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per kind of work, measured / estimated of the stages this store ran on this hardware with free cores."""
+
+    factors: dict[str, tuple[float, int]]  # kind -> (median measured / prior, stage runs)
+
+    def apply(self, est: list[StageEstimate]) -> list[StageEstimate]:
+        return [replace(e, seconds=round(e.seconds * self.factors[e.kind][0], 1)) if e.kind in self.factors else e
+                for e in est]
+
+    def describe(self) -> str:
+        return "calibrated by this store's runs here: " + ", ".join(
+            f"{k} x{f:.2f} ({n} stage run{'s' if n > 1 else ''})" for k, (f, n) in sorted(self.factors.items()))
+
+
+def calibration(catalog, hw: Hardware) -> Calibration | None:
+    """What this store measured on this hardware (``Catalog.estimated_stages``), per kind of work: the
+    median of measured / prior over stages estimated at ``CALIBRATE_FROM`` seconds or more that ran with
+    free cores (the load average when the run was estimated, and when the stage started less its own
+    threads, at most ``BUSY`` a core). None: nothing to calibrate by (the shipped rates stand)."""
+    if catalog is None:
+        return None
+    ratios: dict[str, list[float]] = {}
+    for r in catalog.estimated_stages(hardware_key(hw)):
+        if not r["prior"] or r["prior"] < CALIBRATE_FROM or r["measured"] is None:
+            continue
+        started = (r["runtime"].get("load") or [None])[0]
+        others = [r["load"], None if started is None else started - (r["runtime"].get("threads") or hw.cores)]
+        if any(x is not None and x > BUSY * hw.cores for x in others):
+            continue
+        ratios.setdefault(r["kind"], []).append(r["measured"] / r["prior"])
+    if not ratios:
+        return None
+    return Calibration({k: (min(5.0, max(0.2, float(statistics.median(v)))), len(v)) for k, v in ratios.items()})
+
+
+def load_note(hw: Hardware, load: float | None) -> str | None:
+    """What a busy machine does to the figures: they assume free cores."""
+    if load is None or load <= BUSY * hw.cores or hw.kind == "cuda":
+        return None
+    return (f"warning: the load average is {load:.1f} on {hw.cores} cores: other work shares them, and these "
+            f"figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long")
+
+
+def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None,
+                     calibrated: Calibration | None = None, load: float | None = None) -> str:
+    total = sum(e.seconds for e in est)
+    peak = max((e.peak_mb for e in est), default=0)
+    head = f"{'stage':<34} {'estimate':>9} {'peak MB':>8}" + (f" {'measured':>9}" if measured is not None else "")
+    source = calibrated.describe() if calibrated else "irflow/measured/rates.json"
+    lines = [f"estimate for {hw.describe()}, cores free ({source}):", head]
+    for e in est:
+        # not measured: its output came from another label's identical computation (one cache key)
+        m = "" if measured is None else (f" {measured[e.stage]:>8.1f}s" if e.stage in measured else f" {'-':>9}")
+        lines.append(f"{e.stage:<34} {e.seconds:>8.1f}s {e.peak_mb:>8,}{m}  {e.work}")
+    tail = f"{'total':<34} {total:>8.1f}s {peak:>8,}"
+    if measured is not None:
+        tail += f" {sum(measured.get(e.stage, 0) for e in est):>8.1f}s"
+    lines.append(tail)
+    note = load_note(hw, load) if measured is None else None
+    return "\n".join(lines + ([note] if note else []))
