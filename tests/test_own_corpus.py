@@ -79,7 +79,7 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
     first = _new_run_export(own, jsonl)
     r = first["result"]
     # no labels: the evaluation is a synthetic held-out set, called a proxy everywhere
-    assert r["evaluation"].startswith("proxy (ict queries (cut out of their passages) of ")
+    assert r["evaluation"].startswith("proxy (ict queries of ")
     assert {m["dataset"] for m in r["metrics"]} == {"docs (proxy)"}
     sel = r["selected"]
     assert sel["system"] in sel["models"] and sel["evaluation"] == r["evaluation"] and sel["reason"]
@@ -92,8 +92,7 @@ def test_jsonl_parquet_csv_corpora_run_without_labels_and_export_a_loadable_mode
 
     catalog = Catalog(own["store"] / "catalog.duckdb")
     runs = catalog.stage_runs(r["run_id"], with_inputs=True)
-    # the passages the proxy searched: the corpus with each proxy query cut out of its passage
-    corpus_id = next(s["outputs"]["corpus"] for s in runs if s["name"] == "cut_proxy_queries")
+    corpus_id = next(s["outputs"]["corpus"] for s in runs if s["name"] == "ingest_corpus")
     encoded = next(s for s in runs if stage_name(s["name"]) == "encode_corpus"
                    and s["inputs"]["model"] == [sel["model_id"]] and s["inputs"]["corpus"] == [corpus_id])
     stored = pq.read_table(catalog.dataset(encoded["outputs"]["embeddings"])["path"])
