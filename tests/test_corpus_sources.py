@@ -24,7 +24,7 @@ from irflow.sources import corpus_sources as cs
 from irflow.sources.beir import IngestError
 
 N = 60
-SAMPLE = Path(cs.__file__).parent / "samples" / "scifact-sample.zip"
+SAMPLE = Path(cs.__file__).parents[1] / "samples" / "scifact-sample.zip"
 
 
 def _zip_lines(member: str, n: int | None = None) -> list[str]:

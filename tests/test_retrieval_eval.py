@@ -391,9 +391,9 @@ def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
         return evaluate.run(run_, p, tag=tag, **inputs)
 
     monkeypatch.setattr(common, "evaluate", plain)
-    out = common.evaluate_runs(run, c, data, runs)
+    out = common.evaluate_runs(run, c, data, common.Systems(runs))
     assert calls == [{"ranking", "qrels", "queries", "corpus"}]  # the recipes give evaluate the corpus
-    return out
+    return out.evaluations
 
 
 _COMPARE_WITH_PYSERINI = """

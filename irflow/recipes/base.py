@@ -297,11 +297,9 @@ def _discover() -> None:
     """Import every module of irflow's flows package once: each recipe registers itself."""
     global _DISCOVERED
     if not _DISCOVERED:
-        import pkgutil
+        from irflow.engine.registry import import_modules
 
-        package = importlib.import_module(FLOWS_PACKAGE)
-        for m in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{FLOWS_PACKAGE}.{m.name}")
+        import_modules(FLOWS_PACKAGE)
         _DISCOVERED = True
 
 

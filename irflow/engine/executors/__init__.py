@@ -44,11 +44,9 @@ def _discover() -> None:
     """Import every module of this package once: each executor registers itself."""
     global _DISCOVERED
     if not _DISCOVERED:
-        import importlib
-        import pkgutil
+        from irflow.engine.registry import import_modules
 
-        for m in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{m.name}")
+        import_modules(__name__)
         _DISCOVERED = True
 
 
