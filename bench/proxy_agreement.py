@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import random
 import time
 from pathlib import Path
 
@@ -95,7 +93,7 @@ def ndcg10(scores: np.ndarray, doc_ids: list[str], qids: list[str], qrels: dict)
     return {q: v["ndcg_cut_10"] for q, v in ev.evaluate(run).items()}
 
 
-def make_proxies(heldout, corpus_ids: list[str]) -> dict[str, dict]:
+def make_proxies(heldout) -> dict[str, dict]:
     """name -> {query id: (text, passage id, the passage's text with the query cut out or None)}."""
     from irflow.learn import generation
     from irflow.learn.text import passage_text
@@ -207,7 +205,7 @@ def main() -> None:
     corpus_ids = catalog.ref(ingest).table(columns=["doc_id"]).column("doc_id").to_pylist()
     heldout = catalog.ref(next(s for s in first.stages if s.name == "holdout").outputs["heldout"]).table()
     _, test_q, test_qrels = harness.read_beir(harness.DATASETS / f"{args.dataset}.zip", "test")
-    proxies = make_proxies(heldout, corpus_ids)
+    proxies = make_proxies(heldout)
     harness.log(f"{len(models)} models; held-out passages {heldout.num_rows}; proxy queries "
                 + ", ".join(f"{k} {len(v)}" for k, v in proxies.items()))
     scores: dict[str, dict] = {}
@@ -261,7 +259,7 @@ def main() -> None:
         table.append([p, summary[p]["queries"], summary[p]["kendall_tau"], summary[p]["kendall_tau_trained"], pick,
                       f"{summary[p]['regret']:.4f}", everything.system, f"{summary[p]['selected_real_vs_start']:+.4f}",
                       f"{worst:+.4f}", f"{null['false_selection']:.3f}", f"{cont[p]:+.4f} / {cont['real']:+.4f}"])
-    out.update({"models": {n: {k: v for k, v in m.items()} for n, m in models.items()},
+    out.update({"models": models,
                 "real_ndcg@10": {n: round(v, 4) for n, v in real.items()}, "real_best": real_best,
                 "easiness_cut": round(cut, 4), "proxies": summary,
                 "per_query": {n: s for n, s in scores.items()}})

@@ -38,6 +38,7 @@ from pathlib import Path
 from irflow import api
 from irflow.engine import orchestration, pace
 from irflow.engine.errors import StageFailed, UserError
+from irflow.engine.runtime import load_average
 from irflow.engine.store import DEFAULT_STORE
 
 log = logging.getLogger("irflow")
@@ -153,7 +154,7 @@ def _estimate(args) -> Estimated | None:
         prior = estimate.estimate(c, stale, size, hw, {p.name: p.params for p in plan}, queries)
         calibrated = estimate.calibration(catalog, hw)
         rows = calibrated.apply(prior) if calibrated else prior
-        load = estimate.load_average()
+        load = load_average()
     except UserError:  # a bad config or corpus: the run reports it next, before anything starts
         return None
     except Exception as e:  # noqa: BLE001 -- an estimate never stops a run; it says why it is missing

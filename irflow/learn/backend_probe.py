@@ -50,21 +50,19 @@ def time_backends(model_path: str, onnx_path: str, task: str, threads: int, max_
 
         st = SentenceTransformer(model_path, device="cpu")
         st.max_seq_length = length
-        ox = onnx_inference.load(onnx_path, threads, length)
+        models = {False: st, True: onnx_inference.load(onnx_path, threads, length)}
 
-        def run(model, n):
-            encode_texts(model, texts[:n] if n else texts, 32, False, desc="backend probe", task="document")
+        def run(onnx: bool, n: int | None):
+            encode_texts(models[onnx], texts[:n] if n else texts, 32, False, desc="backend probe", task="document")
     else:
         from irflow.learn.scoring import cross_encoder_scores
 
         pairs = [(" ".join(t.split()[:12]), t) for t in texts]
-        st, ox = model_path, onnx_path
 
-        def run(model, n):
+        def run(onnx: bool, n: int | None):
             cross_encoder_scores(model_path, pairs[:n] if n else pairs, batch_size=32, max_length=length,
-                                 show_progress=False, onnx=None if model == model_path else onnx_path,
-                                 threads=threads)
+                                 show_progress=False, onnx=onnx_path if onnx else None, threads=threads)
     with torch_threads(threads):
-        torch_s = _timed(lambda n: run(st, n))
-    onnx_s = _timed(lambda n: run(ox, n))
+        torch_s = _timed(lambda n: run(False, n))
+    onnx_s = _timed(lambda n: run(True, n))
     return {"torch": round(torch_s, 3), "onnx": round(onnx_s, 3), "texts": len(texts)}

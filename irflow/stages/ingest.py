@@ -246,8 +246,8 @@ def cut_proxy_queries(p: NoParams, rt: StageRuntime, *, corpus: DatasetRef, quer
     (``irflow.engine.row_reuse``)."""
     from irflow.learn.generation import cut_out
 
-    text_of = dict(zip(queries.table(columns=["query_id"]).column("query_id").to_pylist(),
-                       queries.table(columns=["text"]).column("text").to_pylist()))
+    q = queries.table(columns=["query_id", "text"])
+    text_of = dict(zip(q.column("query_id").to_pylist(), q.column("text").to_pylist()))
     r = qrels.table(columns=["query_id", "doc_id"])
     cut: dict[str, list[str]] = {}
     for q, d in zip(r.column("query_id").to_pylist(), r.column("doc_id").to_pylist()):

@@ -369,12 +369,6 @@ def hardware_key(hw: Hardware) -> str:
     return hw.gpu or f"{cpu_model()} / {hw.cores} cores"
 
 
-def load_average() -> float | None:
-    from irflow.engine.runtime import load_average as load
-
-    return load()
-
-
 @dataclass(frozen=True)
 class Calibration:
     """Per kind of work, measured / estimated of the stages this store ran on this hardware with free cores."""
