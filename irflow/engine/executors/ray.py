@@ -1,5 +1,5 @@
 """Executor ray: each shard a Prefect task on Ray workers (Prefect's ``RayTaskRunner``), independent stages
-at once (``runtime.ray``: ``irflow.engine.runtime.RayConfig``). The run's cluster (started, watched and
+at once (``runtime.ray``: ``irflow.engine.executors.ray_config.RayConfig``). The run's cluster (started, watched and
 stopped, or an existing one joined) is ``irflow.engine.executors.ray_cluster``'s."""
 
 from __future__ import annotations
