@@ -77,3 +77,24 @@ def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_pat
     fixed = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), ["label.scale=1.0"])
     assert estimate.estimate(fixed, ["pseudo_label"], size, HW)[0].work == "fixed cost"
     assert label.seconds > 10 * estimate.estimate(fixed, ["pseudo_label"], size, HW)[0].seconds
+
+
+def test_encoding_generation_and_labelling_are_estimated_from_the_stages_own_params():
+    """The plan's params of a stage, not a second copy of the config's, size its work: a shorter encoding
+    length, fewer sampled queries per passage, fewer negatives to score, each a smaller estimate."""
+    from irflow.recipes.base import load_config
+
+    c = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), [])
+    size = estimate.CorpusSize(5183, 300, 300, 809)
+    enc = "encode_corpus[zero-shot]"
+    long_, short = (estimate.estimate(c, [enc], size, HW, {enc: {"max_seq_length": n}})[0] for n in (350, 64))
+    assert short.seconds < long_.seconds and short.work.endswith("x 64 tokens")
+    gen = "generate_queries[t5]"
+    one, five = (estimate.estimate(c, [gen], size, HW, {gen: {"queries_per_passage": n}})[0] for n in (1, 5))
+    assert (one.work, five.work) == ("5,183 queries sampled", "25,915 queries sampled") and one.seconds < five.seconds
+    teacher = {"type": "cross_encoder", "max_length": 350}
+    few, many = (estimate.estimate(c, ["label_scores"], size, HW,
+                                   {"label_scores": {"teacher": teacher, "negatives_per_positive": n}})[0]
+                 for n in (1, 15))
+    assert few.kind == many.kind == "score" and few.seconds < many.seconds
+    assert few.work == "1,618 (query, passage) pairs scored"  # 809 log queries x (1 + 1)

@@ -138,12 +138,14 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     out = []
     for label in stages:
         base = stage_name(label)
+        own = (params or {}).get(label) or {}  # the stage's params where the plan gives them; else the config's
         sec, peak, work, kind = fixed.get(base, 1), mem["base"], "fixed cost", "fixed"
         if base == "encode_corpus":
-            toks = size.passages * _tokens(size, enc_len)
+            length = own.get("max_seq_length") or enc_len
+            toks = size.passages * _tokens(size, length)
             sec += toks / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
             peak += mem["model"] + emb_mb
-            work, kind = f"{size.passages:,} passages x {_tokens(size, enc_len):.0f} tokens", "encode"
+            work, kind = f"{size.passages:,} passages x {_tokens(size, length):.0f} tokens", "encode"
         elif base in ("dense_search", "dense_score"):
             sec += (queries or {}).get(label, size.queries + n_gen) * QUERY_TOKENS / 1000 * _rate(hw, "encode") * scale
             peak += mem["model"] + emb_mb
@@ -158,23 +160,26 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             sec += n / 200
             work, kind = f"{n:,} queries searched", "bm25"
         elif base == "generate_queries" and "[t5" in label or base == "doc2query_expand":
-            gen = getattr(c, "generate", None)
-            qpp = getattr(gen, "queries_per_passage", 1)
+            qpp = own.get("queries_per_passage", getattr(getattr(c, "generate", None), "queries_per_passage", 1))
             qpp = qpp if isinstance(qpp, int) else 3
             sec += size.passages * qpp * rates()["hardware"][hw.kind]["generate_query_s"]["value"] * (
                 2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
             peak += 2 * mem["model"]
             work, kind = f"{size.passages * qpp:,} queries sampled", "generate"
-        elif base == "label_scores" and getattr(getattr(c, "teacher", None), "type", "") == "cross_encoder":
-            t = c.teacher
-            pairs = n_gen * (c.label.negatives_per_positive + 1)
-            sec += pairs * _tokens(size, t.max_length) / 1000 * _rate(hw, "score") * model_scale(t.model)
+        elif base == "label_scores" and (own.get("teacher") or _dump(getattr(c, "teacher", None))).get("type") == "cross_encoder":
+            t = own.get("teacher") or _dump(c.teacher)
+            negatives = own.get("negatives_per_positive") or c.label.negatives_per_positive
+            pairs = n_gen * (negatives + 1)
+            # the teacher's model is an input, not a param: its size is read from the config's name for it
+            sec += (pairs * _tokens(size, t["max_length"]) / 1000 * _rate(hw, "score")
+                    * model_scale(getattr(getattr(c, "teacher", None), "model", None)))
             peak += mem["model"]
             work, kind = f"{pairs:,} (query, passage) pairs scored", "score"
         elif base == "pseudo_label" and isinstance(_scale(c, (params or {}).get(label)), dict):
             # scale: auto encodes a sample of the triples (query, positive, negative) with the student
-            p = (params or {}).get(label) or getattr(c, "label").model_dump()
-            triples = n_gen * max(1, getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
+            p = own or getattr(c, "label").model_dump()
+            triples = n_gen * max(1, p.get("negatives_per_positive")
+                                  or getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
             sample = min(triples, p.get("scale_sample") or 1000)
             length = p["scale"].get("max_seq_length") or enc_len
             sec += sample * (QUERY_TOKENS + 2 * _tokens(size, length)) / 1000 * _rate(hw, "encode") * scale
@@ -200,6 +205,11 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             work, kind = f"{size.passages:,} passages x {n} windows weighted", "encode"
         out.append(StageEstimate(label, round(sec, 1), int(peak), work, kind))
     return out
+
+
+def _dump(model) -> dict:
+    """A params model (or None) as a dict, as the plan gives a stage's params."""
+    return model.model_dump() if hasattr(model, "model_dump") else dict(model or {})
 
 
 def _scale(c, params: dict | None):
