@@ -15,7 +15,12 @@ Then, outside the runs, each model's stored corpus embeddings (the ones its run 
   ``crop`` / ``crop-removed`` (a random span, kept or cut out), and two filters of ``ict-removed``:
   ``easy-dropped`` (NeMo Curator's easiness filter: drop queries above the 70th percentile of the
   zero-shot model's query-passage similarity) and ``round-trip`` (Promptagator: keep a query only when
-  BM25-free zero-shot retrieval finds its passage in the top 20).
+  BM25-free zero-shot retrieval finds its passage in the top 20);
+  ``log-teacher`` / ``log-teacher-top3``: a held-out part of the query log judged by the run's teacher, no
+  passage at all: the test queries' texts (never trained on: the runs' log is the train queries), each judged
+  by the config's teacher (z-score fusion of BM25 and the zero-shot model over the union of both top 50s,
+  every candidate scored by both, as ``pseudo_label`` does), the teacher's top 1 (or top 3) taken as relevant.
+  The real qrels of the same queries then differ from it only in who judged.
 
 Reported per proxy: Kendall's tau against the real ranking of the 12 models; the regret (real nDCG@10 of
 the real best minus that of the proxy's best); what irflow's selection rule (per-document units, Holm, at
@@ -46,7 +51,8 @@ import selection_null
 RUNS = [("log-30", "log", 30, True, None), ("log-120", "log", 120, True, None),
         ("ict-30", "ict", 30, True, None), ("ict-120", "ict", 120, True, None),
         ("crop-120", "crop", 120, True, None), ("continued", "log", 60, False, "log-120")]
-PROXIES = ("ict", "ict-removed", "crop", "crop-removed", "easy-dropped", "round-trip")
+PROXIES = ("ict", "ict-removed", "crop", "crop-removed", "easy-dropped", "round-trip", "log-teacher",
+           "log-teacher-top3")
 SEED = 42  # the proxy's sampling seed (ICTSource / CropSource default)
 
 
@@ -109,7 +115,8 @@ def make_proxies(heldout) -> dict[str, dict]:
     return out
 
 
-def score_model(m: dict, catalog, test_q: dict, test_qrels: dict, proxies: dict, corpus_ids: list[str]) -> dict:
+def score_model(m: dict, catalog, test_q: dict, test_qrels: dict, proxies: dict, corpus_ids: list[str],
+                judged: dict | None = None) -> dict:
     """Per-query nDCG@10 on the real test set and on each proxy (before the filters), and the zero-shot
     filters' inputs (query-passage similarity, rank of the passage)."""
     from irflow.learn.encoding import encode_texts
@@ -128,6 +135,8 @@ def score_model(m: dict, catalog, test_q: dict, test_qrels: dict, proxies: dict,
     qids = sorted(q for q in test_qrels if q in test_q)
     qe = encode_texts(st, [test_q[q] for q in qids], 64, True, desc="test queries", task="query")
     out["real"] = ndcg10(qe @ emb.T, corpus_ids, qids, test_qrels)
+    for name, qrels in (judged or {}).items():
+        out[name] = ndcg10(qe @ emb.T, corpus_ids, qids, qrels)
     extra = {}
     for name, qs in proxies.items():
         ids = sorted(qs)
@@ -148,6 +157,44 @@ def score_model(m: dict, catalog, test_q: dict, test_qrels: dict, proxies: dict,
     del st
     gc.collect()
     return out, extra
+
+
+def teacher_qrels(config: dict, catalog, index_ref: str, zero_shot: dict, test_q: dict, qids: list[str],
+                  corpus_ids: list[str], depth: int = 50) -> dict[str, dict[str, dict[str, int]]]:
+    """The run's fusion teacher on held-out log queries: ``{"log-teacher": qrels (top 1), "log-teacher-top3": ...}``."""
+    import pyarrow as pa
+
+    from irflow.engine.models import minilm_path
+    from irflow.learn.encoding import encode_texts, load_sentence_transformer
+    from irflow.learn.teachers import FusionTeacher, fusion_scores
+    from irflow.stages.bm25 import score_pairs, search
+
+    teacher = FusionTeacher(**{k: v for k, v in config["teacher"].items() if k != "score_every_candidate"})
+    (sparse, dense), = [tuple(teacher.weights)]  # the offline configs: {bm25: w, minilm: w}
+    st = load_sentence_transformer(str(minilm_path()), "cpu", 256)
+    t = catalog.ref(zero_shot["embeddings"]).table()
+    emb = np.asarray(t.column("embedding").to_pylist(), dtype=np.float32)
+    qe = encode_texts(st, [test_q[q] for q in qids], 64, True, desc="log queries (teacher)", task="query")
+    ds = qe @ emb.T
+    top = np.argsort(-ds, axis=1)[:, :depth]
+    hits = search(catalog.ref(index_ref).path, qids, [test_q[q] for q in qids], k1=0.9, b=0.4, top_k=depth,
+                  fields={"contents": 1.0}, remove_query=False, threads=1)
+    cand = {q: {corpus_ids[j] for j in top[i]} for i, q in enumerate(qids)}
+    for q, d in zip(hits["query_id"], hits["doc_id"]):
+        cand[q].add(d)
+    pairs = sorted((q, d) for q in qids for d in cand[q])
+    bm25 = score_pairs(catalog.ref(index_ref).path, pairs, dict(test_q), k1=0.9, b=0.4)
+    row, qrow = {d: j for j, d in enumerate(corpus_ids)}, {q: i for i, q in enumerate(qids)}
+    runs = [pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs], "rank": [0] * len(pairs),
+                      "score": scores, "system": [name] * len(pairs)})
+            for name, scores in ((sparse, bm25), (dense, [float(ds[qrow[q], row[d]]) for q, d in pairs]))]
+    fused = fusion_scores(runs, teacher, pairs)
+    by_q: dict[str, list] = {}
+    for (q, d), s in zip(pairs, fused):
+        by_q.setdefault(q, []).append((-s, d))
+    ranked = {q: [d for _, d in sorted(v)] for q, v in by_q.items()}
+    return {"log-teacher": {q: {r[0]: 1} for q, r in ranked.items()},
+            "log-teacher-top3": {q: {d: 1 for d in r[:3]} for q, r in ranked.items()}}
 
 
 def kendall(a: dict, b: dict) -> float:
@@ -208,11 +255,14 @@ def main() -> None:
     proxies = make_proxies(heldout)
     harness.log(f"{len(models)} models; held-out passages {heldout.num_rows}; proxy queries "
                 + ", ".join(f"{k} {len(v)}" for k, v in proxies.items()))
+    index = next(s for s in first.stages if s.name.startswith("bm25_index")).outputs["bm25_index"]
+    judged = teacher_qrels(yaml.safe_load((work / f"{runs[0][0]}.yaml").read_text()), catalog, index,
+                           models["zero-shot"], test_q, sorted(q for q in test_qrels if q in test_q), corpus_ids)
     scores: dict[str, dict] = {}
     filters = {}
     for name, m in models.items():
         harness.log(f"scoring {name}")
-        scores[name], extra = score_model(m, catalog, test_q, test_qrels, proxies, corpus_ids)
+        scores[name], extra = score_model(m, catalog, test_q, test_qrels, proxies, corpus_ids, judged)
         if name == "zero-shot":
             filters = extra
     # the filters, decided by the zero-shot model (what a run has before anything trains)
@@ -224,6 +274,7 @@ def main() -> None:
         for f, qs in keep.items():
             scores[name][f] = {q: v for q, v in scores[name]["ict-removed"].items() if q in qs}
     units = {q: document_id(qs[1]) for p in proxies.values() for q, qs in p.items()}
+    units.update({q: q for q in test_q})  # a log query is its own unit
 
     real = {n: mean(s["real"]) for n, s in scores.items()}
     real_best = max(real, key=real.get)
