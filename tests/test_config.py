@@ -407,3 +407,19 @@ def test_the_console_log_has_no_faiss_loader_lines():
     assert p.returncode == 0, p.stderr[-3000:]
     assert "irflow ready" in p.stderr
     assert "faiss.loader" not in p.stderr and "ModuleNotFoundError" not in p.stderr, p.stderr
+
+
+def test_a_query_log_proxy_needs_the_log_and_a_recipe_whose_teacher_judges(tmp_path):
+    """dataset.proxy.queries: log holds out a part of the query log for the teacher to judge: without a log,
+    or in a recipe with no teacher (baselines), the config says so by its path."""
+    (tmp_path / "docs.jsonl").write_text('{"_id": "a", "text": "a passage"}\n')
+    (tmp_path / "log.txt").write_text("a query\n")
+    own = {"source": str(tmp_path / "docs.jsonl"), "proxy": {"queries": {"source": "log"}}}
+    with pytest.raises(ConfigError, match=r"dataset.proxy.queries.source: log holds out a part of the query log: "
+                                          r"set query_log"):
+        api.load_config({"flow": "gpl", "dataset": own})
+    with pytest.raises(ConfigError, match=r"recipe baselines has none \(gpl has\)"):
+        api.load_config({"flow": "baselines", "dataset": {**own, "query_log": str(tmp_path / "log.txt")}})
+    c = api.load_config({"flow": "gpl", "generate": {"source": "unlabelled"},
+                         "dataset": {**own, "query_log": str(tmp_path / "log.txt")}})
+    assert c.dataset.proxy.judged and "teacher's top 1 judged relevant" in c.dataset.proxy.describe()

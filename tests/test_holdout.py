@@ -133,3 +133,33 @@ def test_a_t5_proxy_cannot_be_cut(docs):
     assert not ProxyConfig().cuts and ProxyConfig(cut=True).cuts  # whole passages: measured the better proxy
     with pytest.raises(ValidationError, match="t5 queries are not cut out"):
         ProxyConfig(queries={"source": "t5", "model": "some/t5"}, cut=True)
+
+
+def test_held_out_log_queries_stay_held_out_as_the_log_grows_and_repeats_follow_their_twin(tmp_path):
+    """A held-out part of a query log (dataset.proxy.queries: log): night 2's log has 10% more queries, 5%
+    deleted and a repeat of each held-out query in other case and punctuation: every query of both nights
+    is on the same side both nights, and each repeat on its twin's."""
+    from irflow.stages.ingest import QueryHoldoutParams, hold_out_queries
+
+    with zipfile.ZipFile(SAMPLE) as z:
+        name = min((n for n in z.namelist() if n.endswith("queries.jsonl")), key=len)
+        texts = [json.loads(ln)["text"] for ln in z.read(name).decode().splitlines()]
+    assert len(texts) >= 200
+
+    def split(log: list[str], tag: str) -> tuple[set[str], set[str]]:
+        folder = tmp_path / tag
+        folder.mkdir()
+        pq.write_table(pa.table({"query_id": [f"{tag}-{i}" for i in range(len(log))], "text": log}), folder / TABLE_FILE)
+        out = hold_out_queries.fn(QueryHoldoutParams(fraction=0.2), StageRuntime(threads=1, workdir=tmp_path),
+                                  queries=DatasetRef(tag, tag, "table", "queries", str(folder)))
+        return set(out["heldout"].column("text").to_pylist()), set(out["train_queries"].column("text").to_pylist())
+
+    night1 = texts[:180]
+    deleted = set(random.Random(4).sample(night1, 9))
+    held1, train1 = split(night1, "n1")
+    repeats = [t.upper().rstrip("?.") + " ?" for t in sorted(held1)]
+    held2, train2 = split([t for t in night1 if t not in deleted] + texts[180:198] + repeats, "n2")
+    assert 18 <= len(held1) <= 54 and deleted & held1
+    both = set(night1) - deleted
+    assert held1 & both == held2 & both and train1 & both == train2 & both
+    assert set(repeats) <= held2  # a repeat, however written, is held out with its twin

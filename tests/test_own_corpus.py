@@ -300,3 +300,53 @@ def test_export_settings_make_a_model_without_normalize_encode_unit_vectors(tmp_
     assert exported.max_seq_length == 16
     np.testing.assert_allclose(exported.encode(texts), expected, atol=1e-6)
     assert apply_inference_settings(folder, {"max_seq_length": 16, "similarity": "cos"}) == []  # idempotent
+
+
+def test_a_held_out_part_of_the_query_log_is_judged_by_the_teacher_and_never_trained_on(own):
+    """dataset.proxy.queries: log: a fifth of the log (by each query's own words) is held out; training reads
+    the rest; the teacher (the cross-encoder) judges each held-out query's best candidate among the miners'
+    rankings of the whole corpus, and the models are evaluated, and selected with each query its own unit,
+    on those judgements."""
+    from irflow.learn.scoring import cross_encoder_scores
+    from irflow.learn.text import doc_texts
+
+    log = own["root"] / "log.txt"
+    log.write_text("\n".join(q["text"] for q in own["queries"]) + "\n")
+    cfg = own["root"] / "log-proxy.yaml"
+    code, out, err = run_cli("new", "gpl", "--corpus", own["root"] / "docs.jsonl", "--model", own["bi"],
+                             "--teacher", own["ce"], "--query-log", log, "--out", cfg, "--force")
+    assert code == 0, err
+    code, out, err = run_cli("run", cfg, "--store", own["store"], "--json",
+                             *_sets(*TINY, "dataset.proxy.queries={source: log, fraction: 0.2}"))
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    stages = {s["name"]: s["outputs"] for s in result["stages"]}
+    catalog = Catalog(own["store"] / "catalog.duckdb")
+
+    def table(dataset_id):
+        return pq.read_table(catalog.dataset(dataset_id)["path"])
+
+    held = table(stages["hold_out_queries"]["heldout"])
+    trained = set(table(stages["generate_queries[unlabelled]"]["queries"]).column("text").to_pylist())
+    held_texts = set(held.column("text").to_pylist())
+    assert held_texts and trained and not held_texts & trained
+    assert len(held_texts | trained) == len({q["text"] for q in own["queries"]})
+    # the judgements: the cross-encoder's best of the union of the miners' candidates, one per held-out query
+    qrels = table(stages["judge_queries"]["qrels"])
+    judged = dict(zip(qrels.column("query_id").to_pylist(), qrels.column("doc_id").to_pylist()))
+    assert set(judged) == set(held.column("query_id").to_pylist())
+    cands: dict[str, set] = {}
+    for name in (n for n in stages if n.startswith(("bm25_search[judge-", "dense_search[judge-"))):
+        t = table(stages[name]["run"])
+        for q, d in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist()):
+            cands.setdefault(q, set()).add(d)
+    assert len([n for n in stages if "[judge-" in n and "_search" in n]) == 2  # both miners, on held-out queries
+    texts = dict(zip(held.column("query_id").to_pylist(), held.column("text").to_pylist()))
+    dtext = doc_texts(table(stages["ingest_corpus"]["corpus"]))
+    for q in sorted(judged)[:5]:
+        docs = sorted(cands[q])
+        scores = cross_encoder_scores(str(own["ce"]), [(texts[q], dtext[d]) for d in docs], batch_size=32,
+                                      max_length=350)
+        assert judged[q] == docs[int(np.argmax(scores))]
+    assert "held-out query log" in result["evaluation"]
+    assert "queries" in result["selected"]["reason"] and "documents" not in result["selected"]["reason"]

@@ -56,6 +56,8 @@ class RecipeConfig(Params):
     ``follows`` declares the keys whose default is another key's value (see ``irflow.engine.follows``)."""
 
     follows: ClassVar[tuple[Follow, ...]] = ()
+    # whether the recipe has a teacher that judges a held-out part of a query log (dataset.proxy.queries: log)
+    judges_queries: ClassVar[bool] = False
 
     flow: str = Field(description="which recipe this config is for")
     runtime: RuntimeConfig = Field(RuntimeConfig(), description="where and how stages run (never part of a key)")
@@ -70,6 +72,10 @@ class RecipeConfig(Params):
                 and d.proxy is None:
             raise ValueError("promote.alias: promotion compares models on the run's evaluation, and dataset.proxy: "
                              "null evaluates nothing (give the proxy back, or labels)")
+        proxy = getattr(d, "proxy", None) if getattr(d, "own", False) and not d.labelled else None
+        if proxy is not None and proxy.queries.source == "log" and not self.judges_queries:
+            raise ValueError(f"dataset.proxy.queries.source: log has the held-out queries judged by the run's "
+                             f"teacher; recipe {self.flow} has none (gpl has): use ict, crop or t5")
         return self
 
     @model_validator(mode="before")
@@ -207,6 +213,7 @@ class Made:
     models: dict[str, Any] = field(default_factory=dict)
     start: str | None = None
     caveat: str | None = None
+    units: str = "documents"  # a proxy's independent unit: documents (queries of one passage share it) or queries
 
 
 @dataclass
@@ -380,7 +387,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
         # an evaluation that --to left out has no metrics to report
         evaluated = [ev for ev in made.evaluations if ev["metrics"].kind != PENDING]
         # a proxy's query -> its held-out document: the unit of the selection's and the promotion's tests
-        units = _proxy_documents(run) if made.evaluation.startswith("proxy") else None
+        units = _proxy_documents(run) if made.evaluation.startswith("proxy") and made.units == "documents" else None
         selected = _select(run, made, evaluated, units)
         rows = report(run, evaluated, selected)
         _warn_if_saturated(made.evaluation, rows)

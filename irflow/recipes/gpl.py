@@ -43,6 +43,7 @@ teacher weights and label miners name miners.
 # No `from __future__ import annotations`: Prefect loads a deployment entrypoint file as a module that
 # is not in sys.modules, where pydantic could not resolve string annotations of the config models.
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Union
 
@@ -96,9 +97,11 @@ from irflow.stages.pseudo_label import (
     AutoScale,
     CrossEncoderTeacher,
     FusionTeacher,
+    JudgeParams,
     LabelScoresParams,
     LabelSettings,
     PseudoLabelParams,
+    judge_queries,
     label_positives,
     label_scores,
     pseudo_label,
@@ -259,6 +262,7 @@ def _fit_to_student(similarity: str, max_seq_length: int) -> dict:
 
 
 class GPLConfig(RecipeConfig):
+    judges_queries: ClassVar[bool] = True  # its teacher judges a held-out query log (dataset.proxy.queries: log)
     follows: ClassVar = (
         Follow("label.positive", "generate.source", _positive,
                says="teacher_top1 if generate.source is unlabelled, else qrels"),
@@ -399,18 +403,19 @@ def miner_model(run: Run, m: DenseMiner, c: GPLConfig, student: DatasetRef | Non
 
 
 def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef,
-              student: DatasetRef | None = None, suffix: str = "") -> DatasetRef:
-    """A miner's top `mine.depth` for the generated queries; the run's system is the miner's name."""
+              student: DatasetRef | None = None, suffix: str = "", prefix: str = "miner") -> DatasetRef:
+    """A miner's top `mine.depth` for the generated queries (stages tagged ``<prefix>-<miner>``); the run's
+    system is the miner's name."""
     name = miner_name(m)
     if isinstance(m, BM25Miner):
         index = bm25_index(run, BM25IndexParams(variant=m.variant), tag=m.variant, corpus=corpus)
         return bm25_search(run, m.to(BM25SearchParams, depth=c.mine.depth, remove_query=False, system=name),
-                           tag=f"miner-{name}", bm25_index=index, queries=queries)
+                           tag=f"{prefix}-{name}", bm25_index=index, queries=queries)
     # Same model and encoding as an evaluated system: its corpus embeddings are reused (cached).
     settings = c.dense.to(DenseRetrieval, depth=c.mine.depth, remove_query=False,
                           similarity=m.similarity or c.dense.similarity)
     return dense_run(run, settings, corpus, queries, model=miner_model(run, m, c, student), system=name,
-                     tag=f"miner-{name}{suffix}")
+                     tag=f"{prefix}-{name}{suffix}")
 
 
 def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, rankings: list[DatasetRef],
@@ -430,18 +435,19 @@ def labelling(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, rankings
 
 
 def miner_scores(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: DatasetRef, queries: DatasetRef,
-                 candidates: list[DatasetRef], student: DatasetRef | None = None, suffix: str = "") -> DatasetRef:
+                 candidates: list[DatasetRef], student: DatasetRef | None = None, suffix: str = "",
+                 prefix: str = "teacher") -> DatasetRef:
     """The miner's score of every candidate pair (``teacher.score_every_candidate``), from the index or
     the corpus embeddings its mining built (cached); the run's system is the miner's name."""
     name = miner_name(m)
     if isinstance(m, BM25Miner):
         index = bm25_index(run, BM25IndexParams(variant=m.variant), tag=m.variant, corpus=corpus)
-        return bm25_score(run, m.to(BM25ScoreParams, system=name), tag=f"teacher-{name}", bm25_index=index,
+        return bm25_score(run, m.to(BM25ScoreParams, system=name), tag=f"{prefix}-{name}", bm25_index=index,
                           queries=queries, candidates=candidates)
     settings = c.dense.to(EncodeParams, similarity=m.similarity or c.dense.similarity)
     model = miner_model(run, m, c, student)
     embeddings = encode_corpus(run, settings, tag=f"miner-{name}{suffix}", corpus=corpus, model=model)
-    return dense_score(run, settings.to(DenseScoreParams, system=name), tag=f"teacher-{name}{suffix}",
+    return dense_score(run, settings.to(DenseScoreParams, system=name), tag=f"{prefix}-{name}{suffix}",
                        embeddings=embeddings, queries=queries, model=model, candidates=candidates)
 
 
@@ -453,6 +459,23 @@ def teacher_runs(run: Run, c: GPLConfig, gen: dict, negatives: DatasetRef, mined
         return mined
     candidates = [negatives] + ([gen["qrels"]] if c.label.positive == "qrels" else [])
     return [miner_scores(run, m, c, corpus, gen["queries"], candidates, student, suffix) for m in c.mine.miners]
+
+
+def judged_heldout_log(run: Run, c: GPLConfig, data: Dataset) -> Dataset:
+    """The held-out log queries (``dataset.proxy.queries.source: log``) with their judgements: every miner's
+    top ``mine.depth`` over the whole corpus, scored by the run's teacher as labelling scores the training
+    queries' candidates, the teacher's best ``relevant`` judged relevant."""
+    queries, corpus, teacher = data.test_queries, data.corpus, c.teacher
+    mined = [miner_run(run, m, c, corpus, queries, prefix="judge") for m in c.mine.miners]
+    cross_encoder = isinstance(teacher, CrossEncoderTeacherConfig)
+    rankings = None if cross_encoder else mined
+    if isinstance(teacher, FusionTeacherConfig) and teacher.score_every_candidate:
+        rankings = [miner_scores(run, m, c, corpus, queries, mined, prefix="judge-teacher") for m in c.mine.miners]
+    p = JudgeParams(relevant=c.dataset.proxy.queries.relevant,
+                    teacher=teacher.to(CrossEncoderTeacher if cross_encoder else FusionTeacher))
+    qrels = judge_queries(run, p, queries=queries, corpus=corpus, candidates=mined, teacher_rankings=rankings,
+                          teacher=run.model(teacher.model, "teacher.model") if cross_encoder else None)
+    return replace(data, qrels=qrels)
 
 
 # ---- the recipe -----------------------------------------------------------------------------------
@@ -482,6 +505,8 @@ def gpl(c: GPLConfig, run: Run) -> Made:
 
     # 1. Query generation (once: every round labels the same queries).
     gen = query_generation(run, c.generate, data)
+    if data.judged:  # a synthetic evaluation of held-out log queries: the teacher judges them
+        data = judged_heldout_log(run, c, data)
 
     # Each round: 2. negative mining with every miner; 3. pseudo labels from the teacher; 4. the GPL student
     # (Margin-MSE on the teacher's margins). Round 1 is GPL; from round 2 on, the dense miner on train.model is

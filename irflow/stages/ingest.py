@@ -238,6 +238,34 @@ def holdout(p: HoldoutParams, rt: StageRuntime, *, corpus: DatasetRef):
     return {"train_corpus": t.filter(train), "heldout": t.filter(keep)}
 
 
+class QueryHoldoutParams(Params):
+    fraction: float = Field(0.2, gt=0, le=0.5, description="a query of the log is held out (never trained on; "
+                            "judged by the teacher for the synthetic evaluation) when the hash of (seed, its "
+                            "normalised text) falls below this fraction: a rule on the query's own words, so a "
+                            "growing log never moves a query across, and a repeated query stays on one side")
+    seed: int = Field(0, description="which queries are held out (the hash of seed and normalised text)")
+
+
+@stage("hold_out_queries", version="1", outputs=[Output("train_queries", "queries"), Output("heldout", "queries")])
+def hold_out_queries(p: QueryHoldoutParams, rt: StageRuntime, *, queries: DatasetRef):
+    """Split a query log before anything trains: ``heldout`` (the queries whose normalised text hashes below
+    ``fraction``) and ``train_queries`` (the rest: what training reads)."""
+    import pyarrow.compute as pc
+
+    from irflow.learn.twins import normalise
+
+    t = queries.table()
+    held = pa.array([hash_fraction(p.seed, " ".join(normalise(x or ""))) < p.fraction
+                     for x in t.column("text").to_pylist()], pa.bool_())
+    n = sum(held.to_pylist())
+    if n == 0 or n == t.num_rows:
+        raise DataError(f"the query log has {t.num_rows} queries; dataset.proxy.queries.fraction {p.fraction:g} holds "
+                        f"out {n}: {'none is' if not n else 'nothing is left to train on'} (raise the fraction or "
+                        f"give a longer log)")
+    log.info("hold_out_queries: %d of %d log queries held out", n, t.num_rows)
+    return {"train_queries": t.filter(pc.invert(held)), "heldout": t.filter(held)}
+
+
 @stage("cut_proxy_queries", version="1", outputs=Output("corpus", "corpus"))
 def cut_proxy_queries(p: NoParams, rt: StageRuntime, *, corpus: DatasetRef, queries: DatasetRef, qrels: DatasetRef):
     """The corpus a proxy searches when its queries were cut out of their held-out passages (ict, crop):

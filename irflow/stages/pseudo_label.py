@@ -366,3 +366,52 @@ def label_positives(p: NoParams, rt: StageRuntime, *, pseudo_labels: DatasetRef)
     pairs = sorted(set(zip(t.column("query_id").to_pylist(), t.column("pos_doc_id").to_pylist())))
     return pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs],
                      "score": pa.array([1] * len(pairs), pa.int32()), "split": ["generated"] * len(pairs)})
+
+
+# ---- judge_queries: a held-out part of a query log, judged by the teacher --------------------------
+class JudgeParams(Params):
+    """``judge_queries``: which of a query's candidates the teacher's judgement calls relevant."""
+
+    relevant: PositiveInt = Field(1, description="the teacher's best this many candidates of each query are "
+                                                 "judged relevant (1: its top 1, the passage GPL would train on)")
+    teacher: Teacher = Field(description="who judges: the run's teacher (a cross-encoder or a fusion of runs)")
+
+
+def judgements(p: JudgeParams, rt: StageRuntime | None, queries: pa.Table, corpus: pa.Table,
+               candidates: Sequence[pa.Table], runs: Sequence[pa.Table] = (),
+               teacher_model: DatasetRef | None = None) -> pa.Table:
+    """``judge_queries`` without the store: qrels (split ``generated``) of the teacher's best ``p.relevant``
+    candidates per query, candidates being every (query, passage) any of ``candidates`` returned."""
+    qids = queries.column("query_id").to_pylist()
+    pairs = sorted({(q, d) for t in candidates for q, d in zip(_of_queries(t, qids).column("query_id").to_pylist(),
+                                                             _of_queries(t, qids).column("doc_id").to_pylist())})
+    if not pairs:
+        raise DataError("judge_queries: the miners returned no candidate for any held-out query")
+    qtext = query_texts(queries, {q for q, _ in pairs})
+    dtext = doc_texts(corpus, {d for _, d in pairs})
+    scores = teacher_scores(p.teacher, pairs, qtext, dtext, runs=list(runs), model=teacher_model, rt=rt,
+                            stage="judge_queries")
+    by_query: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for (q, d), s in zip(pairs, scores):
+        by_query[q].append((-float(s), d))  # best first; ties by doc id
+    judged = [(q, d) for q in sorted(by_query) for _, d in sorted(by_query[q])[:p.relevant]]
+    return pa.table({"query_id": pa.array([q for q, _ in judged], pa.string()),
+                     "doc_id": pa.array([d for _, d in judged], pa.string()),
+                     "score": pa.array([1] * len(judged), pa.int32()),
+                     "split": pa.array(["generated"] * len(judged), pa.string())})
+
+
+@stage("judge_queries", version="1", outputs=Output("qrels", "qrels"), work="score", onnx=teacher_model)
+def judge_queries(p: JudgeParams, rt: StageRuntime, *, queries: DatasetRef, corpus: DatasetRef,
+                  candidates: list[DatasetRef], teacher_rankings: list[DatasetRef] | None = None,
+                  teacher: DatasetRef | None = None) -> pa.Table:
+    """Judgements of queries nobody trains on (a held-out part of a query log) by the run's teacher: each
+    query's candidates (the miners' rankings, ``candidates``) scored by the teacher, its best
+    ``relevant`` judged relevant. A synthetic evaluation on real queries, its judge the teacher: it ranks
+    models by how well they find what the teacher would pick.
+
+    Inputs: queries, corpus; candidates (runs); teacher_rankings (fusion teacher: the runs it fuses);
+    teacher (cross-encoder teacher: the model)."""
+    return judgements(p, rt, queries.table(), corpus.table(), [c.table(columns=["query_id", "doc_id"])
+                                                               for c in candidates],
+                      [r.table() for r in teacher_rankings or []], teacher)
