@@ -98,3 +98,7 @@ def test_encoding_generation_and_labelling_are_estimated_from_the_stages_own_par
                  for n in (1, 15))
     assert few.kind == many.kind == "score" and few.seconds < many.seconds
     assert few.work == "1,618 (query, passage) pairs scored"  # 809 log queries x (1 + 1)
+    # the held-out log's judgements: its queries x the miners' candidates, scored by the cross-encoder
+    judged = estimate.estimate(c, ["judge_queries"], size, HW, {"judge_queries": {"teacher": teacher}},
+                               {"judge_queries": 160})[0]
+    assert judged.kind == "score" and judged.work == "12,000 (query, passage) pairs judged"  # 160 x 50 x 1.5

@@ -175,6 +175,16 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
                     * model_scale(getattr(getattr(c, "teacher", None), "model", None)))
             peak += mem["model"]
             work, kind = f"{pairs:,} (query, passage) pairs scored", "score"
+        elif base == "judge_queries" and (own.get("teacher") or {}).get("type") == "cross_encoder":
+            # the held-out log queries' candidates: the miners' top mine.depth each, overlapping by about half
+            proxy = getattr(getattr(c, "dataset", None), "proxy", None)
+            held = (queries or {}).get(label) or int((size.log_queries or 0) * getattr(proxy.queries, "fraction", 0.2))
+            depth = getattr(getattr(c, "mine", None), "depth", 50)
+            pairs = int(held * depth * 1.5)
+            sec += (pairs * _tokens(size, own["teacher"]["max_length"]) / 1000 * _rate(hw, "score")
+                    * model_scale(getattr(getattr(c, "teacher", None), "model", None)))
+            peak += mem["model"]
+            work, kind = f"{pairs:,} (query, passage) pairs judged", "score"
         elif base == "pseudo_label" and isinstance(_scale(c, (params or {}).get(label)), dict):
             # scale: auto encodes a sample of the triples (query, positive, negative) with the student
             p = own or getattr(c, "label").model_dump()
