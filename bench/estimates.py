@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,27 +62,71 @@ def compare(store: Path, run_id: str) -> dict:
             "stages_over_30s": [{"stage": r.stage, "ratio": round(computed[r.stage] / r.seconds, 2)} for r in heavy]}
 
 
+def run_as_a_user(corpus: str, query_log: str | None, budget: float, store: Path) -> dict:
+    """`irflow new gpl --budget-minutes N --store STORE` (calibrated by what the store measured here), then
+    `irflow run`, as a user runs them: the whole run's wall time against the budget, and when (if ever) the run
+    said it would overrun, as seconds from its start and as a share of the run."""
+    import subprocess
+    import threading
+
+    cfg = store.parent / f"{store.name}-new.yaml"
+    cmd = [sys.executable, "-m", "irflow.cli"]
+    new = cmd + ["new", "gpl", "--corpus", corpus, "--budget-minutes", str(budget), "--out", str(cfg), "--force",
+                 "--store", str(store)] + (["--query-log", query_log] if query_log else [])
+    made = subprocess.run(new, capture_output=True, text=True, env=harness.cli_env(), cwd=harness.ROOT)
+    print(made.stdout[-3000:], made.stderr[-2000:])
+    made.check_returncode()
+    load_before = harness.loadavg()
+    t0 = time.time()
+    proc = subprocess.Popen(cmd + ["run", str(cfg), "--store", str(store), "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=harness.cli_env(), cwd=harness.ROOT)
+    said: list[tuple[float, str]] = []
+    lines: list[str] = []
+
+    def watch() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "slower than its estimate" in line and not said:
+                said.append((round(time.time() - t0, 1), line.strip()))
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    out = proc.stdout.read()
+    proc.wait()
+    reader.join(5)
+    wall = time.time() - t0
+    if proc.returncode:
+        raise SystemExit("".join(lines[-40:]))
+    result = json.loads(out.strip().splitlines()[-1])
+    return {"run_id": result["run_id"], "budget_s": budget * 60, "wall_s": round(wall, 1),
+            "wall_vs_budget": round(wall / (budget * 60), 2), "load_before": load_before,
+            "load_after": harness.loadavg(), "overrun_said_at_s": said[0][0] if said else None,
+            "overrun_said_at_share": round(said[0][0] / wall, 3) if said else None,
+            "overrun_message": said[0][1] if said else None, "new_output": made.stdout[-4000:]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", required=True)
     ap.add_argument("--run", help="a finished run's id (default: with --new, the run it makes)")
-    ap.add_argument("--new", metavar="CORPUS", help="write a config with `irflow new gpl --corpus CORPUS` and run it")
+    ap.add_argument("--new", metavar="CORPUS", help="`irflow new gpl --corpus CORPUS --store STORE` then `irflow "
+                                                    "run`, as a user runs them")
     ap.add_argument("--query-log")
     ap.add_argument("--budget-minutes", type=float, default=10)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     store = Path(args.store)
     run_id = args.run
+    user = None
     if args.new:
-        from irflow.tools import scaffold
-
-        cfg = store.parent / f"{store.name}-new.yaml"
-        text, table = scaffold.new_config("gpl", args.new, query_log=args.query_log,
-                                          budget_minutes=args.budget_minutes)
-        scaffold.write(cfg, text, force=True)
-        print(table)
-        run_id = harness.run(cfg, store=store).result.run_id
+        user = run_as_a_user(args.new, args.query_log, args.budget_minutes, store)
+        run_id = user["run_id"]
     out = compare(store, run_id)
+    if user:
+        out["as_a_user"] = user
+        print(f"whole run: {user['wall_s']} s for a budget of {user['budget_s']:.0f} s "
+              f"({user['wall_vs_budget']}x); overrun said at {user['overrun_said_at_s']} s "
+              f"({user['overrun_said_at_share']} of the run); load {user['load_before']} -> {user['load_after']}")
+    out["machine"] = harness.machine()
     harness.write_json(args.out, out)
     print(f"total: estimate {out['total']['estimate_s']} s, measured {out['total']['measured_s']} s "
           f"(ratio {out['total']['ratio']})")

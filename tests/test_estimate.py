@@ -102,3 +102,20 @@ def test_encoding_generation_and_labelling_are_estimated_from_the_stages_own_par
     judged = estimate.estimate(c, ["judge_queries"], size, HW, {"judge_queries": {"teacher": teacher}},
                                {"judge_queries": 160})[0]
     assert judged.kind == "score" and judged.work == "12,000 (query, passage) pairs judged"  # 160 x 50 x 1.5
+
+
+def test_a_budget_too_small_for_the_run_says_how_long_it_needs(tmp_path):
+    """`irflow new --budget-minutes 2` on the sample's 1,358 documents: encoding and searching alone take
+    longer, so it says the budget cannot hold and how many minutes would; 60 minutes says nothing."""
+    import zipfile
+
+    from irflow.tools import scaffold
+
+    with zipfile.ZipFile(ROOT / "irflow" / "samples" / "scifact-sample.zip") as z:
+        name = min((n for n in z.namelist() if n.endswith("corpus.jsonl")), key=len)
+        (tmp_path / "corpus.jsonl").write_bytes(z.read(name))
+    _, _, tight = scaffold.new_config("gpl", str(tmp_path / "corpus.jsonl"), budget_minutes=2)
+    said = [w for w in tight.warnings if "--budget-minutes 2 is less than this run needs" in w]
+    assert said and "give it" in said[0]
+    _, _, ample = scaffold.new_config("gpl", str(tmp_path / "corpus.jsonl"), budget_minutes=60)
+    assert not [w for w in ample.warnings if "less than this run needs" in w]

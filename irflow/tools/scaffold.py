@@ -258,6 +258,12 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
         cfg["train"]["checkpoint_every"] = max(50, steps // 10)
         choices.add(f"train.steps: {steps:,}, what fits --budget-minutes {budget_minutes:g} here with the rest of "
                     "the run (the paper: 140,000 steps on a GPU)")
+        needed = others + 3 + steps * per_step
+        if needed > budget_minutes * 60 * 1.05:
+            choices.warn(f"--budget-minutes {budget_minutes:g} is less than this run needs: without training it "
+                         f"takes about {others / 60:.1f} min here (encoding the corpus, searching, labelling), and "
+                         f"with the fewest steps irflow trains ({steps}) about {needed / 60:.0f} min; give it "
+                         f"{needed / 60:.0f} minutes or more")
         text = yaml.safe_dump(cfg, sort_keys=False)
         # the stages and the corpus are those planned above: only train.steps changed
         from irflow.recipes.base import load_config
