@@ -117,8 +117,8 @@ def baselines(c: BaselinesConfig, run: Run) -> Made:
         model = run.model(c.dense.model, "dense.model")
         systems.dense(system, dense_run(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
                                         model=model), model, start=True)
-        systems.runs.update(alias_runs(run, c, data, systems, c.dense))
+        systems.rankings.update(alias_runs(run, c, data, systems, c.dense))
     if c.deepct.enabled:
-        systems.runs[DEEPCT_SYSTEM] = deepct_run(run, c, data)
+        systems.rankings[DEEPCT_SYSTEM] = deepct_run(run, c, data)
     return evaluate_runs(run, c.evaluate, data, systems)
 

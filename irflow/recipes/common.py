@@ -397,16 +397,16 @@ def system_name(model: str) -> str:
 
 @dataclass
 class Systems:
-    """What a recipe evaluates: system -> test run (``runs``), the dense models among them a selection may
+    """What a recipe evaluates: system -> test ranking (``rankings``), the dense models among them a selection may
     pick (system -> model ref) and the system training started from (``start``)."""
 
-    runs: dict[str, DatasetRef] = field(default_factory=dict)
+    rankings: dict[str, DatasetRef] = field(default_factory=dict)
     models: dict[str, DatasetRef] = field(default_factory=dict)
     start: str | None = None
 
-    def dense(self, system: str, run_ref: DatasetRef, model: DatasetRef, *, start: bool = False) -> None:
-        """A dense system: its test run, and its model (the one training started from, with ``start``)."""
-        self.runs[system], self.models[system] = run_ref, model
+    def dense(self, system: str, ranking: DatasetRef, model: DatasetRef, *, start: bool = False) -> None:
+        """A dense system: its test ranking, and its model (the one training started from, with ``start``)."""
+        self.rankings[system], self.models[system] = ranking, model
         if start:
             self.start = system
 
@@ -426,7 +426,7 @@ def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, systems: Systems
     p = c.to(EvaluateParams, dataset=name, split=data.split)
     return replace(made, evaluations=[evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels,
                                                queries=data.test_queries, corpus=data.corpus)
-                                      for system, ref in systems.runs.items()])
+                                      for system, ref in systems.rankings.items()])
 
 
 def hybrid_runs(run: Run, c: HybridConfig, runs: dict[str, DatasetRef], sparse: str, zero_shot: str,
@@ -540,7 +540,7 @@ def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
                                        tag="zero-shot"), base, start=True)
     if start is not None:
         name, model = start
-        if name in systems.runs:
+        if name in systems.rankings:
             raise ConfigError(f"train.init: '{name}' is also the name of a system of this run; the alias's model is "
                               "evaluated as a system of that name: choose another alias name")
         systems.dense(name, dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
@@ -548,7 +548,7 @@ def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
     for name, model in models.items():
         systems.dense(name, dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
                                       tag=name), model)
-    systems.runs.update(alias_runs(run, c, data, systems, c.dense))
+    systems.rankings.update(alias_runs(run, c, data, systems, c.dense))
     return systems
 
 
@@ -585,7 +585,7 @@ def alias_runs(run: Run, c: RecipeConfig, data: Dataset, systems: Systems,
         return {}
     if any(isinstance(ref, DatasetRef) and ref.id == current["model_id"] for ref in systems.models.values()):
         return {}
-    if alias in systems.runs:
+    if alias in systems.rankings:
         raise ConfigError(f"promote.alias: '{alias}' is also the name of a system of this run; the alias's model is "
                           "evaluated as a system of that name: choose another alias name")
     model = alias_model(run, current["model_id"], "promote.alias")

@@ -116,6 +116,6 @@ def contriever(c: ContrieverConfig, run: Run) -> Made:
     # 3. Evaluation: BM25, the starting model and the trained one (and BM25 fused with each).
     students = {"contriever": model}
     tested = test_runs(run, c, data, base, students, base_model=c.train.model)
-    tested.runs.update(hybrid_runs(run, c.hybrid, tested.runs, c.bm25.first_system, system_name(c.train.model),
+    tested.rankings.update(hybrid_runs(run, c.hybrid, tested.rankings, c.bm25.first_system, system_name(c.train.model),
                                    students))
     return evaluate_runs(run, c.evaluate, data, tested)

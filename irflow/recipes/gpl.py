@@ -540,12 +540,12 @@ def gpl(c: GPLConfig, run: Run) -> Made:
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
     tested = test_runs(run, c, data, base, students, base_model=c.train.model, start=start)
-    runs = tested.runs
-    runs.update(hybrid_runs(run, c.hybrid, runs, c.bm25.first_system, system_name(c.train.model), students))
+    rankings = tested.rankings
+    rankings.update(hybrid_runs(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.train.model), students))
     if c.doc2query.enabled:
         expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                     queries=gen["queries"], qrels=gen["qrels"])
-        runs.update(bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
+        rankings.update(bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
                               prefix="bm25-doc2query", tag_suffix="-doc2query"))
     return evaluate_runs(run, c.evaluate, data, tested, caveat)
 
