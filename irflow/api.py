@@ -8,6 +8,7 @@
     api.load_config("configs/demo.yaml") # the validated config, every default filled in
     api.report("latest", out="report")   # report/index.html: metrics with CIs, systems against baselines
     api.compare(run_a, run_b)            # config, stage and metric differences between two runs
+    api.estimate("configs/demo.yaml")    # what the stale stages will take here, before running them
 
 Everything a user can get wrong is checked before Prefect starts: the config (every key, type and
 range, and the recipe's cross-stage rules), the models it names, the devices it asks for, and the
@@ -43,8 +44,8 @@ from irflow.recipes.base import (
     upstream,
 )
 
-__all__ = ["run", "status", "report", "compare", "load_config", "store_root", "RunResult", "StageResult",
-           "StageStatus"]
+__all__ = ["run", "status", "estimate", "report", "compare", "load_config", "store_root", "RunResult",
+           "StageResult", "StageStatus", "RunEstimate"]
 
 log = logging.getLogger("irflow")
 
@@ -209,6 +210,59 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
         steps = plan(recipe, c, root, set(force), only=upstream(steps, set(to)))
     return [StageStatus(p["name"], p["status"], p["why"], p["inputs"], p["outputs"], p["datasets"], p["params"])
             for p in steps]
+
+
+@dataclass(frozen=True)
+class RunEstimate:
+    """What a run's stale stages will take here (``estimate``)."""
+
+    rows: list  # irflow.tools.estimate.StageEstimate per stale stage, calibrated by the store where it could be
+    prior: list  # the same from the shipped rates alone
+    hw: Any  # irflow.tools.estimate.Hardware
+    calibrated: Any  # irflow.tools.estimate.Calibration, or None (no run on this hardware with free cores)
+    load: float | None  # the load average when it was made
+
+    def table(self, measured: dict[str, float] | None = None) -> str:
+        """The estimate per stage, and with ``measured`` (stage -> seconds) the seconds each took beside it."""
+        from irflow.tools import estimate as est
+
+        if measured is None:
+            return est.format_estimates(self.rows, self.hw, calibrated=self.calibrated, load=self.load)
+        return est.format_estimates(self.rows, self.hw, measured, self.calibrated)
+
+    def record(self, run_id: str, store: str | os.PathLike | None = None) -> None:
+        """Kept beside the run in its catalog: what later estimates on this hardware calibrate by."""
+        from irflow.tools import estimate as est
+
+        prior = {p.stage: p.seconds for p in self.prior}
+        catalog(store).record_estimates(run_id, [{"stage": r.stage, "kind": r.kind, "prior": prior[r.stage],
+                                                  "seconds": r.seconds} for r in self.rows],
+                                        est.hardware_key(self.hw), self.load)
+
+
+def estimate(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
+             store: str | os.PathLike | None = None, force: list[str] | tuple[str, ...] | set[str] = (),
+             to: list[str] | tuple[str, ...] | set[str] = ()) -> RunEstimate | None:
+    """What ``run`` with these arguments would spend here on each stale stage (``irflow.tools.estimate``: each
+    stage's work from its own params, at the rates this store measured on this hardware with free cores, else
+    the shipped ones); None when nothing is stale. Raises UserError as ``status`` does."""
+    from irflow.tools import estimate as est
+
+    plan_ = status(config, overrides, store, force, to)
+    stale = list(dict.fromkeys(p.name for p in plan_ if p.status == "stale"))
+    if not stale:
+        return None
+    c = load_config(config, overrides)
+    hw = est.hardware()
+    size = est.corpus_size(c.dataset)
+    try:
+        cat = catalog(store)
+    except UserError:  # no store yet: every input is still to be made
+        cat = None
+    prior = est.estimate(c, stale, size, hw, {p.name: p.params for p in plan_}, est.searched_queries(plan_, size, cat))
+    calibrated = est.calibration(cat, hw)
+    return RunEstimate(calibrated.apply(prior) if calibrated else prior, prior, hw, calibrated,
+                       runtime.load_average())
 
 
 def catalog(store: str | os.PathLike | None = None, must_exist: bool = True):

@@ -32,13 +32,11 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from irflow import api
 from irflow.engine import orchestration, pace
 from irflow.engine.errors import StageFailed, UserError
-from irflow.engine.runtime import load_average
 from irflow.engine.store import DEFAULT_STORE
 
 log = logging.getLogger("irflow")
@@ -73,11 +71,12 @@ def cmd_run(args) -> int:
     print()
     print(format_table(result.metrics))
     if estimated:
-        from irflow.tools import estimate
-
         measured = {s.name: s.seconds for s in result.stages if s.status == "computed"}
-        print("\n" + estimate.format_estimates(estimated.rows, estimated.hw, measured, estimated.calibrated))
-        _record_estimates(result, estimated)
+        print("\n" + estimated.table(measured))
+        try:
+            estimated.record(result.run_id, result.store)
+        except Exception as err:  # noqa: BLE001 -- the run is done; the next estimate is then uncalibrated
+            print(f"irflow: the estimate was not recorded ({type(err).__name__}: {err})", file=sys.stderr)
     computed = sum(1 for s in result.stages if s.status == "computed")  # as the catalog counts: per stage run
     print(f"\nrun {result.run_id}: {len(result.stages)} stages, {computed} computed, "
           f"{len(result.stages) - computed} cached, {result.seconds:.1f}s; store {result.store}")
@@ -110,59 +109,20 @@ def cmd_run(args) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class Estimated:
-    rows: list  # irflow.tools.estimate.StageEstimate, calibrated by the store where it could be
-    prior: list  # the same from the shipped rates alone
-    hw: object  # irflow.tools.estimate.Hardware
-    calibrated: object  # irflow.tools.estimate.Calibration or None
-    load: float | None  # the load average before the run
-
-
-def _record_estimates(result, e: Estimated) -> None:
-    """The estimate beside the run in its catalog: what later estimates on this hardware calibrate by."""
-    from irflow.tools import estimate
-
-    prior = {p.stage: p.seconds for p in e.prior}
+def _estimate(args) -> "api.RunEstimate | None":
+    """Before a run: what its stale stages will take here (``api.estimate``), printed; None when nothing is
+    stale, or when the estimate cannot be made (it says why in one line; the run goes on)."""
     try:
-        api.catalog(result.store).record_estimates(
-            result.run_id, [{"stage": r.stage, "kind": r.kind, "prior": prior[r.stage], "seconds": r.seconds}
-                            for r in e.rows], estimate.hardware_key(e.hw), e.load)
-    except Exception as err:  # noqa: BLE001 -- the run is done; the next estimate is then uncalibrated
-        print(f"irflow: the estimate was not recorded ({type(err).__name__}: {err})", file=sys.stderr)
-
-
-def _estimate(args) -> Estimated | None:
-    """Before a run: what its stale stages will take here (irflow.tools.estimate, calibrated by what this store
-    measured on this hardware), printed; None when nothing is stale or the corpus cannot be sized (the
-    run then says why)."""
-    from irflow.tools import estimate
-
-    try:
-        plan = api.status(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
-        stale = list(dict.fromkeys(p.name for p in plan if p.status == "stale"))
-        if not stale:
-            return None
-        c = api.load_config(args.config, args.set)
-        hw = estimate.hardware()
-        size = estimate.corpus_size(c.dataset)
-        try:
-            catalog = api.catalog(args.store)
-        except UserError:  # no store yet: every input is still to be made
-            catalog = None
-        queries = estimate.searched_queries(plan, size, catalog)
-        prior = estimate.estimate(c, stale, size, hw, {p.name: p.params for p in plan}, queries)
-        calibrated = estimate.calibration(catalog, hw)
-        rows = calibrated.apply(prior) if calibrated else prior
-        load = load_average()
+        estimated = api.estimate(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [])
     except UserError:  # a bad config or corpus: the run reports it next, before anything starts
         return None
     except Exception as e:  # noqa: BLE001 -- an estimate never stops a run; it says why it is missing
         print(f"irflow: no estimate ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
               "the run goes on", file=sys.stderr)
         return None
-    print(estimate.format_estimates(rows, hw, calibrated=calibrated, load=load), file=sys.stderr)
-    return Estimated(rows, prior, hw, calibrated, load)
+    if estimated:
+        print(estimated.table(), file=sys.stderr)
+    return estimated
 
 
 def cmd_status(args) -> int:
