@@ -56,7 +56,7 @@ def tiny(own):
 
 @pytest.fixture(scope="module")
 def minilm(own, tiny):
-    from irflow.engine import catalog as catalog_module
+    from irflow.engine import catalog_decisions as catalog_module
 
     def ctrl_c(*args):  # a Ctrl-C after the INSERT, before the COMMIT
         raise KeyboardInterrupt
