@@ -423,3 +423,6 @@ def test_a_query_log_proxy_needs_the_log_and_a_recipe_whose_teacher_judges(tmp_p
     c = api.load_config({"flow": "gpl", "generate": {"source": "unlabelled"},
                          "dataset": {**own, "query_log": str(tmp_path / "log.txt")}})
     assert c.dataset.proxy.judged and "teacher's top 1 judged relevant" in c.dataset.proxy.describe()
+    # spider's windows are cut out of their passage as ICT's sentences are: an ICT proxy would favour them
+    with pytest.raises(ConfigError, match=r"ict queries are of the kind of generate.source \(spider\)"):
+        api.load_config({"flow": "contriever", "generate": {"source": "spider"}, "dataset": {**own, "proxy": {}}})

@@ -58,8 +58,9 @@ class ProxyT5(T5Source):
     model: ModelName = Field(description="the seq2seq query generator (a hub id or local directory)")
 
 
-# ICT's sentence and crop's span are both cut out of the passage they point to: one kind of query
-SPAN_SOURCES = frozenset({"ict", "crop"})
+# ICT's sentence, crop's span and spider's recurring-span window are all cut out of the passage they point
+# to: one kind of query
+SPAN_SOURCES = frozenset({"ict", "crop", "spider"})
 
 
 def same_kind(proxy_source: str, training_source: str) -> bool:
