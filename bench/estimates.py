@@ -32,13 +32,14 @@ def compare(store: Path, run_id: str) -> dict:
     c = api.load_config(config)
     # every stage of the run, with the seconds of the run that computed it (this one, or an earlier one whose
     # result it reused: a bench run that was restarted)
-    computed, params, queries = {}, {}, {}
+    computed, params, queries, loads = {}, {}, {}, {}
     with catalog.connect() as con:
         for s in catalog.stage_runs(run_id):
-            row = con.execute("SELECT seconds, detail FROM stage_runs WHERE cache_key = ? AND status = 'computed' "
-                              "ORDER BY started_at DESC LIMIT 1", [s["cache_key"]]).fetchone()
+            row = con.execute("SELECT seconds, detail, runtime FROM stage_runs WHERE cache_key = ? AND status = "
+                              "'computed' ORDER BY started_at DESC LIMIT 1", [s["cache_key"]]).fetchone()
             if row:
                 computed[s["name"]] = row[0]
+                loads[s["name"]] = (json.loads(row[2]) if row[2] else {}).get("load")  # [at start, at end]
                 detail = json.loads(row[1])
                 params[s["name"]] = detail.get("cfg") or {}
                 ids = detail.get("inputs", {}).get("queries") or []
@@ -56,10 +57,23 @@ def compare(store: Path, run_id: str) -> dict:
                                                              "train_queries": len(size.train_positives)},
             "stages": [{"stage": r.stage, "estimate_s": r.seconds, "measured_s": computed[r.stage],
                         "ratio": round(computed[r.stage] / r.seconds, 2) if r.seconds else None, "work": r.work,
-                        "estimate_peak_mb": r.peak_mb} for r in rows],
+                        "estimate_peak_mb": r.peak_mb, "load": loads.get(r.stage)} for r in rows],
             "total": {"estimate_s": round(total_est, 1), "measured_s": round(total, 1),
                       "ratio": round(total / total_est, 2) if total_est else None},
             "stages_over_30s": [{"stage": r.stage, "ratio": round(computed[r.stage] / r.seconds, 2)} for r in heavy]}
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Over several runs: the median measured / estimated of the stages that took 10 s or more, each run's
+    total ratio, and the mean load the stages ran under (the load average at their start and end)."""
+    import statistics
+
+    stages = [s for r in runs for s in r["stages"] if s["ratio"] and max(s["measured_s"], s["estimate_s"]) >= 10]
+    loads = [sum(s["load"]) / 2 for s in stages if s.get("load") and None not in s["load"]]
+    return {"runs": len(runs), "stages_10s_or_more": len(stages),
+            "median_stage_ratio": round(statistics.median(s["ratio"] for s in stages), 2) if stages else None,
+            "totals": {r["run_id"]: r["total"]["ratio"] for r in runs},
+            "mean_load_of_those_stages": round(sum(loads) / len(loads), 2) if loads else None}
 
 
 def run_as_a_user(corpus: str, query_log: str | None, budget: float, store: Path) -> dict:
@@ -107,7 +121,8 @@ def run_as_a_user(corpus: str, query_log: str | None, budget: float, store: Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", required=True)
-    ap.add_argument("--run", help="a finished run's id (default: with --new, the run it makes)")
+    ap.add_argument("--run", nargs="+", help="finished runs' ids (default: with --new, the run it makes); several: "
+                                            "each compared, then summarised together")
     ap.add_argument("--new", metavar="CORPUS", help="`irflow new gpl --corpus CORPUS --store STORE` then `irflow "
                                                     "run`, as a user runs them")
     ap.add_argument("--query-log")
@@ -115,12 +130,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     store = Path(args.store)
-    run_id = args.run
     user = None
     if args.new:
         user = run_as_a_user(args.new, args.query_log, args.budget_minutes, store)
-        run_id = user["run_id"]
-    out = compare(store, run_id)
+        args.run = [user["run_id"]]
+    if len(args.run) > 1:
+        runs = [compare(store, r) for r in args.run]
+        out = {"runs": runs, "summary": summarise(runs), "machine": harness.machine()}
+        harness.write_json(args.out, out)
+        print(json.dumps(out["summary"], indent=1))
+        return
+    out = compare(store, args.run[0])
     if user:
         out["as_a_user"] = user
         print(f"whole run: {user['wall_s']} s for a budget of {user['budget_s']:.0f} s "
