@@ -183,6 +183,11 @@ class TASConfig(TASParams):
                           "an in-batch Margin-MSE added to the pairwise one (TAS-B: ColBERT; offline e.g. "
                           "all-MiniLM-L6-v2); null: no in-batch loss (topic-aware and balanced sampling only)")
 
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the student learns a second teacher's in-batch scores."""
+        return self.enabled and self.teacher is not None
+
 
 class TrainConfig(TrainStudentParams):
     model: ModelName = Field("GPL/msmarco-distilbert-margin-mse", description="the student's starting point")
@@ -489,16 +494,31 @@ def same_generator(c: GPLConfig) -> bool:
     return same_kind(proxy, train)
 
 
+def same_kind_caveat(c: GPLConfig) -> str | None:
+    """Why the proxy cannot tell a trained student from the start, when its queries are of the students'
+    training kind (measured: such students lead zero-shot on the proxy and trail it on real qrels,
+    irflow/measured/proxy_same_kind.json); None otherwise."""
+    if not same_generator(c):
+        return None
+    return (f"the proxy's queries ({c.dataset.proxy.queries.source}) are of the kind the students trained on "
+            f"({c.generate.source}): it favours them whether or not they retrieve better "
+            f"(bench/results/own_corpus_*.json); give a query log, or another dataset.proxy.queries source, to "
+            f"select a trained model")
+
+
+def doc2query_runs(run: Run, c: GPLConfig, data: Dataset, gen: dict) -> dict[str, DatasetRef]:
+    """BM25 over the corpus expanded with the generated queries (``doc2query.enabled``), else none."""
+    if not c.doc2query.enabled:
+        return {}
+    expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
+                                queries=gen["queries"], qrels=gen["qrels"])
+    return bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
+                     prefix="bm25-doc2query", tag_suffix="-doc2query")
+
+
 @recipe("gpl", GPLConfig)
 def gpl(c: GPLConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
-    caveat = None
-    if same_generator(c):
-        # measured: such students lead zero-shot on the proxy and trail it on real qrels (irflow/measured/proxy_same_kind.json)
-        caveat = (f"the proxy's queries ({c.dataset.proxy.queries.source}) are of the kind the students "
-                                f"trained on ({c.generate.source}): it favours them whether or not they retrieve better "
-                                f"(bench/results/own_corpus_*.json); give a query log, or another "
-                                f"dataset.proxy.queries source, to select a trained model")
     base = run.model(c.train.model, "train.model")
     # the students' starting point: train.model, or (train.init: an alias) the model in use, trained on
     init, start = start_model(run, c.train.init, base, c.train.model, "train.init")
@@ -514,8 +534,7 @@ def gpl(c: GPLConfig, run: Run) -> Made:
     corpus = data.training_corpus  # the corpus itself, unless a synthetic evaluation holds passages out
     students, student, labels = {}, None, []
     # TAS-B's second teacher (train.tas.teacher): the bi-encoder that scores the student's in-batch pairs
-    tas_teacher = run.model(c.train.tas.teacher, "train.tas.teacher") if c.train.tas.enabled and c.train.tas.teacher \
-        else None
+    tas_teacher = run.model(c.train.tas.teacher, "train.tas.teacher") if c.train.tas.uses_teacher else None
     for r in range(1, c.rounds + 1):
         round_tag = None if r == 1 else f"r{r}"  # stage tags of round r > 1: mine_negatives[r2], miner-bi-r2
         suffix = f"-{round_tag}" if round_tag else ""
@@ -542,10 +561,6 @@ def gpl(c: GPLConfig, run: Run) -> Made:
     tested = test_runs(run, c, data, base, students, base_model=c.train.model, start=start)
     rankings = tested.rankings
     rankings.update(hybrid_runs(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.train.model), students))
-    if c.doc2query.enabled:
-        expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
-                                    queries=gen["queries"], qrels=gen["qrels"])
-        rankings.update(bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
-                              prefix="bm25-doc2query", tag_suffix="-doc2query"))
-    return evaluate_runs(run, c.evaluate, data, tested, caveat)
+    rankings.update(doc2query_runs(run, c, data, gen))
+    return evaluate_runs(run, c.evaluate, data, tested, same_kind_caveat(c))
 
