@@ -119,3 +119,17 @@ def test_a_budget_too_small_for_the_run_says_how_long_it_needs(tmp_path):
     assert said and "give it" in said[0]
     _, _, ample = scaffold.new_config("gpl", str(tmp_path / "corpus.jsonl"), budget_minutes=60)
     assert not [w for w in ample.warnings if "less than this run needs" in w]
+
+
+def test_a_long_stage_running_slow_is_said_while_it_runs():
+    """A stage still computing counts once it outlasts its estimate (its estimate covered, every second
+    measured): the overrun is said during a slow encoding, not only when it ends."""
+    started = datetime(2026, 12, 5, 22, 0).timestamp()
+    p = pace.Pace({"bm25_index": 10, "encode_corpus[zero-shot]": 100, "train_student[gpl]": 900}, started=started)
+    assert p.stage_done("bm25_index", 12, now=started + 12) is None
+    p.stage_started("encode_corpus[zero-shot]", now=started + 12)
+    assert p.check(now=started + 12 + 90) is None  # within its estimate: nothing known yet
+    assert p.check(now=started + 12 + 150) is None  # (12 + 150) s for (10 + 100) s estimated: 1.47x
+    said = p.check(now=started + 12 + 160)  # 172 s for 110 s: 1.56x, the encoding still running
+    assert said and "1.6x slower than its estimate" in said
+    assert p.check(now=started + 12 + 300) is None and p.stage_done("encode_corpus[zero-shot]", 400) is None

@@ -1,10 +1,14 @@
-"""Whether a run keeps to its estimate: after each computed stage, the measured seconds of the stages done
-against what the estimate gave them. Once those stages were estimated at a twentieth of the run and took
+"""Whether a run keeps to its estimate: the measured seconds of the stages done, and of those still
+computing, against what the estimate gave them. Once they were estimated at a twentieth of the run and took
 more than ``OVERRUN`` times that, the run says so once, with the finishing time at the pace it is going.
 
+A stage still computing counts as soon as it outlasts its estimate (its estimate covered, every second
+beyond it measured), so a long stage that is slow is said while it runs, not only when it ends: a watcher
+looks every ``WATCH_EVERY`` seconds.
+
 ``irflow run`` registers the estimate of the run it is about to start (``expect``); the runner reports each
-computed stage (``stage_done``). A run started another way (``irflow.api.run``) has no estimate and is not
-paced.
+stage it starts computing (``stage_started``) and each it computed (``stage_done``). A run started another
+way (``irflow.api.run``) has no estimate and is not paced.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from datetime import datetime, timedelta
 log = logging.getLogger("irflow.engine.pace")
 OVERRUN = 1.5  # a run this much slower than its estimate is said to overrun
 _JUDGE_AFTER = 1 / 20  # the share of the estimated run the stages done must cover before judging the pace
+WATCH_EVERY = 5.0  # seconds between two looks at the stages still computing
 _PACES: dict[str, "Pace"] = {}
+_WATCHERS: dict[str, threading.Event] = {}
 _LOCK = threading.Lock()
 
 
@@ -27,25 +33,42 @@ class Pace:
         self.total = sum(self.expected.values())
         self.started = time.time() if started is None else started
         self.done_estimated = self.done_measured = 0.0
+        self.running: dict[str, float] = {}  # label -> when it started computing
         self.said: str | None = None
+
+    def stage_started(self, label: str, now: float | None = None) -> None:
+        if label in self.expected:
+            self.running[label] = time.time() if now is None else now
 
     def stage_done(self, label: str, seconds: float, now: float | None = None) -> str | None:
         """Count a computed stage; the overrun message when this stage is the one that shows it."""
+        self.running.pop(label, None)
         estimated = self.expected.pop(label, None)
         if estimated is None or self.said is not None:
             return None
         self.done_estimated += estimated
         self.done_measured += seconds
-        if self.done_estimated < max(30.0, self.total * _JUDGE_AFTER):
-            return None
-        ratio = self.done_measured / self.done_estimated
-        if ratio <= OVERRUN:
+        return self.check(now)
+
+    def check(self, now: float | None = None) -> str | None:
+        """The overrun message, once, when the stages done and those computing beyond their estimate show it."""
+        if self.said is not None:
             return None
         now = time.time() if now is None else now
-        left = (self.total - self.done_estimated) * ratio
+        estimated, measured = self.done_estimated, self.done_measured
+        for label, since in self.running.items():
+            took, est = now - since, self.expected.get(label, 0.0)
+            if took > est:  # outlasted its estimate: the estimate covered, every second measured
+                estimated, measured = estimated + est, measured + took
+        if estimated < max(30.0, self.total * _JUDGE_AFTER):
+            return None
+        ratio = measured / estimated
+        if ratio <= OVERRUN:
+            return None
+        left = (self.total - estimated) * ratio
         finish, planned = (datetime.fromtimestamp(t) for t in (now + left, self.started + self.total))
         self.said = (f"this run is going {ratio:.1f}x slower than its estimate (stages estimated at "
-                     f"{_span(self.done_estimated)} took {_span(self.done_measured)}): at this pace it ends about "
+                     f"{_span(estimated)} took {_span(measured)}): at this pace it ends about "
                      f"{finish:%H:%M}{_day(finish, planned)}, not {planned:%H:%M} (busy cores? `uptime` says the load)")
         return self.said
 
@@ -60,19 +83,39 @@ def _day(t: datetime, ref: datetime) -> str:
 
 
 def expect(run_id: str, expected: dict[str, float]) -> None:
-    """The estimate (stage label -> seconds) of a run about to start in this process."""
+    """The estimate (stage label -> seconds) of a run about to start in this process; a watcher looks at its
+    stages still computing until ``forget``."""
+    stop = threading.Event()
     with _LOCK:
         _PACES[run_id] = Pace(expected)
+        _WATCHERS[run_id] = stop
+    threading.Thread(target=_watch, args=(run_id, stop), daemon=True, name=f"pace-{run_id}").start()
+
+
+def _watch(run_id: str, stop: threading.Event) -> None:
+    while not stop.wait(WATCH_EVERY):
+        _say(run_id, lambda p: p.check())
+
+
+def _say(run_id: str, step) -> None:
+    with _LOCK:
+        pace = _PACES.get(run_id)
+        message = step(pace) if pace is not None else None
+    if message:
+        log.warning(message)
+
+
+def stage_started(run_id: str, label: str) -> None:
+    _say(run_id, lambda p: p.stage_started(label))
 
 
 def stage_done(run_id: str, label: str, seconds: float) -> None:
-    with _LOCK:
-        pace = _PACES.get(run_id)
-        message = pace.stage_done(label, seconds) if pace is not None else None
-    if message:
-        log.warning(message)
+    _say(run_id, lambda p: p.stage_done(label, seconds))
 
 
 def forget(run_id: str) -> None:
     with _LOCK:
         _PACES.pop(run_id, None)
+        stop = _WATCHERS.pop(run_id, None)
+    if stop is not None:
+        stop.set()

@@ -271,6 +271,7 @@ def execute(stage: Stage, run: Run, params: Params | dict, tag: str | None, inpu
                       else contextlib.nullcontext(0.0)) as waited:
                     clock.skip(waited)
                     check_interrupted()
+                    pace.stage_started(run.run_id, stage_label)
                     onnx_models = _onnx_models(stage, run, params, inputs)
                     refs, provenance = _compute(stage, run, store, catalog, key, params, inputs, stage_label,
                                                 onnx_models, detail, reuse_rows=not forced)
