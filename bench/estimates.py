@@ -76,6 +76,37 @@ def summarise(runs: list[dict]) -> dict:
             "mean_load_of_those_stages": round(sum(loads) / len(loads), 2) if loads else None}
 
 
+def replay_pace(store: Path, run_id: str) -> dict:
+    """When ``irflow.engine.pace`` says the overrun, replayed on a finished run's recorded stage starts and
+    seconds against the estimate the run was given (the catalog's ``estimates``), second by second: the
+    rule as it is now, on a run measured before it changed."""
+    from irflow import api
+    from irflow.engine import pace
+
+    catalog = api.catalog(store)
+    with catalog.connect(read_only=True) as con:
+        expected = dict(con.execute("SELECT stage, seconds FROM estimates WHERE run_id = ?", [run_id]).fetchall())
+        rows = con.execute("SELECT stage, epoch(started_at), seconds FROM stage_runs WHERE run_id = ? AND status = "
+                           "'computed' ORDER BY started_at", [run_id]).fetchall()
+        begun, ended = con.execute("SELECT epoch(started_at), epoch(finished_at) FROM runs WHERE run_id = ?",
+                                   [run_id]).fetchone()
+    p = pace.Pace(expected, started=begun)
+    events = sorted([(t0, "start", st, 0.0) for st, t0, _ in rows] + [(t0 + sec, "done", st, sec) for st, t0, sec in rows])
+    t, said_at = begun, None
+    while t <= ended and said_at is None:
+        while events and events[0][0] <= t:
+            _, kind, st, sec = events.pop(0)
+            said = p.stage_started(st, now=t) if kind == "start" else p.stage_done(st, sec, now=t)
+            if said:
+                said_at = t
+        if said_at is None and p.check(now=t):
+            said_at = t
+        t += 1.0
+    wall = ended - begun
+    return {"run_id": run_id, "wall_s": round(wall, 1), "said_at_s": round(said_at - begun, 1) if said_at else None,
+            "said_at_share": round((said_at - begun) / wall, 3) if said_at else None, "message": p.said}
+
+
 def run_as_a_user(corpus: str, query_log: str | None, budget: float, store: Path) -> dict:
     """`irflow new gpl --budget-minutes N --store STORE` (calibrated by what the store measured here), then
     `irflow run`, as a user runs them: the whole run's wall time against the budget, and when (if ever) the run
@@ -127,9 +158,16 @@ def main() -> None:
                                                     "run`, as a user runs them")
     ap.add_argument("--query-log")
     ap.add_argument("--budget-minutes", type=float, default=10)
+    ap.add_argument("--replay-pace", action="store_true", help="with --run: when the overrun rule as it is now "
+                                                                 "would have spoken, replayed on the run's records")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     store = Path(args.store)
+    if args.replay_pace:
+        out = {"replays": [replay_pace(store, r) for r in args.run], "machine": harness.machine()}
+        harness.write_json(args.out, out)
+        print(json.dumps(out["replays"], indent=1))
+        return
     user = None
     if args.new:
         user = run_as_a_user(args.new, args.query_log, args.budget_minutes, store)
