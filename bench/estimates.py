@@ -32,7 +32,7 @@ def compare(store: Path, run_id: str) -> dict:
     c = api.load_config(config)
     # every stage of the run, with the seconds of the run that computed it (this one, or an earlier one whose
     # result it reused: a bench run that was restarted)
-    computed, params, queries, loads = {}, {}, {}, {}
+    computed, params, queries, loads, inputs = {}, {}, {}, {}, {}
     with catalog.connect() as con:
         for s in catalog.stage_runs(run_id):
             row = con.execute("SELECT seconds, detail, runtime FROM stage_runs WHERE cache_key = ? AND status = "
@@ -42,12 +42,13 @@ def compare(store: Path, run_id: str) -> dict:
                 loads[s["name"]] = (json.loads(row[2]) if row[2] else {}).get("load")  # [at start, at end]
                 detail = json.loads(row[1])
                 params[s["name"]] = detail.get("cfg") or {}
+                inputs[s["name"]] = detail.get("inputs") or {}
                 ids = detail.get("inputs", {}).get("queries") or []
                 if len(ids) == 1 and (d := catalog.dataset(ids[0])):
                     queries[s["name"]] = d["num_rows"]
     hw = estimate.hardware()
     size = estimate.corpus_size(c.dataset)
-    rows = estimate.estimate(c, list(computed), size, hw, params, queries)
+    rows = estimate.estimate(c, list(computed), size, hw, params, queries, inputs)
     print(estimate.format_estimates(rows, hw, computed))
     total_est = sum(r.seconds for r in rows)
     total = sum(computed.values())

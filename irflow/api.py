@@ -259,7 +259,8 @@ def estimate(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
         cat = catalog(store)
     except UserError:  # no store yet: every input is still to be made
         cat = None
-    prior = est.estimate(c, stale, size, hw, {p.name: p.params for p in plan_}, est.searched_queries(plan_, size, cat))
+    prior = est.estimate(c, stale, size, hw, {p.name: p.params for p in plan_}, est.searched_queries(plan_, size, cat),
+                         {p.name: p.inputs for p in plan_})
     calibrated = est.calibration(cat, hw)
     return RunEstimate(calibrated.apply(prior) if calibrated else prior, prior, hw, calibrated,
                        runtime.load_average())

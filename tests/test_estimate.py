@@ -133,3 +133,20 @@ def test_a_long_stage_running_slow_is_said_while_it_runs():
     said = p.check(now=started + 12 + 160)  # 172 s for 110 s: 1.56x, the encoding still running
     assert said and "1.6x slower than its estimate" in said
     assert p.check(now=started + 12 + 300) is None and p.stage_done("encode_corpus[zero-shot]", 400) is None
+
+
+def test_an_encoding_whose_passages_an_earlier_one_encoded_is_estimated_at_the_rest():
+    """The zero-shot model's corpus after the miner's training corpus (same model, same settings): the
+    held-out fraction is left to encode (the rest is reused row by row); another model encodes it all."""
+    from irflow.recipes.base import load_config
+
+    c = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), [])
+    size = estimate.CorpusSize(5183, 200, 300, 809)
+    enc = {"similarity": "cos", "batch_size": 64, "max_seq_length": None, "quantization": "none"}
+    labels = ["encode_corpus[miner-minilm]", "encode_corpus[zero-shot]", "encode_corpus[gpl-student]"]
+    inputs = {labels[0]: {"corpus": ["<holdout:train_corpus>"], "model": ["minilm"]},
+              labels[1]: {"corpus": ["corpus-1"], "model": ["minilm"]},
+              labels[2]: {"corpus": ["corpus-1"], "model": ["<train_student[gpl]:student>"]}}
+    miner, zero, student = estimate.estimate(c, labels, size, HW, dict.fromkeys(labels, enc), None, inputs)
+    assert miner.work.startswith("5,183 passages") and student.work.startswith("5,183 passages")
+    assert zero.work.startswith("518 passages") and zero.seconds < miner.seconds / 5

@@ -120,11 +120,15 @@ def _tokens(size: CorpusSize, max_len: int) -> float:
 
 
 def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
-             params: dict[str, dict] | None = None, queries: dict[str, int] | None = None) -> list[StageEstimate]:
+             params: dict[str, dict] | None = None, queries: dict[str, int] | None = None,
+             inputs: dict[str, dict] | None = None) -> list[StageEstimate]:
     """Seconds and peak memory of each of ``stages`` (plan labels: ``encode_corpus[zero-shot]``) under config
     ``c`` on a corpus of ``size``. ``params``: label -> the stage's params (``api.status``'s), which the
     supervised trainers' estimates read their steps and lengths from; ``queries``: label -> the queries a
-    search stage reads (``searched_queries``; otherwise the evaluation's and the generated ones)."""
+    search stage reads (``searched_queries``; otherwise the evaluation's and the generated ones); ``inputs``:
+    label -> {role: dataset ids} (the plan's), by which an encoding of a corpus whose passages an earlier
+    stage of the plan encoded with the same model and settings is estimated at the passages left to encode
+    (``irflow.engine.row_reuse``: the zero-shot model's corpus after the miner's training corpus)."""
     hw = hw or hardware()
     fixed = rates()["fixed_seconds"]["value"]
     mem = rates()["memory_mb"]["value"]
@@ -135,6 +139,9 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     scale = model_scale(model)
     emb_mb = size.passages * 384 * 4 * 2 / 2**20 * max(1.0, scale ** 0.5)
     n_gen = _generated_queries(c, size)
+    encoded: dict[tuple, tuple] = {}  # (model ids, encoding params) -> the corpus ids its first encoding read
+    proxy = getattr(getattr(c, "dataset", None), "proxy", None)
+    held_out = getattr(proxy, "fraction", 0.1) if proxy is not None and not getattr(proxy, "judged", False) else 0.1
     out = []
     for label in stages:
         base = stage_name(label)
@@ -142,10 +149,16 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
         sec, peak, work, kind = fixed.get(base, 1), mem["base"], "fixed cost", "fixed"
         if base == "encode_corpus":
             length = own.get("max_seq_length") or enc_len
-            toks = size.passages * _tokens(size, length)
+            passages = size.passages
+            roles = (inputs or {}).get(label) or {}
+            key = (tuple(roles.get("model") or ()), json.dumps(own, sort_keys=True))
+            first = encoded.setdefault(key, tuple(roles.get("corpus") or ())) if key[0] else None
+            if first is not None and encoded and first != tuple(roles.get("corpus") or ()):
+                passages = round(size.passages * held_out)  # the rest reused from the first encoding
+            toks = passages * _tokens(size, length)
             sec += toks / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
             peak += mem["model"] + emb_mb
-            work, kind = f"{size.passages:,} passages x {_tokens(size, length):.0f} tokens", "encode"
+            work, kind = f"{passages:,} passages x {_tokens(size, length):.0f} tokens", "encode"
         elif base in ("dense_search", "dense_score"):
             sec += (queries or {}).get(label, size.queries + n_gen) * QUERY_TOKENS / 1000 * _rate(hw, "encode") * scale
             peak += mem["model"] + emb_mb

@@ -246,11 +246,11 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                           _log_queries(query_log))
     # size training to the budget, then estimate every stage of the plan
     text = yaml.safe_dump(cfg, sort_keys=False)
-    c, stages = _plan(text)
+    c, stages, inputs = _plan(text)
     if recipe == "gpl":
         one = timed(est.estimate(c, ["train_student[gpl]"], size, hw))[0].seconds
         per_step = max(1e-3, (one - 3) / c.train.steps)
-        others = sum(e.seconds for e in timed(est.estimate(c, stages, size, hw))
+        others = sum(e.seconds for e in timed(est.estimate(c, stages, size, hw, inputs=inputs))
                      if not e.stage.startswith("train_student"))
         left = max(60.0, budget_minutes * 60 - others)
         steps = int(min(140_000, max(50, left / per_step)))
@@ -269,7 +269,7 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
         from irflow.recipes.base import load_config
 
         c = load_config(yaml.safe_load(text))
-    estimates = timed(est.estimate(c, stages, size, hw))
+    estimates = timed(est.estimate(c, stages, size, hw, inputs=inputs))
     table = est.format_estimates(estimates, hw, calibrated=calibrated, load=load_average())
     header = [command or f"irflow new {recipe} --corpus {corpus}", "", *choices.lines,
               f"machine: {hw.describe()}", *(f"warning: {w}" for w in choices.warnings), "", *table.splitlines(), "",
@@ -300,7 +300,7 @@ def _log_queries(query_log: str | None) -> int:
 
 
 def _plan(text: str):
-    """The config model and the stage labels a first run computes."""
+    """The config model, the stage labels a first run computes and each one's inputs (label -> {role: ids})."""
     from irflow.recipes.base import get_recipe, load_config, plan
 
     c = load_config(yaml.safe_load(text))
@@ -311,12 +311,14 @@ def _plan(text: str):
 
         orchestration.configure(store)
         # a stage called twice with the same inputs (BM25's index for mining and for evaluation) computes once
-        stages = list(dict.fromkeys(p["name"] for p in plan(get_recipe(c.flow), c, store)))
+        steps = plan(get_recipe(c.flow), c, store)
+        stages = list(dict.fromkeys(p["name"] for p in steps))
+        inputs = {p["name"]: p["inputs"] for p in steps}
     finally:
         shutil.rmtree(store, ignore_errors=True)
         if old is None:
             os.environ.pop("PREFECT_HOME", None)
-    return c, stages
+    return c, stages, inputs
 
 
 def write(out: str | Path, text: str, force: bool = False) -> Path:
