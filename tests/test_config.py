@@ -423,6 +423,13 @@ def test_a_query_log_proxy_needs_the_log_and_a_recipe_whose_teacher_judges(tmp_p
     c = api.load_config({"flow": "gpl", "generate": {"source": "unlabelled"},
                          "dataset": {**own, "query_log": str(tmp_path / "log.txt")}})
     assert c.dataset.proxy.judged and "teacher's top 1 judged relevant" in c.dataset.proxy.describe()
+    assert not [a for a in c.advice() if "the judge is partly the start" in a]  # a cross-encoder judges (default)
+    fusion = api.load_config({"flow": "gpl", "generate": {"source": "unlabelled"}, "train": {"model": "m"},
+                              "mine": {"miners": [{"name": "bm25", "type": "bm25"},
+                                                  {"name": "m", "type": "dense", "model": "m"}]},
+                              "teacher": {"type": "fusion", "weights": {"bm25": 0.3, "m": 0.7}},
+                              "dataset": {**own, "query_log": str(tmp_path / "log.txt")}})
+    assert [a for a in fusion.advice() if "the judge is partly the start, so the proxy favours it" in a]
     # spider's windows are cut out of their passage as ICT's sentences are: an ICT proxy would favour them
     with pytest.raises(ConfigError, match=r"ict queries are of the kind of generate.source \(spider\)"):
         api.load_config({"flow": "contriever", "generate": {"source": "spider"}, "dataset": {**own, "proxy": {}}})

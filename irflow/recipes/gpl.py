@@ -314,6 +314,16 @@ class GPLConfig(RecipeConfig):
                 f"favours it (measured, the datasets run as unlabelled with an ICT proxy: {same_kind_measured()}). "
                 f"So this run will keep the starting model whatever the proxy says; a query log (generate.source: "
                 f"unlabelled) or a proxy generator of another kind (t5) lets it select a trained one")
+        d = self.dataset
+        if d.own and not d.labelled and d.proxy is not None and d.proxy.judged \
+                and isinstance(self.teacher, FusionTeacherConfig) \
+                and any(isinstance(m, DenseMiner) and m.model == self.train.model for m in self.mine.miners):
+            out.append(
+                f"dataset.proxy.queries: log has the held-out queries judged by the fusion teacher, which scores with "
+                f"train.model ({self.train.model}), the model training starts from: the judge is partly the start, "
+                f"so the proxy favours it (measured, NFCorpus as unlabelled documents: the zero-shot model first of 8 "
+                f"on it, fifth on the real qrels; bench/results/proxy_agreement_nfcorpus.json) and the run will "
+                f"mostly keep the start. A cross-encoder teacher (teacher.type: cross_encoder) is a judge of its own")
         return out
 
     @model_validator(mode="after")
