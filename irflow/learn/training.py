@@ -199,8 +199,6 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
         if rank == 0:
             log.info("%s: activation recomputation %s: %s", desc, "on" if recompute else "off", why)
     checkpoint_activations(model, bool(recompute))
-    if str(device).startswith("cpu"):
-        steady_heap()
     bar = tqdm(range(start, total), desc=desc, initial=start, total=total, unit=" step", mininterval=2,
                disable=not show_progress or rank > 0)
     for step in bar:
@@ -244,28 +242,6 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
 # layer's activations for the backward pass): MiniLM, 96 sequences of 160 tokens in bf16 on CPU kept 2.45 GiB
 # more than with checkpointing (checkpoint_activations' measurement); fp32 holds twice the bytes
 ACTIVATION_BYTES = {"bf16": 74, "fp16": 74, "fp32": 148}
-MMAP_THRESHOLD = 1 << 20  # bytes: allocations this large and larger come from mmap and go back when freed
-
-
-def steady_heap() -> bool:
-    """Keep a CPU training process's memory at what its steps use (glibc only; False elsewhere).
-
-    glibc serves an allocation of at least its mmap threshold by mmap, returned to the system when freed;
-    but its default raises that threshold to the size of each such block freed (up to 32 MiB), so after
-    the first step a step's activations (a layer's attention scores at batch 16 and 200 tokens: 29 MiB)
-    come from the heap, whose holes are kept. Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which
-    also stops the adjustment) keeps them out of it: MiniLM's training peak fell by about a quarter, below
-    plain sentence-transformers' (bench/train_speed.py). The weights are the same: this is never keyed."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
 RECOMPUTE_ABOVE = 0.5  # auto: recompute when a step's activations would take more than this share of free memory
 
 
