@@ -72,8 +72,8 @@ class RecipeConfig(Params):
                 and d.proxy is None:
             raise ValueError("promote.alias: promotion compares models on the run's evaluation, and dataset.proxy: "
                              "null evaluates nothing (give the proxy back, or labels)")
-        proxy = getattr(d, "proxy", None) if getattr(d, "own", False) and not d.labelled else None
-        if proxy is not None and proxy.queries.source == "log" and not self.judges_queries:
+        proxy = getattr(d, "evaluation_proxy", None)
+        if proxy is not None and proxy.judged and not self.judges_queries:
             raise ValueError(f"dataset.proxy.queries.source: log has the held-out queries judged by the run's "
                              f"teacher; recipe {self.flow} has none (gpl has): use ict, crop or t5")
         return self

@@ -204,6 +204,12 @@ class DatasetConfig(IngestParams):
     def labelled(self) -> bool:
         return not self.own or self.qrels is not None
 
+    @property
+    def evaluation_proxy(self) -> ProxyConfig | None:
+        """The synthetic held-out evaluation a run makes: your own documents without labels (None: labelled,
+        or ``proxy: null``)."""
+        return None if self.labelled else self.proxy
+
     def splits(self) -> tuple[str, ...] | None:
         """The source's qrels splits (None: not known before download); your own documents: the labelled
         split, or none."""

@@ -93,7 +93,7 @@ class ContrieverConfig(RecipeConfig):
             raise ValueError(f"dense.similarity: the evaluated model uses train.similarity ({self.train.similarity}); "
                              f"got {self.dense.similarity}")
         d = self.dataset
-        if d.own and not d.labelled and d.proxy is not None and same_kind(d.proxy.queries.source, self.generate.source):
+        if d.evaluation_proxy is not None and same_kind(d.proxy.queries.source, self.generate.source):
             raise ValueError(f"dataset.proxy.queries: {d.proxy.queries.source} queries are of the kind of "
                              f"generate.source ({self.generate.source}); a proxy of the training pairs' own kind "
                              f"favours the trained model whether or not it retrieves better "
@@ -116,6 +116,6 @@ def contriever(c: ContrieverConfig, run: Run) -> Made:
     # 3. Evaluation: BM25, the starting model and the trained one (and BM25 fused with each).
     students = {"contriever": model}
     tested = test_runs(run, c, data, base, students, base_model=c.train.model)
-    tested.rankings.update(hybrid_runs(run, c.hybrid, tested.rankings, c.bm25.first_system, system_name(c.train.model),
-                                   students))
+    tested.rankings.update(hybrid_runs(run, c.hybrid, tested.rankings, c.bm25.first_system,
+                                       system_name(c.train.model), students))
     return evaluate_runs(run, c.evaluate, data, tested)

@@ -314,9 +314,8 @@ class GPLConfig(RecipeConfig):
                 f"favours it (measured, the datasets run as unlabelled with an ICT proxy: {same_kind_measured()}). "
                 f"So this run will keep the starting model whatever the proxy says; a query log (generate.source: "
                 f"unlabelled) or a proxy generator of another kind (t5) lets it select a trained one")
-        d = self.dataset
-        if d.own and not d.labelled and d.proxy is not None and d.proxy.judged \
-                and isinstance(self.teacher, FusionTeacherConfig) \
+        proxy = self.dataset.evaluation_proxy
+        if proxy is not None and proxy.judged and isinstance(self.teacher, FusionTeacherConfig) \
                 and any(isinstance(m, DenseMiner) and m.model == self.train.model for m in self.mine.miners):
             out.append(
                 f"dataset.proxy.queries: log has the held-out queries judged by the fusion teacher, which scores with "
@@ -497,11 +496,8 @@ def judged_heldout_log(run: Run, c: GPLConfig, data: Dataset) -> Dataset:
 def same_generator(c: GPLConfig) -> bool:
     """Whether the training queries and the proxy's (own documents, no labels) come from one generator, or
     from two that cut their queries out of the passage alike (ict, crop)."""
-    d = c.dataset
-    if not d.own or d.labelled or d.proxy is None:
-        return False
-    proxy, train = d.proxy.queries.source, c.generate.source
-    return same_kind(proxy, train)
+    proxy = c.dataset.evaluation_proxy
+    return proxy is not None and same_kind(proxy.queries.source, c.generate.source)
 
 
 def same_kind_caveat(c: GPLConfig) -> str | None:

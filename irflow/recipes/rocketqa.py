@@ -421,12 +421,13 @@ def rocketqa(c: RocketQAConfig, run: Run) -> Made:
     rankings = tested.rankings
     rankings.update(hybrid_runs(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.base_model), systems))
     rankings["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), tag="mc",
-                               ranking=rankings["md0"], queries=data.test_queries, corpus=data.corpus, model=cross_encoder)
+                                   ranking=rankings["md0"], queries=data.test_queries, corpus=data.corpus,
+                                   model=cross_encoder)
     if (w := c.cross_encoder.rerank_md0_weight) is not None:
         # Both normalised over the same candidates: M_D0's list cut to the depth M_C re-ranked.
         depth = c.cross_encoder.rerank.depth
         rankings["mc-rerank-fused"] = fuse(run, FuseParams(weights={"md0": w, "mc-rerank": 1 - w}, input_depth=depth,
-                                                       depth=depth, system="mc-rerank-fused"),
-                                       tag="mc-rerank-fused", rankings=[rankings["md0"], rankings["mc-rerank"]])
+                                                           depth=depth, system="mc-rerank-fused"),
+                                           tag="mc-rerank-fused", rankings=[rankings["md0"], rankings["mc-rerank"]])
     return evaluate_runs(run, c.evaluate, data, tested)
 

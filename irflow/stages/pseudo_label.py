@@ -60,6 +60,7 @@ from irflow.engine.params import NoParams, Params
 from irflow.engine.runtime import StageRuntime
 from irflow.engine.stage import Output, stage
 from irflow.engine.store import DatasetRef
+from irflow.learn.pairs import candidate_pairs
 from irflow.learn.qrels import group, judged_positives, positives
 from irflow.learn.sampling import rng, sample
 from irflow.learn.scoring import least_squares_scale  # noqa: F401 -- also where callers have found it
@@ -382,9 +383,7 @@ def judgements(p: JudgeParams, rt: StageRuntime | None, queries: pa.Table, corpu
                teacher_model: DatasetRef | None = None) -> pa.Table:
     """``judge_queries`` without the store: qrels (split ``generated``) of the teacher's best ``p.relevant``
     candidates per query, candidates being every (query, passage) any of ``candidates`` returned."""
-    qids = queries.column("query_id").to_pylist()
-    pairs = sorted({(q, d) for t in candidates for q, d in zip(_of_queries(t, qids).column("query_id").to_pylist(),
-                                                             _of_queries(t, qids).column("doc_id").to_pylist())})
+    pairs = candidate_pairs(candidates, queries.column("query_id").to_pylist())
     if not pairs:
         raise DataError("judge_queries: the miners returned no candidate for any held-out query")
     qtext = query_texts(queries, {q for q, _ in pairs})

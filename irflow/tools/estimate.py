@@ -142,18 +142,20 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     encoded: dict[tuple, tuple] = {}  # (model ids, encoding params) -> the corpus ids its first encoding read
     proxy = getattr(getattr(c, "dataset", None), "proxy", None)
     held_out = getattr(proxy, "fraction", 0.1) if proxy is not None and not getattr(proxy, "judged", False) else 0.1
+    # the teacher's model is an input, not a param: its size is read from the config's name for it
+    teacher_scale = model_scale(getattr(getattr(c, "teacher", None), "model", None))
     out = []
     for label in stages:
         base = stage_name(label)
         own = (params or {}).get(label) or {}  # the stage's params where the plan gives them; else the config's
+        teacher = own.get("teacher") or _dump(getattr(c, "teacher", None))
         sec, peak, work, kind = fixed.get(base, 1), mem["base"], "fixed cost", "fixed"
         if base == "encode_corpus":
             length = own.get("max_seq_length") or enc_len
             passages = size.passages
             roles = (inputs or {}).get(label) or {}
-            key = (tuple(roles.get("model") or ()), json.dumps(own, sort_keys=True))
-            first = encoded.setdefault(key, tuple(roles.get("corpus") or ())) if key[0] else None
-            if first is not None and encoded and first != tuple(roles.get("corpus") or ()):
+            model_ids, corpus_ids = tuple(roles.get("model") or ()), tuple(roles.get("corpus") or ())
+            if model_ids and encoded.setdefault((model_ids, json.dumps(own, sort_keys=True)), corpus_ids) != corpus_ids:
                 passages = round(size.passages * held_out)  # the rest reused from the first encoding
             toks = passages * _tokens(size, length)
             sec += toks / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
@@ -179,25 +181,15 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
                 2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
             peak += 2 * mem["model"]
             work, kind = f"{size.passages * qpp:,} queries sampled", "generate"
-        elif base == "label_scores" and (own.get("teacher") or _dump(getattr(c, "teacher", None))).get("type") == "cross_encoder":
-            t = own.get("teacher") or _dump(c.teacher)
-            negatives = own.get("negatives_per_positive") or c.label.negatives_per_positive
-            pairs = n_gen * (negatives + 1)
-            # the teacher's model is an input, not a param: its size is read from the config's name for it
-            sec += (pairs * _tokens(size, t["max_length"]) / 1000 * _rate(hw, "score")
-                    * model_scale(getattr(getattr(c, "teacher", None), "model", None)))
+        elif base in ("label_scores", "judge_queries") and teacher.get("type") == "cross_encoder":
+            if base == "label_scores":
+                pairs = n_gen * ((own.get("negatives_per_positive") or c.label.negatives_per_positive) + 1)
+            else:  # the held-out log queries' candidates: the miners' top mine.depth each, overlapping by about half
+                held = (queries or {}).get(label) or int((size.log_queries or 0) * getattr(proxy.queries, "fraction", 0.2))
+                pairs = int(held * getattr(getattr(c, "mine", None), "depth", 50) * 1.5)
+            sec += pairs * _tokens(size, teacher["max_length"]) / 1000 * _rate(hw, "score") * teacher_scale
             peak += mem["model"]
-            work, kind = f"{pairs:,} (query, passage) pairs scored", "score"
-        elif base == "judge_queries" and (own.get("teacher") or {}).get("type") == "cross_encoder":
-            # the held-out log queries' candidates: the miners' top mine.depth each, overlapping by about half
-            proxy = getattr(getattr(c, "dataset", None), "proxy", None)
-            held = (queries or {}).get(label) or int((size.log_queries or 0) * getattr(proxy.queries, "fraction", 0.2))
-            depth = getattr(getattr(c, "mine", None), "depth", 50)
-            pairs = int(held * depth * 1.5)
-            sec += (pairs * _tokens(size, own["teacher"]["max_length"]) / 1000 * _rate(hw, "score")
-                    * model_scale(getattr(getattr(c, "teacher", None), "model", None)))
-            peak += mem["model"]
-            work, kind = f"{pairs:,} (query, passage) pairs judged", "score"
+            work, kind = f"{pairs:,} (query, passage) pairs {'scored' if base == 'label_scores' else 'judged'}", "score"
         elif base == "pseudo_label" and isinstance(_scale(c, (params or {}).get(label)), dict):
             # scale: auto encodes a sample of the triples (query, positive, negative) with the student
             p = own or getattr(c, "label").model_dump()
