@@ -160,16 +160,18 @@ def score_model(m: dict, catalog, test_q: dict, test_qrels: dict, proxies: dict,
 
 
 def teacher_qrels(config: dict, catalog, index_ref: str, zero_shot: dict, test_q: dict, qids: list[str],
-                  corpus_ids: list[str], depth: int = 50) -> dict[str, dict[str, dict[str, int]]]:
+                  corpus, depth: int = 50) -> dict[str, dict[str, dict[str, int]]]:
     """The run's fusion teacher on held-out log queries: ``{"log-teacher": qrels (top 1), "log-teacher-top3": ...}``."""
     import pyarrow as pa
 
     from irflow.engine.models import minilm_path
     from irflow.learn.encoding import encode_texts, load_sentence_transformer
-    from irflow.learn.teachers import FusionTeacher, fusion_scores
+    from irflow.learn.teachers import FusionTeacher
+    from irflow.stages.pseudo_label import JudgeParams, judgements
     from irflow.stages.bm25 import score_pairs, search
 
     teacher = FusionTeacher(**{k: v for k, v in config["teacher"].items() if k != "score_every_candidate"})
+    corpus_ids = corpus.column("doc_id").to_pylist()
     (sparse, dense), = [tuple(teacher.weights)]  # the offline configs: {bm25: w, minilm: w}
     st = load_sentence_transformer(str(minilm_path()), "cpu", 256)
     t = catalog.ref(zero_shot["embeddings"]).table()
@@ -188,13 +190,16 @@ def teacher_qrels(config: dict, catalog, index_ref: str, zero_shot: dict, test_q
     runs = [pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs], "rank": [0] * len(pairs),
                       "score": scores, "system": [name] * len(pairs)})
             for name, scores in ((sparse, bm25), (dense, [float(ds[qrow[q], row[d]]) for q, d in pairs]))]
-    fused = fusion_scores(runs, teacher, pairs)
-    by_q: dict[str, list] = {}
-    for (q, d), s in zip(pairs, fused):
-        by_q.setdefault(q, []).append((-s, d))
-    ranked = {q: [d for _, d in sorted(v)] for q, v in by_q.items()}
-    return {"log-teacher": {q: {r[0]: 1} for q, r in ranked.items()},
-            "log-teacher-top3": {q: {d: 1 for d in r[:3]} for q, r in ranked.items()}}
+    # judged as the judge_queries stage judges: its own function, on these candidates and teacher runs
+    asked = pa.table({"query_id": qids, "text": [test_q[q] for q in qids]})
+    candidates = pa.table({"query_id": [q for q, _ in pairs], "doc_id": [d for _, d in pairs]})
+    out = {}
+    for name, relevant in (("log-teacher", 1), ("log-teacher-top3", 3)):
+        t = judgements(JudgeParams(relevant=relevant, teacher=teacher), None, asked, corpus, [candidates], runs)
+        out[name] = {}
+        for q, d in zip(t.column("query_id").to_pylist(), t.column("doc_id").to_pylist()):
+            out[name].setdefault(q, {})[d] = 1
+    return out
 
 
 def kendall(a: dict, b: dict) -> float:
@@ -249,7 +254,8 @@ def main() -> None:
     catalog = api.catalog(store)
     first = results[runs[0][0]]
     ingest = next(s for s in first.stages if s.name == "ingest_corpus").outputs["corpus"]
-    corpus_ids = catalog.ref(ingest).table(columns=["doc_id"]).column("doc_id").to_pylist()
+    corpus = catalog.ref(ingest).table()
+    corpus_ids = corpus.column("doc_id").to_pylist()
     heldout = catalog.ref(next(s for s in first.stages if s.name == "holdout").outputs["heldout"]).table()
     _, test_q, test_qrels = harness.read_beir(harness.DATASETS / f"{args.dataset}.zip", "test")
     proxies = make_proxies(heldout)
@@ -257,7 +263,7 @@ def main() -> None:
                 + ", ".join(f"{k} {len(v)}" for k, v in proxies.items()))
     index = next(s for s in first.stages if s.name.startswith("bm25_index")).outputs["bm25_index"]
     judged = teacher_qrels(yaml.safe_load((work / f"{runs[0][0]}.yaml").read_text()), catalog, index,
-                           models["zero-shot"], test_q, sorted(q for q in test_qrels if q in test_q), corpus_ids)
+                           models["zero-shot"], test_q, sorted(q for q in test_qrels if q in test_q), corpus)
     scores: dict[str, dict] = {}
     filters = {}
     for name, m in models.items():
