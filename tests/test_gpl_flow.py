@@ -117,6 +117,45 @@ def test_change_scale_relabels_without_rescoring(setup, gpl_sample_run):
     assert not {"label_scores", "mine_negatives", "generate_queries[t5]", "train_student[qgen]"} & changed
 
 
+def test_students_kept_every_n_steps_are_candidates_of_the_selection(setup, gpl_sample_run, tmp_path):
+    """train.candidates_every: 1 (3 steps) keeps the GPL student after steps 1 and 2 as models of their own,
+    evaluated beside the final one (not fused with BM25) and candidates of the selection; the final student's
+    weights are those of the run that kept none; QGen (no candidates) is reused; an export ships the chosen
+    model without the kept ones."""
+    from sentence_transformers import SentenceTransformer
+
+    from irflow.tools.export import export
+
+    result = run(setup["config"], setup["store"], "train.candidates_every=1")
+    changed = computed(result)
+    assert {"train_student[gpl]", "checkpoint_student[gpl-step1]", "checkpoint_student[gpl-step2]",
+            "evaluate[gpl-student-step1]", "evaluate[gpl-student-step2]"} <= changed
+    assert "train_student[qgen]" not in changed
+    systems = {m["system"] for m in result.metrics}
+    assert {"gpl-student-step1", "gpl-student-step2", "gpl-student"} <= systems
+    assert not any(s.startswith("hybrid-gpl-student-step") for s in systems)
+    models = result.selected["models"]
+    assert {"gpl-student-step1", "gpl-student-step2", "gpl-student", "qgen-student"} <= set(models)
+
+    catalog = api.catalog(setup["store"])
+    path = {s: Path(catalog.dataset(models[s])["path"]) for s in models}
+    weights = {s: SentenceTransformer(str(path[s]), device="cpu").state_dict()
+               for s in ("gpl-student-step1", "gpl-student-step2", "gpl-student")}
+    before = gpl_sample_run.selected["models"]["gpl-student"]
+    plain = SentenceTransformer(catalog.dataset(before)["path"], device="cpu").state_dict()
+    name = next(k for k in plain if k.endswith("query.weight"))
+    assert all(plain[k].equal(weights["gpl-student"][k]) for k in plain)  # keeping candidates changed no weight
+    assert not weights["gpl-student-step1"][name].equal(weights["gpl-student-step2"][name])
+    assert not weights["gpl-student-step2"][name].equal(weights["gpl-student"][name])
+    assert sorted(p.name for p in (path["gpl-student"] / "checkpoints").iterdir()) == ["step-1", "step-2"]
+
+    shipped = export(catalog, result.run_id, tmp_path / "final", system="gpl-student")
+    assert not (shipped.out / "checkpoints").exists()
+    early = export(catalog, result.run_id, tmp_path / "early", system="gpl-student-step1")
+    got = SentenceTransformer(str(early.out), device="cpu").state_dict()
+    assert got[name].equal(weights["gpl-student-step1"][name])
+
+
 def test_from_stage_and_status(setup, gpl_sample_run):
     plan = {p.name: p for p in api.status(setup["config"], ["label.negatives_per_positive=2"], store=setup["store"])}
     assert plan["generate_queries[t5]"].status == "cached"

@@ -397,7 +397,8 @@ def test_listwise_kl_decreases_on_a_repeated_list(env):
 def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, caplog):
     from irflow.dev.testing import model
 
-    params = _student_params(steps=7, checkpoint_every=3, similarity="cos")
+    # candidates_every 2: the students of steps 2, 4 and 6 are kept; step 2's before the crash, beside the checkpoint
+    params = _student_params(steps=7, checkpoint_every=3, similarity="cos", candidates_every=2)
 
     def inputs_for(run):
         return dict(_mm_inputs(env), base_model=model(run, env["bi"]))
@@ -422,6 +423,7 @@ def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, c
     assert isinstance(e.value.cause, RuntimeError) and e.value.stage == "train_student"
     partial = Path(crash_run.store_root) / "partial" / train_student.key(params, inputs)
     assert (partial / CHECKPOINT).exists()
+    assert sorted(p.name for p in (partial / "checkpoints").iterdir()) == ["step-2", "step-4"]
 
     seen.clear()
     monkeypatch.setattr(training, "_on_step", lambda step: seen.append(step))
@@ -435,9 +437,11 @@ def test_train_student_resumes_from_its_checkpoint(env, tmp_path, monkeypatch, c
     assert b["step"] == a["step"] == list(range(1, 8))
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
     assert b["lr"] == a["lr"]
-    a, b = _weights(ref_full.path), _weights(ref_resumed.path)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    for sub in ("", "checkpoints/step-2", "checkpoints/step-4", "checkpoints/step-6"):
+        a, b = _weights(Path(ref_full.path) / sub), _weights(Path(ref_resumed.path) / sub)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert sorted(p.name for p in (Path(ref_resumed.path) / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
     assert not partial.exists()
 
 

@@ -156,13 +156,15 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.01, head_lr: float 
 def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: BatchPlan, p: LoopParams,
                warmup_steps: int, rt, desc: str, *, step_info: Callable[[], dict] | None = None,
                show_progress: bool = True, head_lr: float | None = None,
-               after_step: Callable[[], None] | None = None, texts_per_example: int = 3) -> list[dict]:
+               after_step: Callable[[], None] | None = None, texts_per_example: int = 3,
+               keep: Callable[[int], None] | None = None) -> list[dict]:
     """Run ``plan.total_steps(p)`` optimizer steps of ``compute_loss(batch indices)`` on ``rt.device``
     under ``rt.autocast()``; checkpoint into and resume from ``rt.resume_dir``.
 
     A loss returned without a graph has already been back-propagated (GradCache does its own
     backward). ``step_info`` adds fields to each history entry. ``after_step`` runs after each
-    optimizer step, before its checkpoint (MoCo's momentum update of its key encoder).
+    optimizer step, before its checkpoint (MoCo's momentum update of its key encoder). ``keep`` runs on
+    rank 0 with the steps done after each step, before its checkpoint (train_student's candidates).
 
     Under torchrun (``irflow.engine.distributed``) ``compute_loss`` gets this process's share of each batch,
     gradients are averaged over processes before clipping, the history holds the whole batch's loss,
@@ -226,6 +228,8 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
         # step count the iterator last published, which lags (a log read "22/861" for steps 22 and 23)
         bar.set_postfix(loss=f"{value:.4f}", refresh=False)
         done = step + 1
+        if keep is not None and rank == 0:
+            keep(done)
         if (ckpt_path is not None and rank == 0 and p.checkpoint_every and done % p.checkpoint_every == 0
                 and done < total):
             tmp = ckpt_path.with_suffix(".tmp")

@@ -50,6 +50,7 @@ from irflow.stages.ingest import (
     source_ref,
 )
 from irflow.stages.mine_negatives import MineParams
+from irflow.stages.train_student import CheckpointParams, TrainStudentParams, checkpoint_student
 
 log = logging.getLogger("irflow")
 
@@ -435,6 +436,21 @@ def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, systems: Systems
     return replace(made, evaluations=[evaluate(run, p, tag=system, ranking=ref, qrels=data.qrels,
                                                queries=data.test_queries, corpus=data.corpus)
                                       for system, ref in systems.rankings.items()])
+
+
+def checkpoint_candidates(run: Run, p: TrainStudentParams, data: Dataset, student: DatasetRef, system: str,
+                          tag: str) -> dict[str, DatasetRef]:
+    """system -> model of the ``student`` kept every ``p.candidates_every`` steps before its last (systems
+    ``<system>-step<k>``, stages ``checkpoint_student[<tag>-step<k>]``): candidates evaluated beside it. None
+    without an evaluation to choose between them (a warning: the run hands out the final student)."""
+    if not p.candidate_steps:
+        return {}
+    if data.test_queries is None:
+        log.warning("train.candidates_every: nothing is evaluated (dataset.proxy: null), so no checkpoint can be "
+                    "chosen; the final student is the run's")
+        return {}
+    return {f"{system}-step{k}": checkpoint_student(run, CheckpointParams(step=k), tag=f"{tag}-step{k}",
+                                                    student=student) for k in p.candidate_steps}
 
 
 def hybrid_runs(run: Run, c: HybridConfig, runs: dict[str, DatasetRef], sparse: str, zero_shot: str,

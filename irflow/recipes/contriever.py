@@ -35,6 +35,7 @@ from irflow.recipes.common import (
     DatasetConfig,
     DenseConfig,
     HybridConfig,
+    checkpoint_candidates,
     evaluate_runs,
     hybrid_runs,
     ingest,
@@ -115,7 +116,8 @@ def contriever(c: ContrieverConfig, run: Run) -> Made:
 
     # 3. Evaluation: BM25, the starting model and the trained one (and BM25 fused with each).
     students = {"contriever": model}
-    tested = test_runs(run, c, data, base, students, base_model=c.train.model)
+    candidates = checkpoint_candidates(run, c.train.to(TrainStudentParams), data, model, "contriever", "contriever")
+    tested = test_runs(run, c, data, base, {**students, **candidates}, base_model=c.train.model)
     tested.rankings.update(hybrid_runs(run, c.hybrid, tested.rankings, c.bm25.first_system,
                                        system_name(c.train.model), students))
     return evaluate_runs(run, c.evaluate, data, tested)

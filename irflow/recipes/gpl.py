@@ -62,6 +62,7 @@ from irflow.recipes.common import (
     DenseConfig,
     HybridConfig,
     bm25_runs,
+    checkpoint_candidates,
     dense_run,
     evaluate_runs,
     hybrid_runs,
@@ -212,7 +213,7 @@ class TrainConfig(TrainStudentParams):
 
     def qgen_params(self) -> TrainStudentParams:
         given = {k: v for k, v in self.qgen.model_dump().items() if k != "enabled" and v is not None}
-        return self.to(TrainStudentParams, loss="mnrl", tas=TASParams(), **given)
+        return self.to(TrainStudentParams, loss="mnrl", tas=TASParams(), candidates_every=0, **given)
 
 
 class Doc2QueryConfig(Doc2QueryParams):
@@ -538,7 +539,7 @@ def gpl(c: GPLConfig, run: Run) -> Made:
     # (Margin-MSE on the teacher's margins). Round 1 is GPL; from round 2 on, the dense miner on train.model is
     # the last round's student, so the mining and a fusion teacher see it (self-training).
     corpus = data.training_corpus  # the corpus itself, unless a synthetic evaluation holds passages out
-    students, student, labels = {}, None, []
+    students, candidates, student, labels = {}, {}, None, []
     # TAS-B's second teacher (train.tas.teacher): the bi-encoder that scores the student's in-batch pairs
     tas_teacher = run.model(c.train.tas.teacher, "train.tas.teacher") if c.train.tas.uses_teacher else None
     for r in range(1, c.rounds + 1):
@@ -556,6 +557,8 @@ def gpl(c: GPLConfig, run: Run) -> Made:
                                 corpus=corpus, base_model=start_from, pseudo_labels=labels[-1],
                                 inbatch_teacher=tas_teacher)["student"]
         students[f"gpl-student{suffix}"] = student
+        candidates.update(checkpoint_candidates(run, c.train.gpl_params(), data, student, f"gpl-student{suffix}",
+                                                f"gpl{suffix}"))
 
     # The QGen baseline: MNRL on (q, pos), the first round's positives.
     if c.train.qgen.enabled:
@@ -564,7 +567,8 @@ def gpl(c: GPLConfig, run: Run) -> Made:
                                                  corpus=corpus, base_model=init, qrels=positives)["student"]
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
-    tested = test_runs(run, c, data, base, students, base_model=c.train.model, start=start)
+    # (the students kept every train.candidates_every steps are evaluated too, not fused with BM25)
+    tested = test_runs(run, c, data, base, {**students, **candidates}, base_model=c.train.model, start=start)
     rankings = tested.rankings
     rankings.update(hybrid_runs(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.train.model), students))
     rankings.update(doc2query_runs(run, c, data, gen))

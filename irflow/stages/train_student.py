@@ -16,12 +16,18 @@ With ``runtime.train_processes: N`` (not keyed) the same training runs in N torc
 and gradients are averaged, so the steps are those of one process with the whole batch (Margin-MSE and
 the listwise KL are means over examples; MNRL gathers every process's passages, so each query still
 sees the whole batch's in-batch negatives). ``batch_size`` must be divisible by N.
+
+With ``candidates_every: n`` the student is also kept every n steps before its last (in the model's
+``checkpoints/step-<k>``, which an export leaves out); ``checkpoint_student`` makes one of them a model of its
+own, so that a recipe evaluates it beside the final student and its selection can ship an earlier one (early
+stopping by the run's evaluation, each candidate counted in Holm's adjustment).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -132,6 +138,11 @@ class TrainStudentParams(LoopParams):
         None, description="mnrl: each pair's positive is a random span of its passage, this fraction range of its "
                           "words (Contriever's independent cropping: [0.1, 0.5]), drawn once per pair from seed, "
                           "query and passage; null: the whole passage")
+    candidates_every: Annotated[int, KEYED_WHEN_SET] = Field(
+        0, ge=0, description="keep the student every n steps before its last as a candidate model of its own, "
+                             "evaluated beside the final student (GPL's and Contriever's student): the selection "
+                             "may ship an earlier one (early stopping by the run's evaluation; every candidate "
+                             "counts in its Holm adjustment). Needs `steps`. 0: the final student only")
     moco: MoCoParams = Field(MoCoParams(), description="Contriever's MoCo for loss mnrl: momentum key encoder and "
                                                        "queue of negatives (keyed only when enabled with loss mnrl)")
     tas: TASParams = Field(TASParams(), description="TAS-B for loss margin_mse: topic-aware batches, balanced "
@@ -172,6 +183,18 @@ class TrainStudentParams(LoopParams):
             raise ValueError(f"moco.queue_size: {self.moco.queue_size} is not a multiple of batch_size "
                              f"{self.batch_size}: the queue holds whole batches")
         return self
+
+    @model_validator(mode="after")
+    def _candidates(self):
+        if self.candidates_every and self.steps is None:
+            raise ValueError("candidates_every: the candidates are steps before the last, so it needs `steps` (with "
+                             "`epochs` the number of steps is known only from the data)")
+        return self
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        """The steps whose student is kept as a candidate (``candidates_every``), before the last."""
+        return list(range(self.candidates_every, self.steps, self.candidates_every)) if self.candidates_every else []
 
     @property
     def uses_moco(self) -> bool:
@@ -262,6 +285,9 @@ def _check_student(path: Path) -> None:
             raise RuntimeError(f"{path}: not a sentence-transformers model (no {f})")
 
 
+CANDIDATES = "checkpoints"  # in a student's folder: the students kept every candidates_every steps, step-<k>
+
+
 
 # version 3: also the loss history as a dataset (training_losses)
 @stage("train_student", version="3", outputs=[Output("student", kind="model", check=_check_student),
@@ -312,6 +338,25 @@ def train_student(p: TrainStudentParams, rt: StageRuntime, *, queries: DatasetRe
                                inbatch_teacher.path if inbatch_teacher is not None else None)
     distributed.run(fit_and_save, job, rt, rt.train_processes)
     return {"student": out, "training_losses": training_losses(out)}
+
+
+class CheckpointParams(Params):
+    step: PositiveInt = Field(description="the training step whose student to take (a multiple of the "
+                                          "trainer's candidates_every, before its last step)")
+
+
+@stage("checkpoint_student", version="1", outputs=Output("student", kind="model", check=_check_student))
+def checkpoint_student(p: CheckpointParams, rt: StageRuntime, *, student: DatasetRef) -> dict:
+    """The ``student`` as it was after ``step`` steps (kept by ``candidates_every``): a model of its own."""
+    kept = Path(student.path) / CANDIDATES
+    src = kept / f"step-{p.step}"
+    if not src.is_dir():
+        have = sorted(d.name for d in kept.iterdir()) if kept.is_dir() else []
+        raise DataError(f"checkpoint_student: the student kept no step {p.step} (kept: {have or 'none'}; "
+                        f"train_student keeps every candidates_every steps)")
+    out = Path(rt.workdir) / "student"
+    shutil.copytree(src, out)
+    return {"student": out}
 
 
 # ---- TAS-B --------------------------------------------------------------------------------------------
@@ -496,18 +541,31 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
             log.info("train_student: moco applies to loss mnrl only; %s trains without it", p.loss)
     # sequences a step encodes per example: the query, the positive and the negative(s)
     texts = 2 + (max(map(len, ex["negs"]), default=0) if p.loss == "listwise_kl" else int("n" in ex))
+    out = Path(job["out"])
+    # the candidates are kept beside the resume checkpoint, so that a resumed training still has those it
+    # kept before the crash; they join the model's folder at the end
+    kept = (Path(rt.resume_dir) if rt.resume_dir else out) / CANDIDATES
+    steps = set(p.candidate_steps)
+
+    def keep(done: int) -> None:
+        if done in steps:
+            shutil.rmtree(kept / f"step-{done}", ignore_errors=True)
+            model.save(str(kept / f"step-{done}"), create_model_card=False)
+
     if moco is None:
         history = train_loop(model, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]",
-                             texts_per_example=texts)
+                             texts_per_example=texts, keep=keep if steps else None)
     else:  # the loop trains the query encoder inside MoCo; `model` is that encoder, saved below
         history = train_loop(moco, compute_loss, plan, p, p.warmup_steps, rt, f"train_student[{p.loss}]",
                              step_info=lambda: {"candidates": moco.loss_fn.last_candidates},
-                             after_step=moco.momentum_update)
+                             after_step=moco.momentum_update, keep=keep if steps else None)
     if rank > 0:
         return
-    out = Path(job["out"])
     model.eval()
     model.save(str(out), create_model_card=False)
+    if steps and kept != out / CANDIDATES:
+        shutil.rmtree(out / CANDIDATES, ignore_errors=True)
+        shutil.move(str(kept), str(out / CANDIDATES))
     (out / TRAINING_LOG).write_text(json.dumps(
         {"loss": p.loss, "similarity": p.similarity, "examples": len(ex["q"]), "processes": world,
          "steps": len(history), **({"moco": p.moco.model_dump()} if moco else {}),
