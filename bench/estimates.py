@@ -8,6 +8,14 @@ stage and in all. With ``--new CORPUS``, first writes a config with `irflow new 
     python bench/estimates.py --new irflow/samples/scifact-sample/corpus.jsonl --query-log log.txt \\
         --budget-minutes 5 --store /tmp/est --out bench/results/estimates_sample.json
     python bench/estimates.py --store /work/bench-own/scifact --run RUN_ID --out bench/results/estimates_scifact.json
+
+With ``--series``, the runs of ``SERIES`` one after another in one fresh store, each started with ``irflow run`` as a
+user starts it: the first calibrates the store (the estimate after it uses the rates this store measured
+here), the others are scored: each computed stage's printed estimate (the catalog's ``estimates``: what the
+user read before the run) against its measured seconds, with the load it ran under; the JSON is rewritten
+after every run.
+
+    python bench/estimates.py --series --store /tmp/est-series --out bench/results/estimates_series_idle.json
 """
 
 from __future__ import annotations
@@ -62,6 +70,94 @@ def compare(store: Path, run_id: str) -> dict:
             "total": {"estimate_s": round(total_est, 1), "measured_s": round(total, 1),
                       "ratio": round(total / total_est, 2) if total_est else None},
             "stages_over_30s": [{"stage": r.stage, "ratio": round(computed[r.stage] / r.seconds, 2)} for r in heavy]}
+
+
+SAMPLE = "irflow/samples/scifact-sample.zip"
+ON_SAMPLE = [f"dataset={{name: scifact-sample, source: {SAMPLE}, split: test}}"]
+# (name, config, --set overrides): recipes and sizes a user of the sample runs; the first calibrates
+SERIES = [
+    ("calibration: gpl demo", "configs/demo.yaml", []),
+    ("gpl, 120 steps", "configs/demo.yaml", ["train.steps=120", "train.qgen.steps=60"]),
+    ("gpl, ict queries", "configs/demo.yaml", ["generate={source: ict, queries_per_passage: 1}", "train.steps=60"]),
+    ("baselines", "configs/demo_baselines.yaml", []),
+    ("contriever", "configs/contriever_scifact.yaml", ON_SAMPLE + ["train.steps=60", "train.moco.queue_size=256"]),
+    ("ance", "configs/ance_demo.yaml", []),
+    ("star + adore", "configs/star_scifact.yaml", ON_SAMPLE + ["star.epochs=1", "adore.epochs=1"]),
+    ("gpl, own documents (irflow new --budget-minutes 4)", "new:4", []),
+    ("rocketqa", "configs/rocketqa_demo.yaml", []),
+]
+
+
+def printed(store: Path, run_id: str) -> dict:
+    """Each stage the run computed: the estimate ``irflow run`` printed before it (calibrated, when the store had
+    measured this hardware) against the seconds it took, and the load average at its start and end."""
+    from irflow import api
+
+    catalog = api.catalog(store)
+    with catalog.connect(read_only=True) as con:
+        rows = con.execute("SELECT e.stage, e.seconds, e.prior, s.seconds, s.runtime, e.load FROM estimates e JOIN "
+                           "stage_runs s ON e.run_id = s.run_id AND e.stage = s.stage WHERE e.run_id = ? AND "
+                           "s.status = 'computed' ORDER BY s.started_at", [run_id]).fetchall()
+    stages = [{"stage": st, "estimate_s": est, "prior_s": prior, "measured_s": round(sec, 1),
+               "ratio": round(sec / est, 2) if est else None, "load": (json.loads(rt) if rt else {}).get("load")}
+              for st, est, prior, sec, rt, _ in rows]
+    total_est, total = sum(s["estimate_s"] for s in stages), sum(s["measured_s"] for s in stages)
+    return {"run_id": run_id, "load_at_estimate": rows[0][5] if rows else None, "stages": stages,
+            "total": {"estimate_s": round(total_est, 1), "measured_s": round(total, 1),
+                      "ratio": round(total / total_est, 2) if total_est else None}}
+
+
+def run_series(store: Path, out_path: str, only: list[str] | None = None) -> dict:
+    import subprocess
+    import tempfile
+    import zipfile
+
+    cmd = [sys.executable, "-m", "irflow.cli"]
+    out = {"machine": harness.machine(), "store": str(store), "runs": []}
+    for name, config, sets in SERIES:
+        if only and name not in only and not name.startswith("calibration"):
+            continue
+        if config.startswith("new:"):  # your own documents: the sample's corpus as a file, `irflow new` sizes it
+            docs = Path(tempfile.mkdtemp()) / "corpus.jsonl"
+            with zipfile.ZipFile(harness.ROOT / SAMPLE) as z:
+                docs.write_bytes(z.read(next(n for n in z.namelist() if n.endswith("corpus.jsonl"))))
+            budget, config = config.split(":")[1], str(store.parent / f"{store.name}-new.yaml")
+            subprocess.run(cmd + ["new", "gpl", "--corpus", str(docs), "--budget-minutes", budget, "--out", config,
+                                  "--force", "--store", str(store)], check=True, env=harness.cli_env(),
+                           cwd=harness.ROOT)
+        argv = cmd + ["run", config, "--store", str(store), "--json"] + [a for s in sets for a in ("--set", s)]
+        load_before, t0 = harness.loadavg(), time.time()
+        done = subprocess.run(argv, capture_output=True, text=True, env=harness.cli_env(), cwd=harness.ROOT)
+        wall = time.time() - t0
+        if done.returncode:
+            print(done.stderr[-3000:])
+            out["runs"].append({"name": name, "failed": done.stderr[-1500:]})
+            continue
+        run_id = json.loads(done.stdout.strip().splitlines()[-1])["run_id"]
+        row = {"name": name, "config": config, "set": sets, "wall_s": round(wall, 1), "load_before": load_before,
+               "load_after": harness.loadavg(), **printed(store, run_id)}
+        out["runs"].append(row)
+        print(f"{name}: {len(row['stages'])} stages, estimate {row['total']['estimate_s']} s, measured "
+              f"{row['total']['measured_s']} s ({row['total']['ratio']}x), load {load_before} -> {row['load_after']}")
+        scored = [r for r in out["runs"] if "stages" in r and not r["name"].startswith("calibration")]
+        out["summary"] = summarise_printed(scored)
+        harness.write_json(out_path, out)
+    return out
+
+
+def summarise_printed(runs: list[dict]) -> dict:
+    """The scored runs: median measured / printed estimate of the stages of 10 s or more (either way), each
+    run's total ratio, and the mean load those stages ran under."""
+    import statistics
+
+    stages = [s for r in runs for s in r["stages"] if s["ratio"] and max(s["measured_s"], s["estimate_s"]) >= 10]
+    loads = [sum(s["load"]) / 2 for s in stages if s.get("load") and None not in s["load"]]
+    totals = {r["name"]: r["total"]["ratio"] for r in runs}
+    return {"runs": len(runs), "stages_10s_or_more": len(stages),
+            "median_stage_ratio": round(statistics.median(s["ratio"] for s in stages), 2) if stages else None,
+            "stages_within_0.8_1.25": sum(0.8 <= s["ratio"] <= 1.25 for s in stages),
+            "totals": totals, "totals_within_0.67_1.5": sum(0.67 <= t <= 1.5 for t in totals.values() if t),
+            "mean_load_of_those_stages": round(sum(loads) / len(loads), 2) if loads else None}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -161,9 +257,15 @@ def main() -> None:
     ap.add_argument("--budget-minutes", type=float, default=10)
     ap.add_argument("--replay-pace", action="store_true", help="with --run: when the overrun rule as it is now "
                                                                  "would have spoken, replayed on the run's records")
+    ap.add_argument("--series", nargs="*", metavar="NAME", help="the SERIES of runs (or those named, after the "
+                                                                "calibration) in one store, estimate vs measured")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     store = Path(args.store)
+    if args.series is not None:
+        out = run_series(store, args.out, args.series or None)
+        print(json.dumps(out.get("summary"), indent=1))
+        return
     if args.replay_pace:
         out = {"replays": [replay_pace(store, r) for r in args.run], "machine": harness.machine()}
         harness.write_json(args.out, out)
