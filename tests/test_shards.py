@@ -120,9 +120,9 @@ def test_plan_rounds_shard_rows_up_to_the_stages_alignment_and_names_a_part_per_
     from irflow.stages.dense import encode_corpus
     from irflow.stages.generate_queries import generate_queries
 
-    assert shards.plan(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert shards.plan(10, 3, align=4) == [(0, 4), (4, 8), (8, 10)]  # whole batches of 4
-    assert shards.plan(10, 8, align=4) == [(0, 8), (8, 10)] and shards.plan(0, 3, align=4) == [(0, 0)]
+    assert shards.row_ranges(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert shards.row_ranges(10, 3, align=4) == [(0, 4), (4, 8), (8, 10)]  # whole batches of 4
+    assert shards.row_ranges(10, 8, align=4) == [(0, 8), (8, 10)] and shards.row_ranges(0, 3, align=4) == [(0, 0)]
     # one output: the part names of before; several: one part per output, a shard done when all are there
     assert shards.part_names(encode_corpus, 0, 5) == {"embeddings": "part-000000000000-000000000005.parquet"}
     assert shards.part_name(0, 5) == "part-000000000000-000000000005.parquet"

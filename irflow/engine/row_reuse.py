@@ -93,7 +93,7 @@ def _ident(name: str) -> str:
 
 @dataclass
 class Reuse:
-    """One stage call's reuse plan: which input rows to compute, and where the others' rows are."""
+    """What one stage call reuses: which input rows to compute, and where the others' rows are."""
 
     keys: list  # the new input's keys, in order
     source: dict  # key -> index in ``earlier`` of the computation whose rows it reuses (absent: computed)
@@ -119,8 +119,8 @@ class Reuse:
         return out
 
 
-def plan(stage, role: str, inputs: dict, earlier: list[dict], work: Path) -> Reuse:
-    """The reuse plan of a call whose mapped input is ``inputs[role]``, given earlier computations of its
+def find_reuse(stage, role: str, inputs: dict, earlier: list[dict], work: Path) -> Reuse:
+    """What a call whose mapped input is ``inputs[role]`` reuses, given earlier computations of its
     family, newest first (``earlier``: [{input: ref, outputs: {name: ref}, run_id}]): a row is taken from
     the newest one that has it unchanged. The rows to compute and their parts go to a folder of ``work``
     named by those rows (a table that still says how many rows the whole input has), so that a resumed

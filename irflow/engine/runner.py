@@ -454,7 +454,7 @@ def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key,
         detail["row_family"] = family = row_reuse.family(stage, params, inputs, role, total)
         earlier = _row_sources(store, catalog, stage, family, role, inputs[role]) \
             if reuse_rows and run.runtime.reuse_rows else []
-        reuse = row_reuse.plan(stage, role, inputs, earlier, parts_dir)
+        reuse = row_reuse.find_reuse(stage, role, inputs, earlier, parts_dir)
         shard_dir = reuse.work
         shard_inputs = {**inputs, role: reuse.todo} if reuse.todo is not None else None
         if reuse.reused:
@@ -498,7 +498,7 @@ def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key,
 
 def _row_sources(store: Store, catalog: Catalog, stage: Stage, family: str, role: str, like: DatasetRef) -> list[dict]:
     """The latest earlier computations of a row family whose mapped input and outputs are all still stored
-    (``irflow.engine.row_reuse.plan`` reads their rows), newest first: [{input: ref, outputs: {name: ref}, run_id}]."""
+    (``irflow.engine.row_reuse.find_reuse`` reads their rows), newest first: [{input: ref, outputs: {name: ref}, run_id}]."""
     contracts = {o.name: o.contract for o in stage.outputs}
     out = []
     for found in catalog.row_family_sources(family, role):

@@ -83,7 +83,7 @@ def aligned(shard_rows: int, align: int = 1) -> int:
     return -(-shard_rows // align) * align
 
 
-def plan(num_rows: int, shard_rows: int, align: int = 1) -> list[tuple[int, int]]:
+def row_ranges(num_rows: int, shard_rows: int, align: int = 1) -> list[tuple[int, int]]:
     """Row ranges [start, stop) of ``shard_rows`` rows, rounded up to a multiple of ``align`` (the last
     one shorter); one empty range for an empty input, so that the stage still runs once and says what it
     thinks of empty input."""
@@ -181,7 +181,7 @@ def compute(stage, label: str, params: Params, inputs: dict, runtime: RuntimeCon
     if shard_rows != runtime.shard_rows:
         log.info("%s: shard_rows %d rounded up to %d, a multiple of %d (shards start on the stage's batch "
                  "boundaries)", label, runtime.shard_rows, shard_rows, align)
-    ranges = plan(inputs[role].num_rows(), shard_rows)
+    ranges = row_ranges(inputs[role].num_rows(), shard_rows)
     records: list[dict | None] = [None] * len(ranges)
     jobs = []
     for i, (a, b) in enumerate(ranges):
