@@ -465,65 +465,72 @@ def cmd_new(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="irflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", required=True)
+def _common(sp, config=True, store=True):
+    if config:
+        sp.add_argument("config", help="a YAML config (see configs/)")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config field (dotted key; the value is YAML)")
+    if store:
+        sp.add_argument("--store", help=f"store directory (default: $IRFLOW_STORE or ./{DEFAULT_STORE})")
+    sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
-    def common(sp, config=True, store=True):
-        if config:
-            sp.add_argument("config", help="a YAML config (see configs/)")
-            sp.add_argument("--set", action="append", metavar="KEY=VALUE",
-                            help="override a config field (dotted key; the value is YAML)")
-        if store:
-            sp.add_argument("--store", help=f"store directory (default: $IRFLOW_STORE or ./{DEFAULT_STORE})")
-        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
-    def json_flag(sp, help="print the result as JSON instead of a table"):
-        sp.add_argument("--json", action="store_true", help=help)
+def _json_flag(sp, help="print the result as JSON instead of a table"):
+    sp.add_argument("--json", action="store_true", help=help)
 
+
+def _engine_flag(sp):
+    sp.add_argument("--engine", choices=("plain", "dot"), default="plain",
+                    help="graph layout: plain (built in) or dot (Graphviz's dot on PATH)")
+    sp.add_argument("--direction", choices=("LR", "TB"), default="LR",
+                    help="graph direction: LR (left to right) or TB (top to bottom, for wide graphs)")
+
+
+def _parser_run(sub) -> None:
     r = sub.add_parser("run", help="run a recipe")
-    common(r)
+    _common(r)
     r.add_argument("--from", dest="from_stage", action="append", metavar="STAGE",
                    help="recompute this stage (name or name[label]; repeatable) and everything downstream of it")
     r.add_argument("--to", dest="to_stage", action="append", metavar="STAGE",
                    help="stop after this stage (name or name[label]; repeatable): run only it and the stages it needs")
-    json_flag(r, help="print the run's result as JSON (last line of stdout)")
+    _json_flag(r, help="print the run's result as JSON (last line of stdout)")
     r.add_argument("--no-estimate", action="store_true",
                    help="skip the estimate of each stale stage's time and memory printed before the run")
     r.set_defaults(func=cmd_run)
 
-    def engine_flag(sp):
-        sp.add_argument("--engine", choices=("plain", "dot"), default="plain",
-                        help="graph layout: plain (built in) or dot (Graphviz's dot on PATH)")
-        sp.add_argument("--direction", choices=("LR", "TB"), default="LR",
-                        help="graph direction: LR (left to right) or TB (top to bottom, for wide graphs)")
 
+def _parser_status(sub) -> None:
     s = sub.add_parser("status", help="which stages of a config are cached or stale, and why")
-    common(s)
+    _common(s)
     s.add_argument("--from", dest="from_stage", action="append", metavar="STAGE",
                    help="as run's --from: this stage and everything downstream count as stale (repeatable)")
     s.add_argument("--to", dest="to_stage", action="append", metavar="STAGE",
                    help="only this stage and the stages it needs (the others: skipped; repeatable)")
     s.add_argument("--graph", metavar="OUT.svg", help="also draw the plan as SVG (stale stages with their reasons)")
-    engine_flag(s)
-    json_flag(s)
+    _engine_flag(s)
+    _json_flag(s)
     s.set_defaults(func=cmd_status)
 
+
+def _parser_dag(sub) -> None:
     d = sub.add_parser("dag", help="a run's graph as SVG: stages (computed/cached/failed/skipped, seconds), "
                                    "datasets, models' lineage")
     d.add_argument("run_id", help="a run id (a unique prefix is enough)")
     d.add_argument("--out", default="-", metavar="OUT.svg", help="where to write the SVG (default: stdout)")
-    engine_flag(d)
-    common(d, config=False)
+    _engine_flag(d)
+    _common(d, config=False)
     d.set_defaults(func=cmd_dag)
 
+
+def _parser_config(sub) -> None:
     c = sub.add_parser("config", help="the validated config with every default filled in")
-    common(c, store=False)
+    _common(c, store=False)
     c.add_argument("--explain", action="store_true", help="every key with its default and what it does")
-    json_flag(c)
+    _json_flag(c)
     c.set_defaults(func=cmd_config)
 
+
+def _parser_dev_split(sub) -> None:
     ds = sub.add_parser("dev-split", help="a BEIR folder for choosing settings without test: the train split's "
                                           "judged queries cut into train (fit) and dev; no test query in it")
     ds.add_argument("source", help="a BEIR folder or .zip")
@@ -535,20 +542,26 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     ds.set_defaults(func=cmd_dev_split)
 
+
+def _parser_lineage(sub) -> None:
     lin = sub.add_parser("lineage", help="the upstream chain of a dataset or model id (a unique prefix is enough)")
     lin.add_argument("id", help="a dataset or model id (or a unique prefix of one), e.g. from irflow models")
-    common(lin, config=False)
-    json_flag(lin)
+    _common(lin, config=False)
+    _json_flag(lin)
     lin.set_defaults(func=cmd_lineage)
 
+
+def _parser_sql(sub) -> None:
     q = sub.add_parser("sql", help="DuckDB SQL over the catalog tables and views of every stored dataset")
     q.add_argument("query", help="one SQL statement, e.g. \"SELECT * FROM runs\" (tables: runs, stage_runs, "
                                  "datasets, metrics, selections, aliases; every stored dataset is a view)")
-    common(q, config=False)
-    json_flag(q)
+    _common(q, config=False)
+    _json_flag(q)
     q.add_argument("--max-rows", type=int, default=40, help="print at most this many rows (default 40)")
     q.set_defaults(func=cmd_sql)
 
+
+def _parser_report(sub) -> None:
     rp = sub.add_parser("report", help="one self-contained HTML page about a run: metrics with confidence "
                                        "intervals, each system against baselines, per-query plots")
     rp.add_argument("run_id", nargs="?", default="latest", metavar="RUN_ID",
@@ -558,34 +571,44 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a system to compare every other with (repeatable; default: the zero-shot dense "
                          "system and BM25 flat, those the run has)")
     rp.add_argument("--metric", default="ndcg@10", help="the per-query metric compared (default ndcg@10)")
-    common(rp, config=False)
+    _common(rp, config=False)
     rp.set_defaults(func=cmd_report)
 
+
+def _parser_compare(sub) -> None:
     cp = sub.add_parser("compare", help="what differs between two runs: config, stages, metrics (B against A)")
     cp.add_argument("run_a", metavar="RUN_A", help="the run compared against (a run id or a unique prefix)")
     cp.add_argument("run_b", metavar="RUN_B", help="the run compared (a run id, a unique prefix, or latest)")
     cp.add_argument("--metric", default="ndcg@10", help="the per-query metric compared (default ndcg@10)")
-    common(cp, config=False)
-    json_flag(cp)
+    _common(cp, config=False)
+    _json_flag(cp)
     cp.set_defaults(func=cmd_compare)
 
+
+def _parser_verify(sub) -> None:
     v = sub.add_parser("verify", help="re-hash every stored object against its recorded digest")
-    common(v, config=False)
-    json_flag(v)
+    _common(v, config=False)
+    _json_flag(v)
     v.set_defaults(func=cmd_verify)
 
+
+def _parser_gc(sub) -> None:
     g = sub.add_parser("gc", help="remove unreferenced objects, staging of dead runs, finished checkpoints")
-    common(g, config=False)
+    _common(g, config=False)
     g.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     g.set_defaults(func=cmd_gc)
 
+
+def _parser_serve(sub) -> None:
     sv = sub.add_parser("serve", help="serve a config as a Prefect deployment on a cron schedule")
-    common(sv)
+    _common(sv)
     sv.add_argument("--cron", required=True, help="when to run, as a cron expression in UTC, e.g. \"0 2 * * *\" "
                                                    "(every night at 02:00)")
     sv.add_argument("--name", help="the deployment's name (default: the config file's name)")
     sv.set_defaults(func=cmd_serve)
 
+
+def _parser_export(sub) -> None:
     ex = sub.add_parser("export", help="a run's model (default: the one it selected) as a self-contained "
                                        "sentence-transformers folder with a model card")
     ex.add_argument("run_id", nargs="?", default="latest", metavar="RUN_ID",
@@ -596,9 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", choices=("st", "onnx"), default="st",
                     help="st: sentence-transformers (default); onnx: also onnx/ (irflow's ONNX export)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    common(ex, config=False)
+    _common(ex, config=False)
     ex.set_defaults(func=cmd_export)
 
+
+def _parser_new(sub) -> None:
     nw = sub.add_parser("new", help="a commented config for your own documents and this machine, with each "
                                     "stage's estimated time and memory",
                         description="Write a config for your own documents. Every document longer than the encoder "
@@ -625,12 +650,28 @@ def build_parser() -> argparse.ArgumentParser:
     nw.add_argument("--force", action="store_true", help="replace --out")
     nw.set_defaults(func=cmd_new)
 
+
+def _parser_models(sub) -> None:
     ms = sub.add_parser("models", help="the models runs evaluated: id, run, system, recipe, metric, selected; and "
                                        "the aliases (promote.alias) with the model each holds")
-    common(ms, config=False)
-    json_flag(ms)
+    _common(ms, config=False)
+    _json_flag(ms)
     ms.add_argument("--history", action="store_true", help="every promotion decision (promoted or kept, and why)")
     ms.set_defaults(func=cmd_models)
+
+
+# each adds its subcommand, in the order `irflow --help` lists them
+SUBCOMMANDS = (_parser_run, _parser_status, _parser_dag, _parser_config, _parser_dev_split, _parser_lineage,
+               _parser_sql, _parser_report, _parser_compare, _parser_verify, _parser_gc, _parser_serve,
+               _parser_export, _parser_new, _parser_models)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="irflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 
