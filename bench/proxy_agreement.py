@@ -3,7 +3,9 @@
 A user with documents and no labels: SciFact or NFCorpus given as a folder of documents, plus the train
 queries' texts as a query log (no labels). Six GPL runs (query log, ICT and crop queries; 30 and 120 steps;
 each with its QGen baseline; one continued from another run's student, as ``train.init`` continues from
-production) make 11 trained models; with the zero-shot start, 12. Every run holds the same documents out
+production) make 11 trained models; with the zero-shot start, 12. A seventh (``log-120-kept``) repeats the
+120-step log run keeping its student every 30 steps (``train.candidates_every``): 3 more models, and the
+selection among a run's own checkpoints (early stopping by the proxy). Every run holds the same documents out
 (``dataset.proxy``: a fixed hash fraction), so every model is scored on documents none of them trained on.
 
 Then, outside the runs, each model's stored corpus embeddings (the ones its run evaluated) are scored
@@ -22,9 +24,9 @@ Then, outside the runs, each model's stored corpus embeddings (the ones its run 
   every candidate scored by both, as ``pseudo_label`` does), the teacher's top 1 (or top 3) taken as relevant.
   The real qrels of the same queries then differ from it only in who judged.
 
-Reported per proxy: Kendall's tau against the real ranking of the 12 models; the regret (real nDCG@10 of
+Reported per proxy: Kendall's tau against the real ranking of the models; the regret (real nDCG@10 of
 the real best minus that of the proxy's best); what irflow's selection rule (per-document units, Holm, at
-least 20 documents) would ship from each run and from all 11 candidates, and that model's real score
+least 20 documents) would ship from each run and from all the trained candidates, and that model's real score
 against the start's; the rate of false selection at k = 5 null candidates (bench/selection_null.py's
 simulation on this proxy's per-query scores); and the continued-from-production case (proxy and real
 difference of the continued model over the model it continued from).
@@ -50,14 +52,18 @@ import selection_null
 # (run name, query source, GPL steps, with the QGen baseline, continued from this run's GPL student)
 RUNS = [("log-30", "log", 30, True, None), ("log-120", "log", 120, True, None),
         ("ict-30", "ict", 30, True, None), ("ict-120", "ict", 120, True, None),
-        ("crop-120", "crop", 120, True, None), ("continued", "log", 60, False, "log-120")]
+        ("crop-120", "crop", 120, True, None), ("continued", "log", 60, False, "log-120"),
+        ("log-120-kept", "log", 120, False, None)]
+# runs that keep their GPL student every quarter of their steps (train.candidates_every): the kept students are
+# models of their own; the final one is log-120's (the same weights), so it is not counted twice
+KEPT = {"log-120-kept": "gpl-log-120"}
 PROXIES = ("ict", "ict-removed", "crop", "crop-removed", "easy-dropped", "round-trip", "log-teacher",
            "log-teacher-top3")
 SEED = 42  # the proxy's sampling seed (ICTSource / CropSource default)
 
 
 def config(dataset: str, name: str, source: str, steps: int, qgen: bool, init_model: str | None, docs: Path,
-           log_file: Path, work: Path) -> Path:
+           log_file: Path, work: Path, keep_every: int = 0) -> Path:
     c = yaml.safe_load((harness.ROOT / "configs" / f"gpl_{dataset}_offline.yaml").read_text())
     # every held-out document (fraction 0.1); the corpus searched left whole: the proxies are made here
     c["dataset"] = {"name": dataset, "source": str(docs), "proxy": {"cut": False}}
@@ -67,6 +73,8 @@ def config(dataset: str, name: str, source: str, steps: int, qgen: bool, init_mo
     c.get("label", {}).pop("positive", None)
     c["train"]["steps"] = steps
     c["train"]["qgen"] = {"enabled": qgen, "steps": steps}
+    if keep_every:
+        c["train"]["candidates_every"] = keep_every
     if init_model:
         c["train"]["model"] = init_model
         c["train"]["seed"] = 43
@@ -83,7 +91,7 @@ def run_models(result, run_name: str) -> dict[str, dict]:
     for system, model_id in result.selected["models"].items():
         start = system == result.selected["start"]
         tag = "zero-shot" if start else system
-        name = "zero-shot" if start else f"{system.removesuffix('-student')}-{run_name}"
+        name = "zero-shot" if start else f"{system.replace('-student', '')}-{run_name}"
         out[name] = {"model": model_id, "embeddings": stages[f"encode_corpus[{tag}]"].outputs["embeddings"],
                      "system": system, "run": run_name, "start": start}
     return out
@@ -239,9 +247,12 @@ def main() -> None:
     out["runs_config"] = runs
     for name, source, steps, qgen, init in runs:
         init_model = models[f"gpl-{init}"]["model"] if init else None
-        t = harness.run(config(args.dataset, name, source, steps, qgen, init_model, docs, log_file, work), store=store)
+        t = harness.run(config(args.dataset, name, source, steps, qgen, init_model, docs, log_file, work,
+                               steps // 4 if name in KEPT else 0), store=store)
         results[name] = t.result
         found = run_models(t.result, name)
+        if name in KEPT:  # its final student is KEPT[name]'s (the same weights): only the kept ones are new
+            found = {k: v for k, v in found.items() if "-step" in k or v["start"]}
         for k, v in found.items():
             if not (init and v["start"]):
                 models.setdefault(k, v)
@@ -292,7 +303,8 @@ def main() -> None:
                             unit_name="held-out documents")
         per_run = {}
         for run_name, *_ in runs:
-            cands = {n: scores[n][p] for n, m in models.items() if m["run"] == run_name and not m["start"]}
+            cands = {n: scores[n][p] for n, m in models.items()
+                     if (m["run"] == run_name and not m["start"]) or n == KEPT.get(run_name)}
             start = "gpl-log-120" if run_name == "continued" else "zero-shot"
             sel = select({start: scores[start][p], **cands}, start, f"proxy {p}", units=units,
                          unit_name="held-out documents")
@@ -324,7 +336,7 @@ def main() -> None:
     harness.table(["model", "real nDCG@10"] + list(PROXIES),
                   [[n, f"{real[n]:.4f}"] + [f"{summary[p]['proxy_ndcg@10'][n]:.4f}" for p in PROXIES]
                    for n in sorted(real, key=real.get, reverse=True)])
-    harness.table(["proxy", "queries", "tau", "tau trained", "proxy best", "regret", "ships (of 11)",
+    harness.table(["proxy", "queries", "tau", "tau trained", "proxy best", "regret", f"ships (of {len(models) - 1})",
                    "real vs start", "worst run vs start", "false sel. k=5", "continued: proxy / real"], table)
 
 
