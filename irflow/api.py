@@ -196,8 +196,10 @@ def status(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
            to: list[str] | tuple[str, ...] | set[str] = ()) -> list[StageStatus]:
     """What ``run`` would do now, per stage: cached, or stale and why (with ``to``: the stages not
     needed are ``skipped``), and the ids each stage reads and writes. Computes nothing."""
-    root = store_root(store)
-    c = load_config(config, overrides)
+    return _status(load_config(config, overrides), store_root(store), force, to)
+
+
+def _status(c, root: str, force, to) -> list[StageStatus]:
     recipe = get_recipe(c.flow)
     with _no_store_left_on_error(root):
         orchestration.configure(root)
@@ -248,11 +250,11 @@ def estimate(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     the shipped ones); None when nothing is stale. Raises UserError as ``status`` does."""
     from irflow.tools import estimate as est
 
-    plan_ = status(config, overrides, store, force, to)
+    c = load_config(config, overrides)
+    plan_ = _status(c, store_root(store), force, to)
     stale = list(dict.fromkeys(p.name for p in plan_ if p.status == "stale"))
     if not stale:
         return None
-    c = load_config(config, overrides)
     hw = est.hardware()
     size = est.corpus_size(c.dataset)
     try:
