@@ -28,7 +28,8 @@ from harness import ROOT
 
 def sweep_body(batches: list[int], mini_batch: int):
     from irflow.learn.dual_encoder import TrainDualEncoderParams
-    from irflow.recipes.common import evaluate_runs, ingest, labelled_queries, test_runs
+    from irflow.recipes.common import evaluate_runs, labelled_queries, test_runs
+    from irflow.recipes.dataset import ingest
     from irflow.stages.train_dual_encoder import train_dual_encoder
 
     def body(c, run):

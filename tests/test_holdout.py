@@ -128,7 +128,7 @@ def test_proxy_queries_are_cut_out_of_the_passages_the_proxy_searches(tmp_path, 
 def test_a_t5_proxy_cannot_be_cut(docs):
     from pydantic import ValidationError
 
-    from irflow.recipes.common import ProxyConfig
+    from irflow.recipes.dataset import ProxyConfig
 
     assert not ProxyConfig().cuts and ProxyConfig(cut=True).cuts  # whole passages: measured the better proxy
     with pytest.raises(ValidationError, match="t5 queries are not cut out"):

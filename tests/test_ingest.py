@@ -57,7 +57,7 @@ def ctx(tmp_path) -> Run:
 
 
 def ingest(ctx: Run, source, md5: str | None = None, **params):
-    """What the recipes do (irflow.recipes.common.ingest): the source as an external input ref, then the stage."""
+    """What the recipes do (irflow.recipes.dataset.ingest): the source as an external input ref, then the stage."""
     ref = ctx.external(source_ref(str(source), md5, ctx.store.root / "downloads"), {"source": str(source)})
     return ingest_beir.run(ctx, IngestParams(**params), source=ref)
 
@@ -428,7 +428,7 @@ def test_a_dataset_in_a_folder_of_its_zip_reads_only_that_folder(sl, ctx, tmp_pa
 def test_a_dataset_without_the_evaluated_split_is_refused(sl, ctx, tmp_path):
     """Known before any stage for a local source (the config check: dataset.split), else by
     select_queries once the source is read (a URL): one line, a user error, naming the splits there."""
-    from irflow.recipes.common import DatasetConfig
+    from irflow.recipes.dataset import DatasetConfig
     from irflow.stages.ingest import SelectQueriesParams, select_queries
 
     (sl / "qrels" / "test.tsv").unlink()

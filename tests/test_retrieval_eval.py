@@ -328,7 +328,7 @@ def test_queries_without_a_judged_document_in_the_corpus(slice_with_missing_docs
     """Through the stages on real data: keep (the default) evaluates the two queries whose judged
     documents are all missing (0 each) and the metrics and the printed report count them; drop leaves
     them out. A "perfect" run ranks each query's judged documents that exist first."""
-    from irflow.recipes.common import Dataset
+    from irflow.recipes.dataset import Dataset
     from irflow.stages.evaluate import EvaluationParams
     from irflow.stages.ingest import IngestParams, SelectQueriesParams, ingest_beir, select_queries, source_ref
     from irflow.stages.report import format_table, record_metrics

@@ -32,7 +32,6 @@ from irflow.recipes.common import (
     check_skip_top,
     evaluate_runs,
     hybrid_runs,
-    ingest,
     labelled_queries,
     retrieve,
     system_name,
@@ -40,6 +39,7 @@ from irflow.recipes.common import (
     top_negative_mining,
     train_split_follows,
 )
+from irflow.recipes.dataset import ingest
 from irflow.stages.mine_negatives import MineParams, mine_negatives
 from irflow.stages.train_dual_encoder import train_dual_encoder
 

@@ -29,17 +29,15 @@ from irflow.engine.store import DatasetRef
 from irflow.recipes.base import Made, RecipeConfig, recipe
 from irflow.recipes.common import (
     BM25Config,
-    Dataset,
-    DatasetConfig,
     Systems,
     ZeroShotDense,
     alias_runs,
     bm25_runs,
     dense_run,
     evaluate_runs,
-    ingest,
     system_name,
 )
+from irflow.recipes.dataset import Dataset, DatasetConfig, ingest
 from irflow.stages.bm25 import BM25IndexParams, BM25SearchParams, bm25_index, bm25_search
 from irflow.stages.deepct import DeepCTWeightParams, TrainDeepCTParams, deepct_weight, train_deepct
 from irflow.stages.evaluate import EvaluationParams

@@ -32,17 +32,15 @@ from irflow.engine.runner import Run
 from irflow.recipes.base import Made, RecipeConfig, recipe
 from irflow.recipes.common import (
     BM25Config,
-    DatasetConfig,
     DenseConfig,
     HybridConfig,
     checkpoint_candidates,
     evaluate_runs,
     hybrid_runs,
-    ingest,
-    same_kind,
     system_name,
     test_runs,
 )
+from irflow.recipes.dataset import DatasetConfig, ingest, same_kind
 from irflow.stages.evaluate import EvaluationParams
 from irflow.stages.generate_queries import CropSource, ICTSource, SpiderSource, generate_queries
 from irflow.stages.train_student import MoCoParams, TrainStudentParams, train_student

@@ -57,8 +57,6 @@ from irflow.engine.store import DatasetRef
 from irflow.recipes.base import Made, RecipeConfig, recipe
 from irflow.recipes.common import (
     BM25Config,
-    Dataset,
-    DatasetConfig,
     DenseConfig,
     HybridConfig,
     bm25_runs,
@@ -66,12 +64,11 @@ from irflow.recipes.common import (
     dense_run,
     evaluate_runs,
     hybrid_runs,
-    ingest,
-    same_kind,
     start_model,
     system_name,
     test_runs,
 )
+from irflow.recipes.dataset import Dataset, DatasetConfig, ingest, same_kind
 from irflow.stages.bm25 import (
     BM25IndexParams,
     BM25ScoreParams,

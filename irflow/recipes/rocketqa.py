@@ -47,14 +47,12 @@ from irflow.learn.fusion import FusionSettings
 from irflow.learn.teachers import Calibration, CrossEncoderTeacher, FusionTeacher
 from irflow.recipes.base import Made, recipe
 from irflow.recipes.common import (
-    Dataset,
     HardNegativeTraining,
     SupervisedConfig,
     bm25_train_run,
     check_skip_top,
     evaluate_runs,
     hybrid_runs,
-    ingest,
     labelled_queries,
     retrieve,
     system_name,
@@ -62,6 +60,7 @@ from irflow.recipes.common import (
     top_negative_mining,
     train_split_follows,
 )
+from irflow.recipes.dataset import Dataset, ingest
 from irflow.stages.augment import AUGMENTED_SPLIT, AugmentParams, AugmentSettings, augment
 from irflow.stages.denoise import DenoiseParams, denoise
 from irflow.stages.fuse import FuseParams, fuse
