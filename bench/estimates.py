@@ -74,16 +74,19 @@ def compare(store: Path, run_id: str) -> dict:
 
 SAMPLE = "irflow/samples/scifact-sample.zip"
 ON_SAMPLE = [f"dataset={{name: scifact-sample, source: {SAMPLE}, split: test}}"]
-# (name, config, --set overrides): recipes and sizes a user of the sample runs; the first calibrates
+# (name, config, --set overrides): recipes and sizes a user of the sample runs, the shorter first; the first
+# calibrates
 SERIES = [
     ("calibration: gpl demo", "configs/demo.yaml", []),
-    ("gpl, 120 steps", "configs/demo.yaml", ["train.steps=120", "train.qgen.steps=60"]),
-    ("gpl, ict queries", "configs/demo.yaml", ["generate={source: ict, queries_per_passage: 1}", "train.steps=60"]),
     ("baselines", "configs/demo_baselines.yaml", []),
-    ("contriever", "configs/contriever_scifact.yaml", ON_SAMPLE + ["train.steps=60", "train.moco.queue_size=256"]),
-    ("ance", "configs/ance_demo.yaml", []),
-    ("star + adore", "configs/star_scifact.yaml", ON_SAMPLE + ["star.epochs=1", "adore.epochs=1"]),
+    ("gpl, 80 steps, no qgen", "configs/demo.yaml", ["train.steps=80", "train.qgen.enabled=false"]),
+    ("gpl, listwise loss", "configs/demo.yaml", ["train.loss=listwise_kl", "train.qgen.enabled=false"]),
+    ("contriever", "configs/contriever_scifact.yaml", ON_SAMPLE + ["train.steps=40", "train.moco.queue_size=256"]),
     ("gpl, own documents (irflow new --budget-minutes 4)", "new:4", []),
+    ("gpl, ict queries", "configs/demo.yaml", ["generate={source: ict, queries_per_passage: 1}", "train.steps=40",
+                                               "train.qgen.enabled=false"]),
+    ("star + adore", "configs/star_scifact.yaml", ON_SAMPLE + ["star.epochs=1", "adore.epochs=1"]),
+    ("ance", "configs/ance_demo.yaml", ["rounds=1"]),
     ("rocketqa", "configs/rocketqa_demo.yaml", []),
 ]
 

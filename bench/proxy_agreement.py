@@ -223,8 +223,8 @@ def main() -> None:
     ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
     ap.add_argument("--store", required=True, help="the store (kept: a second call reuses every stage)")
     ap.add_argument("--trials", type=int, default=400, help="null-case trials per proxy")
-    ap.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS], choices=[r[0] for r in RUNS],
-                    help="which of the runs (default: all)")
+    ap.add_argument("--runs", nargs="+", default=[r[0] for r in RUNS if r[0] not in KEPT],
+                    choices=[r[0] for r in RUNS], help="which of the runs (default: all but log-120-kept)")
     ap.add_argument("--long-steps", type=int, default=120, help="the longer runs' GPL steps (the continued run "
                                                                 "trains half as many)")
     ap.add_argument("--out", required=True)
