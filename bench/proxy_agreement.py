@@ -345,6 +345,9 @@ def analyse(out: dict, units: dict, trials: int) -> None:
             "queries": len(scores["zero-shot"][p]), "kendall_tau": kendall(proxy, real),
             "kendall_tau_trained": kendall({n: v for n, v in proxy.items() if n != "zero-shot"},
                                            {n: v for n, v in real.items() if n != "zero-shot"}),
+            # among the models the rule may ship under this proxy (the same-kind caveat leaves the others out)
+            "kendall_tau_eligible": kendall({n: v for n, v in proxy.items() if n in eligible},
+                                            {n: v for n, v in real.items() if n in eligible}),
             "proxy_best": pick, "regret": round(real[real_best] - real[pick], 4),
             "selected_of_all": everything.system, "selected_p": everything.p_value,
             "selected_real_vs_start": round(real[everything.system] - real["zero-shot"], 4),
