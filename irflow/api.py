@@ -222,7 +222,7 @@ class RunEstimate:
     prior: list  # the same from the shipped rates alone
     hw: Any  # irflow.tools.estimate.Hardware
     calibrated: Any  # irflow.tools.estimate.Calibration, or None (no run on this hardware with free cores)
-    load: float | None  # the load average when it was made
+    load: float | None  # the cores other processes kept busy when it was made (runtime.others_busy)
 
     def table(self, measured: dict[str, float] | None = None) -> str:
         """The estimate per stage, and with ``measured`` (stage -> seconds) the seconds each took beside it."""
@@ -265,7 +265,7 @@ def estimate(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
                          {p.name: p.inputs for p in plan_})
     calibrated = est.calibration(cat, hw)
     return RunEstimate(calibrated.apply(prior) if calibrated else prior, prior, hw, calibrated,
-                       runtime.load_average())
+                       runtime.others_busy())
 
 
 def catalog(store: str | os.PathLike | None = None, must_exist: bool = True):

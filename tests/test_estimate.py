@@ -4,6 +4,7 @@ from each stage's own params."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_co
     text = estimate.format_estimates(c.apply(rows), HW, calibrated=c, load=0.2)
     assert "train x0.50 (2 stage runs)" in text and "warning" not in text
     busy = estimate.format_estimates(rows, HW, load=3.0)
-    assert "load average is 3.0 on 2 cores" in busy and "expect about 2.5x" in busy
+    assert "other processes keep 3.0 of the 2 cores busy" in busy and "expect about 2.5x" in busy
 
 
 def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_path):
@@ -150,3 +151,24 @@ def test_an_encoding_whose_passages_an_earlier_one_encoded_is_estimated_at_the_r
     miner, zero, student = estimate.estimate(c, labels, size, HW, dict.fromkeys(labels, enc), None, inputs)
     assert miner.work.startswith("5,183 passages") and student.work.startswith("5,183 passages")
     assert zero.work.startswith("518 passages") and zero.seconds < miner.seconds / 5
+
+
+def test_the_estimate_counts_the_cores_other_processes_keep_busy_now():
+    """Not the one-minute load average, in which a run that has just ended still counts: the busy share of
+    /proc/stat's ticks over half a second, while this process waits."""
+    import subprocess
+    import sys
+
+    from irflow.engine import runtime
+
+    assert runtime.busy_between((100, 400), (150, 500), cores=2) == 1.0  # half the ticks busy on 2 cores
+    assert runtime.busy_between((100, 400), (100, 400), cores=2) == 0.0
+    if runtime.cpu_ticks() is None:
+        pytest.skip("no /proc/stat here")
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        assert runtime.others_busy(0.5) >= 0.5  # a process spinning on one core
+    finally:
+        spin.kill()
+        spin.wait()

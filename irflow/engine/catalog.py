@@ -91,7 +91,8 @@ CREATE TABLE IF NOT EXISTS aliases(
   previous_model_id VARCHAR, metric VARCHAR, value DOUBLE, previous_value DOUBLE, p_value DOUBLE,
   evaluation VARCHAR, reason VARCHAR, decided_at TIMESTAMP);
 -- What `irflow run` estimated for each stage before the run (irflow.tools.estimate): the figure from the
--- shipped rates (prior) and the one it printed, the hardware it was for and the load average then.
+-- shipped rates (prior) and the one it printed, the hardware it was for and the cores other processes kept busy
+-- then (runtime.others_busy).
 -- Later estimates on the same hardware are calibrated by measured / prior of these stages.
 CREATE TABLE IF NOT EXISTS estimates(
   run_id VARCHAR, stage VARCHAR, kind VARCHAR, prior DOUBLE, seconds DOUBLE, hardware VARCHAR, load DOUBLE);

@@ -355,6 +355,37 @@ def load_average() -> float | None:
         return None
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, all) CPU ticks of the whole machine since boot (``/proc/stat``'s first line; busy: all but idle and
+    iowait); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def busy_between(before: tuple[int, int], after: tuple[int, int], cores: int) -> float:
+    """Cores kept busy between two ``cpu_ticks`` samples: the busy share of the ticks, times the cores."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return round(cores * busy / total, 2) if total > 0 else 0.0
+
+
+def others_busy(window: float = 0.5) -> float | None:
+    """Cores other processes keep busy now, sampled over ``window`` seconds while this one waits: what the
+    cores a run is about to use are doing. Unlike the load average (a one-minute mean), a run that has just
+    ended does not count. Falls back to the load average where there is no /proc/stat."""
+    import time
+
+    before = cpu_ticks()
+    if before is None:
+        return load_average()
+    time.sleep(window)
+    return busy_between(before, cpu_ticks(), os.cpu_count() or 1)
+
+
 @functools.lru_cache(maxsize=8)
 def host_info(device: str) -> dict:
     info = {"cpu": cpu_model(), "cpu_native_bf16": cpu_has_native_bf16(), "versions": library_versions()}

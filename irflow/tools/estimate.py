@@ -412,8 +412,8 @@ class Calibration:
 def calibration(catalog, hw: Hardware) -> Calibration | None:
     """What this store measured on this hardware (``Catalog.estimated_stages``), per kind of work: the
     median of measured / prior over stages estimated at ``CALIBRATE_FROM`` seconds or more that ran with
-    free cores (the load average when the run was estimated, and when the stage started less its own
-    threads, at most ``BUSY`` a core). None: nothing to calibrate by (the shipped rates stand)."""
+    free cores (the cores other processes kept busy when the run was estimated, and the load average when
+    the stage started less its own threads, at most ``BUSY`` a core). None: nothing to calibrate by (the shipped rates stand)."""
     if catalog is None:
         return None
     ratios: dict[str, list[float]] = {}
@@ -434,8 +434,8 @@ def load_note(hw: Hardware, load: float | None) -> str | None:
     """What a busy machine does to the figures: they assume free cores."""
     if load is None or load <= BUSY * hw.cores or hw.kind == "cuda":
         return None
-    return (f"warning: the load average is {load:.1f} on {hw.cores} cores: other work shares them, and these "
-            f"figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long")
+    return (f"warning: other processes keep {load:.1f} of the {hw.cores} cores busy: other work shares them, and "
+            f"these figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long")
 
 
 def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None,

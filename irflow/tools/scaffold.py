@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from irflow.engine.errors import ConfigError, UserError
-from irflow.engine.runtime import load_average
+from irflow.engine.runtime import others_busy
 
 RECIPES = ("gpl", "baselines")
 T5_HUB = "BeIR/query-gen-msmarco-t5-base-v1"
@@ -270,7 +270,7 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
 
         c = load_config(yaml.safe_load(text))
     estimates = timed(est.estimate(c, stages, size, hw, inputs=inputs))
-    table = est.format_estimates(estimates, hw, calibrated=calibrated, load=load_average())
+    table = est.format_estimates(estimates, hw, calibrated=calibrated, load=others_busy())
     header = [command or f"irflow new {recipe} --corpus {corpus}", "", *choices.lines,
               f"machine: {hw.describe()}", *(f"warning: {w}" for w in choices.warnings), "", *table.splitlines(), "",
               "irflow run THIS_FILE; then irflow export latest --out DIR (the model the run selected)"]
