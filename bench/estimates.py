@@ -144,7 +144,49 @@ def run_series(store: Path, out_path: str, only: list[str] | None = None) -> dic
               f"{row['total']['measured_s']} s ({row['total']['ratio']}x), load {load_before} -> {row['load_after']}")
         scored = [r for r in out["runs"] if "stages" in r and not r["name"].startswith("calibration")]
         out["summary"] = summarise_printed(scored)
+        out["replayed_calibration"] = replayed_calibration(store, out["runs"])
+        out["summary_replayed_calibration"] = summarise_printed(
+            [{"name": n, **v} for n, v in out["replayed_calibration"].items()])
         harness.write_json(out_path, out)
+    return out
+
+
+def replayed_calibration(store: Path, runs: list[dict]) -> dict:
+    """Each scored run's stages estimated as the calibration would have estimated them from the runs before it in
+    the store (the first, the calibration run, included): prior x the median measured / prior per kind of work
+    of the earlier stages estimated at 5 s or more that started with free cores (the load average at their
+    start less their own threads, at most half a core each). The estimate-time check is left out: before
+    ``runtime.others_busy`` it read the one-minute load average, in which the run just before still counted."""
+    import statistics
+
+    from irflow import api
+
+    with api.catalog(store).connect(read_only=True) as con:
+        rows = con.execute("SELECT e.run_id, e.stage, e.kind, e.prior, s.seconds, s.runtime FROM estimates e JOIN "
+                           "stage_runs s ON e.run_id = s.run_id AND e.stage = s.stage WHERE s.status = 'computed' "
+                           "ORDER BY s.started_at").fetchall()
+    names = {r["run_id"]: r["name"] for r in runs if r.get("stages") and not r["name"].startswith("calibration")}
+    seen: dict[str, list[float]] = {}
+    out = {}
+    for run_id in dict.fromkeys(x[0] for x in rows):  # every run of the store, in the order they ran
+        mine = [x for x in rows if x[0] == run_id]
+        if run_id in names:
+            factors = {k: min(5.0, max(0.2, statistics.median(v))) for k, v in seen.items()}
+            stages = []
+            for _, stage, kind, prior, sec, _rt in mine:
+                est = prior * factors.get(kind, 1.0)
+                stages.append({"stage": stage, "kind": kind, "estimate_s": round(est, 1), "measured_s": round(sec, 1),
+                               "ratio": round(sec / est, 2) if est else None})
+            total = {"estimate_s": round(sum(x["estimate_s"] for x in stages), 1),
+                     "measured_s": round(sum(x["measured_s"] for x in stages), 1)}
+            total["ratio"] = round(total["measured_s"] / total["estimate_s"], 2) if total["estimate_s"] else None
+            out[names[run_id]] = {"factors": {k: round(v, 2) for k, v in factors.items()}, "stages": stages,
+                                  "total": total}
+        for _, stage, kind, prior, sec, rt in mine:  # what the runs after it calibrate by
+            r = json.loads(rt) if rt else {}
+            started = (r.get("load") or [None])[0]
+            if prior and prior >= 5 and (started is None or started - (r.get("threads") or 2) <= 1.0):
+                seen.setdefault(kind, []).append(sec / prior)
     return out
 
 
@@ -262,9 +304,20 @@ def main() -> None:
                                                                  "would have spoken, replayed on the run's records")
     ap.add_argument("--series", nargs="*", metavar="NAME", help="the SERIES of runs (or those named, after the "
                                                                 "calibration) in one store, estimate vs measured")
+    ap.add_argument("--resummarise", action="store_true", help="with --out of a --series run: its summaries again")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     store = Path(args.store)
+    if args.resummarise:  # the series' summaries again on its stored runs (the store must still be there)
+        out = json.loads(Path(args.out).read_text())
+        scored = [r for r in out["runs"] if "stages" in r and not r["name"].startswith("calibration")]
+        out["summary"] = summarise_printed(scored)
+        out["replayed_calibration"] = replayed_calibration(store, out["runs"])
+        out["summary_replayed_calibration"] = summarise_printed(
+            [{"name": n, **v} for n, v in out["replayed_calibration"].items()])
+        harness.write_json(args.out, out)
+        print(json.dumps({k: out[k] for k in ("summary", "summary_replayed_calibration")}, indent=1))
+        return
     if args.series is not None:
         out = run_series(store, args.out, args.series or None)
         print(json.dumps(out.get("summary"), indent=1))
