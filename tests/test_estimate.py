@@ -172,3 +172,16 @@ def test_the_estimate_counts_the_cores_other_processes_keep_busy_now():
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_listwise_training_is_estimated_with_every_negative_of_a_query():
+    """loss listwise_kl encodes a query, its positive and all its negatives each example (the demo: 4), where
+    margin_mse encodes one triple: measured 2.3x the margin_mse-shaped estimate (estimates_series_idle.json)."""
+    from irflow.recipes.base import load_config
+
+    size = estimate.CorpusSize(1358, 200, 300, 809)
+    margin, listwise = (estimate.estimate(load_config(str(ROOT / "configs" / "demo.yaml"), sets),
+                                          ["train_student[gpl]"], size, HW)[0]
+                        for sets in ([], ["train.loss=listwise_kl"]))
+    assert margin.work == listwise.work == "40 steps of 16"
+    assert listwise.seconds > 1.7 * margin.seconds
