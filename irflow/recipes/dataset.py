@@ -74,7 +74,7 @@ class ProxyConfig(HoldoutParams):
         ICTSource(source="ict"), description="how the synthetic evaluation's queries are made: ict (a sentence of a "
                                              "held-out passage, offline), crop (a span), t5 with a model, or log (a "
                                              "held-out part of the query log judged by the teacher: with the "
-                                             "offline fusion teacher it ranked 8 models closer to the real qrels "
+                                             "offline fusion teacher it ranked the models closer to the real qrels "
                                              "than ict on SciFact and NFCorpus, but favours the starting model the "
                                              "teacher scores with; bench/results/proxy_agreement_*.json). A proxy "
                                              "made by the generator that made the training queries favours the "
@@ -82,10 +82,11 @@ class ProxyConfig(HoldoutParams):
 
     cut: bool = Field(False, description="cut each ict / crop query out of the held-out passage it points to, in "
                                          "the corpus the proxy searches (as Lee et al.'s ICT pairs a sentence with "
-                                         "its context). Measured on SciFact as unlabelled documents, 8 models "
-                                         "scored on the real qrels (bench/results/proxy_agreement_scifact.json): "
-                                         "cut, the proxy ranked them worse (Kendall tau 0.07 for ict, -0.07 for "
-                                         "crop) than with the passages whole (0.29 each), so it is off by default")
+                                         "its context). Measured on SciFact and NFCorpus as unlabelled documents, "
+                                         "the models scored on the real qrels afterwards "
+                                         "(bench/results/proxy_agreement_*.json): cut, the proxy ranked them no "
+                                         "closer to the real qrels on SciFact and still backwards on NFCorpus, so "
+                                         "it is off by default")
 
     @model_validator(mode="after")
     def _cut(self):

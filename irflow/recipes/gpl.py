@@ -539,6 +539,7 @@ def gpl(c: GPLConfig, run: Run) -> Made:
     students, candidates, student, labels = {}, {}, None, []
     # TAS-B's second teacher (train.tas.teacher): the bi-encoder that scores the student's in-batch pairs
     tas_teacher = run.model(c.train.tas.teacher, "train.tas.teacher") if c.train.tas.uses_teacher else None
+    student_params = c.train.gpl_params()
     for r in range(1, c.rounds + 1):
         round_tag = None if r == 1 else f"r{r}"  # stage tags of round r > 1: mine_negatives[r2], miner-bi-r2
         suffix = f"-{round_tag}" if round_tag else ""
@@ -550,11 +551,11 @@ def gpl(c: GPLConfig, run: Run) -> Made:
                                 teacher_runs(run, c, gen, negatives, mined, corpus, student, suffix),
                                 start_from, corpus, round_tag))
         # (A trainer also outputs its loss per step, training_losses: in the catalog, for reports.)
-        student = train_student(run, c.train.gpl_params(), tag=f"gpl{suffix}", queries=gen["queries"],
+        student = train_student(run, student_params, tag=f"gpl{suffix}", queries=gen["queries"],
                                 corpus=corpus, base_model=start_from, pseudo_labels=labels[-1],
                                 inbatch_teacher=tas_teacher)["student"]
         students[f"gpl-student{suffix}"] = student
-        candidates.update(checkpoint_candidates(run, c.train.gpl_params(), data, student, f"gpl-student{suffix}",
+        candidates.update(checkpoint_candidates(run, student_params, data, student, f"gpl-student{suffix}",
                                                 f"gpl{suffix}"))
 
     # The QGen baseline: MNRL on (q, pos), the first round's positives.

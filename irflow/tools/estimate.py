@@ -205,9 +205,11 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             # the stage's own params where the plan gives them (the QGen baseline's steps default to GPL's)
             p = (params or {}).get(label) or _train_params(train, qgen="qgen" in label)
             steps, batch, length = p["steps"] or train.steps, p["batch_size"], p["max_seq_length"]
-            texts = (2 if p["loss"] == "mnrl" else 3) * batch
-            if p["loss"] == "listwise_kl":  # an example is a query: its positive and every negative labelled for it
-                texts = (2 + (getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)) * batch
+            # texts an example encodes: the query and its positive, and one negative (margin_mse) or, listwise, every
+            # negative labelled for the query
+            negatives = {"mnrl": 0, "margin_mse": 1}.get(
+                p["loss"], getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
+            texts = (2 + negatives) * batch
             toks = batch * QUERY_TOKENS + (texts - batch) * min(size.mean_tokens, length)
             sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
             peak += mem["train"] * max(1.0, scale ** 0.5) * batch / 16
