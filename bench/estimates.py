@@ -142,11 +142,7 @@ def run_series(store: Path, out_path: str, only: list[str] | None = None) -> dic
         out["runs"].append(row)
         print(f"{name}: {len(row['stages'])} stages, estimate {row['total']['estimate_s']} s, measured "
               f"{row['total']['measured_s']} s ({row['total']['ratio']}x), load {load_before} -> {row['load_after']}")
-        scored = [r for r in out["runs"] if "stages" in r and not r["name"].startswith("calibration")]
-        out["summary"] = summarise_printed(scored)
-        out["replayed_calibration"] = replayed_calibration(store, out["runs"])
-        out["summary_replayed_calibration"] = summarise_printed(
-            [{"name": n, **v} for n, v in out["replayed_calibration"].items()])
+        summarise_series(store, out)
         harness.write_json(out_path, out)
     return out
 
@@ -160,7 +156,9 @@ def replayed_calibration(store: Path, runs: list[dict]) -> dict:
     import statistics
 
     from irflow import api
+    from irflow.tools import estimate as est
 
+    cores = est.hardware().cores
     with api.catalog(store).connect(read_only=True) as con:
         rows = con.execute("SELECT e.run_id, e.stage, e.kind, e.prior, s.seconds, s.runtime FROM estimates e JOIN "
                            "stage_runs s ON e.run_id = s.run_id AND e.stage = s.stage WHERE s.status = 'computed' "
@@ -174,9 +172,9 @@ def replayed_calibration(store: Path, runs: list[dict]) -> dict:
             factors = {k: min(5.0, max(0.2, statistics.median(v))) for k, v in seen.items()}
             stages = []
             for _, stage, kind, prior, sec, _rt in mine:
-                est = prior * factors.get(kind, 1.0)
-                stages.append({"stage": stage, "kind": kind, "estimate_s": round(est, 1), "measured_s": round(sec, 1),
-                               "ratio": round(sec / est, 2) if est else None})
+                figure = prior * factors.get(kind, 1.0)
+                stages.append({"stage": stage, "kind": kind, "estimate_s": round(figure, 1),
+                               "measured_s": round(sec, 1), "ratio": round(sec / figure, 2) if figure else None})
             total = {"estimate_s": round(sum(x["estimate_s"] for x in stages), 1),
                      "measured_s": round(sum(x["measured_s"] for x in stages), 1)}
             total["ratio"] = round(total["measured_s"] / total["estimate_s"], 2) if total["estimate_s"] else None
@@ -185,19 +183,21 @@ def replayed_calibration(store: Path, runs: list[dict]) -> dict:
         for _, stage, kind, prior, sec, rt in mine:  # what the runs after it calibrate by
             r = json.loads(rt) if rt else {}
             started = (r.get("load") or [None])[0]
-            if prior and prior >= 5 and (started is None or started - (r.get("threads") or 2) <= 1.0):
+            if prior and prior >= est.CALIBRATE_FROM and (started is None or started - (r.get("threads") or cores)
+                                                          <= est.BUSY * cores):
                 seen.setdefault(kind, []).append(sec / prior)
     return out
 
 
-def summarise_printed(runs: list[dict]) -> dict:
-    """The scored runs: median measured / printed estimate of the stages of 10 s or more (either way), each
-    run's total ratio, and the mean load those stages ran under."""
+def summarise(runs: list[dict], key: str = "run_id") -> dict:
+    """Over several runs: the median measured / estimated of the stages that took 10 s or more (either way) and
+    how many lie within the goal's 0.8-1.25, each run's total ratio (by ``key``) and how many lie within
+    0.67-1.5, and the mean load the stages ran under (the load average at their start and end)."""
     import statistics
 
     stages = [s for r in runs for s in r["stages"] if s["ratio"] and max(s["measured_s"], s["estimate_s"]) >= 10]
     loads = [sum(s["load"]) / 2 for s in stages if s.get("load") and None not in s["load"]]
-    totals = {r["name"]: r["total"]["ratio"] for r in runs}
+    totals = {r[key]: r["total"]["ratio"] for r in runs}
     return {"runs": len(runs), "stages_10s_or_more": len(stages),
             "median_stage_ratio": round(statistics.median(s["ratio"] for s in stages), 2) if stages else None,
             "stages_within_0.8_1.25": sum(0.8 <= s["ratio"] <= 1.25 for s in stages),
@@ -205,17 +205,13 @@ def summarise_printed(runs: list[dict]) -> dict:
             "mean_load_of_those_stages": round(sum(loads) / len(loads), 2) if loads else None}
 
 
-def summarise(runs: list[dict]) -> dict:
-    """Over several runs: the median measured / estimated of the stages that took 10 s or more, each run's
-    total ratio, and the mean load the stages ran under (the load average at their start and end)."""
-    import statistics
-
-    stages = [s for r in runs for s in r["stages"] if s["ratio"] and max(s["measured_s"], s["estimate_s"]) >= 10]
-    loads = [sum(s["load"]) / 2 for s in stages if s.get("load") and None not in s["load"]]
-    return {"runs": len(runs), "stages_10s_or_more": len(stages),
-            "median_stage_ratio": round(statistics.median(s["ratio"] for s in stages), 2) if stages else None,
-            "totals": {r["run_id"]: r["total"]["ratio"] for r in runs},
-            "mean_load_of_those_stages": round(sum(loads) / len(loads), 2) if loads else None}
+def summarise_series(store: Path, out: dict) -> None:
+    """The series' summaries: of the scored runs as printed, and as the calibration would have estimated them."""
+    scored = [r for r in out["runs"] if "stages" in r and not r["name"].startswith("calibration")]
+    out["summary"] = summarise(scored, key="name")
+    out["replayed_calibration"] = replayed_calibration(store, out["runs"])
+    out["summary_replayed_calibration"] = summarise([{"name": n, **v} for n, v in out["replayed_calibration"].items()],
+                                                    key="name")
 
 
 def replay_pace(store: Path, run_id: str) -> dict:
@@ -310,11 +306,7 @@ def main() -> None:
     store = Path(args.store)
     if args.resummarise:  # the series' summaries again on its stored runs (the store must still be there)
         out = json.loads(Path(args.out).read_text())
-        scored = [r for r in out["runs"] if "stages" in r and not r["name"].startswith("calibration")]
-        out["summary"] = summarise_printed(scored)
-        out["replayed_calibration"] = replayed_calibration(store, out["runs"])
-        out["summary_replayed_calibration"] = summarise_printed(
-            [{"name": n, **v} for n, v in out["replayed_calibration"].items()])
+        summarise_series(store, out)
         harness.write_json(args.out, out)
         print(json.dumps({k: out[k] for k in ("summary", "summary_replayed_calibration")}, indent=1))
         return

@@ -48,7 +48,7 @@ import yaml
 import harness  # noqa: F401 -- first: offline environment, this checkout on sys.path
 import own_corpus
 import selection_null
-from irflow.recipes.dataset import SPAN_SOURCES
+from irflow.recipes.dataset import same_kind
 
 # (run name, query source, GPL steps, with the QGen baseline, continued from this run's GPL student)
 RUNS = [("log-30", "log", 30, True, None), ("log-120", "log", 120, True, None),
@@ -60,6 +60,9 @@ RUNS = [("log-30", "log", 30, True, None), ("log-120", "log", 120, True, None),
 KEPT = {"log-120-kept": "gpl-log-120"}
 PROXIES = ("ict", "ict-removed", "crop", "crop-removed", "easy-dropped", "round-trip", "log-teacher",
            "log-teacher-top3")
+# the query source each proxy is made of (the filters keep some of the cut ICT queries)
+PROXY_SOURCE = {"ict": "ict", "ict-removed": "ict", "crop": "crop", "crop-removed": "crop", "easy-dropped": "ict",
+                "round-trip": "ict", "log-teacher": "log", "log-teacher-top3": "log"}
 SEED = 42  # the proxy's sampling seed (ICTSource / CropSource default)
 
 
@@ -303,9 +306,8 @@ def main() -> None:
 
 def caveated(proxy: str, source: str) -> bool:
     """Whether a run trained on ``source`` queries keeps its start under this proxy whatever it scores: the
-    recipe's same-kind caveat (a proxy of span queries, ict or crop, cut or not, filtered or not, favours a
-    student trained on span queries; irflow.recipes.dataset.same_kind)."""
-    return not proxy.startswith("log") and source in SPAN_SOURCES
+    recipe's same-kind caveat (``same_kind``) between the proxy's query source and the run's generate.source."""
+    return same_kind(PROXY_SOURCE[proxy], own_corpus.GENERATE[source]["source"])
 
 
 def analyse(out: dict, units: dict, trials: int) -> None:
