@@ -50,7 +50,9 @@ def compare(store: Path, run_id: str) -> dict:
                 loads[s["name"]] = (json.loads(row[2]) if row[2] else {}).get("load")  # [at start, at end]
                 detail = json.loads(row[1])
                 params[s["name"]] = detail.get("cfg") or {}
-                inputs[s["name"]] = detail.get("inputs") or {}
+                # as the plan gave them before the run: a dataset one of its stages made is "<stage:name>"
+                inputs[s["name"]] = {role: [planned(catalog, i) for i in ids]
+                                     for role, ids in (detail.get("inputs") or {}).items()}
                 ids = detail.get("inputs", {}).get("queries") or []
                 if len(ids) == 1 and (d := catalog.dataset(ids[0])):
                     queries[s["name"]] = d["num_rows"]
@@ -70,6 +72,12 @@ def compare(store: Path, run_id: str) -> dict:
             "total": {"estimate_s": round(total_est, 1), "measured_s": round(total, 1),
                       "ratio": round(total / total_est, 2) if total_est else None},
             "stages_over_30s": [{"stage": r.stage, "ratio": round(computed[r.stage] / r.seconds, 2)} for r in heavy]}
+
+
+def planned(catalog, dataset_id: str) -> str:
+    """A stored dataset's id as a plan names it before it is made: ``<train_student[gpl]:student>``."""
+    row = catalog.dataset(dataset_id)
+    return f"<{row['stage']}:{row['name']}>" if row and row.get("stage") not in (None, "external") else dataset_id
 
 
 SAMPLE = "irflow/samples/scifact-sample.zip"
@@ -147,14 +155,12 @@ def run_series(store: Path, out_path: str, only: list[str] | None = None) -> dic
     return out
 
 
-def replayed_calibration(store: Path, runs: list[dict]) -> dict:
+def replayed_calibration(store: Path, runs: list[dict], now: bool = False) -> dict:
     """Each scored run's stages estimated as the calibration would have estimated them from the runs before it in
-    the store (the first, the calibration run, included): prior x the median measured / prior per kind of work
-    of the earlier stages estimated at 5 s or more that started with free cores (the load average at their
-    start less their own threads, at most half a core each). The estimate-time check is left out: before
-    ``runtime.others_busy`` it read the one-minute load average, in which the run just before still counted."""
-    import statistics
-
+    the store (the first, the calibration run, included): ``estimate.calibration_from`` over the earlier stage
+    runs. The estimate-time check is left out (``load`` None): before ``runtime.others_busy`` it read the
+    one-minute load average, in which the run just before still counted. ``now``: every stage's prior as this
+    checkout's estimate makes it from the stage's stored params (``compare``), not as the run printed it."""
     from irflow import api
     from irflow.tools import estimate as est
 
@@ -164,28 +170,32 @@ def replayed_calibration(store: Path, runs: list[dict]) -> dict:
                            "stage_runs s ON e.run_id = s.run_id AND e.stage = s.stage WHERE s.status = 'computed' "
                            "ORDER BY s.started_at").fetchall()
     names = {r["run_id"]: r["name"] for r in runs if r.get("stages") and not r["name"].startswith("calibration")}
-    seen: dict[str, list[float]] = {}
+    if now:
+        priors = {(x["run_id"], st["stage"]): st["estimate_s"]
+                  for x in (compare(store, r) for r in dict.fromkeys(x[0] for x in rows)) for st in x["stages"]}
+        rows = [(r_id, stage, kind, priors.get((r_id, stage), prior), sec, rt)
+                for r_id, stage, kind, prior, sec, rt in rows]
+    seen: list[dict] = []
     out = {}
     for run_id in dict.fromkeys(x[0] for x in rows):  # every run of the store, in the order they ran
-        mine = [x for x in rows if x[0] == run_id]
+        mine = [{"stage": stage, "kind": kind, "prior": prior, "measured": sec, "load": None,
+                 "runtime": json.loads(rt) if rt else {}} for r_id, stage, kind, prior, sec, rt in rows if r_id == run_id]
         if run_id in names:
-            factors = {k: min(5.0, max(0.2, statistics.median(v))) for k, v in seen.items()}
+            calibrated = est.calibration_from(seen, cores)
             stages = []
-            for _, stage, kind, prior, sec, _rt in mine:
-                figure = prior * factors.get(kind, 1.0)
-                stages.append({"stage": stage, "kind": kind, "estimate_s": round(figure, 1),
-                               "measured_s": round(sec, 1), "ratio": round(sec / figure, 2) if figure else None})
+            for r in mine:
+                figure = r["prior"] * (f[1] if calibrated and (
+                    f := calibrated.factor(est.StageEstimate(r["stage"], r["prior"], 0, "", r["kind"]))) else 1.0)
+                stages.append({"stage": r["stage"], "kind": r["kind"], "estimate_s": round(figure, 1),
+                               "measured_s": round(r["measured"], 1),
+                               "ratio": round(r["measured"] / figure, 2) if figure else None})
             total = {"estimate_s": round(sum(x["estimate_s"] for x in stages), 1),
                      "measured_s": round(sum(x["measured_s"] for x in stages), 1)}
             total["ratio"] = round(total["measured_s"] / total["estimate_s"], 2) if total["estimate_s"] else None
-            out[names[run_id]] = {"factors": {k: round(v, 2) for k, v in factors.items()}, "stages": stages,
-                                  "total": total}
-        for _, stage, kind, prior, sec, rt in mine:  # what the runs after it calibrate by
-            r = json.loads(rt) if rt else {}
-            started = (r.get("load") or [None])[0]
-            if prior and prior >= est.CALIBRATE_FROM and (started is None or started - (r.get("threads") or cores)
-                                                          <= est.BUSY * cores):
-                seen.setdefault(kind, []).append(sec / prior)
+            out[names[run_id]] = {"factors": {k: round(v, 2) for k, (v, _) in (calibrated.factors.items()
+                                                                               if calibrated else ())},
+                                  "stages": stages, "total": total}
+        seen += mine  # what the runs after it calibrate by
     return out
 
 
@@ -212,6 +222,9 @@ def summarise_series(store: Path, out: dict) -> None:
     out["replayed_calibration"] = replayed_calibration(store, out["runs"])
     out["summary_replayed_calibration"] = summarise([{"name": n, **v} for n, v in out["replayed_calibration"].items()],
                                                     key="name")
+    out["replayed_calibration_now"] = replayed_calibration(store, out["runs"], now=True)
+    out["summary_replayed_calibration_now"] = summarise(
+        [{"name": n, **v} for n, v in out["replayed_calibration_now"].items()], key="name")
 
 
 def replay_pace(store: Path, run_id: str) -> dict:
@@ -308,7 +321,8 @@ def main() -> None:
         out = json.loads(Path(args.out).read_text())
         summarise_series(store, out)
         harness.write_json(args.out, out)
-        print(json.dumps({k: out[k] for k in ("summary", "summary_replayed_calibration")}, indent=1))
+        print(json.dumps({k: out[k] for k in ("summary", "summary_replayed_calibration",
+                                              "summary_replayed_calibration_now")}, indent=1))
         return
     if args.series is not None:
         out = run_series(store, args.out, args.series or None)

@@ -50,12 +50,17 @@ def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_co
     _stage(catalog, "r1", "dense_search[zero-shot]", 30, 2.0, "encode", 3, here)  # too short to tell a rate
     _stage(catalog, "r1", "bm25_search[flat]", 50, 2.0, "bm25", 10, "another CPU / 2 cores")
     c = estimate.calibration(catalog, HW)
-    assert c.factors == {"train": (0.5, 2)}
+    # the stage itself, its kind of stage, its kind of work: each estimate takes the finest measured
+    assert c.factors == {"train_student[gpl]": (0.45, 1), "train_student[qgen]": (0.55, 1),
+                         "train_student": (0.5, 2), "train": (0.5, 2)}
     rows = [estimate.StageEstimate("train_student[gpl]", 1000, 1, "w", "train"),
+            estimate.StageEstimate("train_student[contriever]", 1000, 1, "w", "train"),
+            estimate.StageEstimate("train_dual_encoder[star]", 1000, 1, "w", "train"),
             estimate.StageEstimate("encode_corpus[x]", 100, 1, "w", "encode")]
-    assert [r.seconds for r in c.apply(rows)] == [500, 100]
+    assert [r.seconds for r in c.apply(rows)] == [450, 500, 500, 100]
     text = estimate.format_estimates(c.apply(rows), HW, calibrated=c, load=0.2)
-    assert "train x0.50 (2 stage runs)" in text and "warning" not in text
+    assert ("train x0.50 (2 stage runs), train_student x0.50 (2 stage runs), train_student[gpl] x0.45 (1 stage "
+            "run)" in text and "qgen" not in text and "warning" not in text)
     busy = estimate.format_estimates(rows, HW, load=3.0)
     assert "other processes keep 3.0 of the 2 cores busy" in busy and "expect about 2.5x" in busy
 
@@ -90,6 +95,12 @@ def test_encoding_generation_and_labelling_are_estimated_from_the_stages_own_par
     enc = "encode_corpus[zero-shot]"
     long_, short = (estimate.estimate(c, [enc], size, HW, {enc: {"max_seq_length": n}})[0] for n in (350, 64))
     assert short.seconds < long_.seconds and short.work.endswith("x 64 tokens")
+    # no length of its own: a planned student is encoded at the length it trains at (it is saved with it)
+    student = "encode_corpus[gpl-student]"
+    own = estimate.estimate(c, [student], size, HW, {student: {"max_seq_length": None},
+                                                     "train_student[gpl]": {"max_seq_length": 200}},
+                            inputs={student: {"model": ["<train_student[gpl]:student>"]}})[0]
+    assert own.work.endswith("x 200 tokens")
     gen = "generate_queries[t5]"
     one, five = (estimate.estimate(c, [gen], size, HW, {gen: {"queries_per_passage": n}})[0] for n in (1, 5))
     assert (one.work, five.work) == ("5,183 queries sampled", "25,915 queries sampled") and one.seconds < five.seconds

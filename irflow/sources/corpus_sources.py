@@ -461,7 +461,10 @@ def read_corpus(path: Path, out: Path, *, format: str = "auto", fields: dict[str
 
     try:
         with pq.ParquetWriter(out, schema) as writer:
-            for loc, did, title, text in tqdm(records, desc=f"read {path.name}", unit=" docs", mininterval=2):
+            # tqdm reads TQDM_DISABLE once, at import; an estimate sizing the corpus sets it later
+            quiet = bool(os.environ.get("TQDM_DISABLE"))
+            for loc, did, title, text in tqdm(records, desc=f"read {path.name}", unit=" docs", mininterval=2,
+                                              disable=quiet):
                 if not text.strip():
                     empty += 1
                     first_empty = first_empty or loc

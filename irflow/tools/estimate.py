@@ -151,9 +151,9 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
         teacher = own.get("teacher") or _dump(getattr(c, "teacher", None))
         sec, peak, work, kind = fixed.get(base, 1), mem["base"], "fixed cost", "fixed"
         if base == "encode_corpus":
-            length = own.get("max_seq_length") or enc_len
-            passages = size.passages
             roles = (inputs or {}).get(label) or {}
+            length = own.get("max_seq_length") or _own_length(roles.get("model"), params) or enc_len
+            passages = size.passages
             model_ids, corpus_ids = tuple(roles.get("model") or ()), tuple(roles.get("corpus") or ())
             if model_ids and encoded.setdefault((model_ids, json.dumps(own, sort_keys=True)), corpus_ids) != corpus_ids:
                 passages = round(size.passages * held_out)  # the rest reused from the first encoding
@@ -210,7 +210,7 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             negatives = {"mnrl": 0, "margin_mse": 1}.get(
                 p["loss"], getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
             texts = (2 + negatives) * batch
-            toks = batch * QUERY_TOKENS + (texts - batch) * min(size.mean_tokens, length)
+            toks = batch * _query_tokens(c, size, length) + (texts - batch) * min(size.mean_tokens, length)
             sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
             peak += mem["train"] * max(1.0, scale ** 0.5) * batch / 16
             work, kind = f"{steps} steps of {batch}", "train"
@@ -224,6 +224,22 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
             work, kind = f"{size.passages:,} passages x {n} windows weighted", "encode"
         out.append(StageEstimate(label, round(sec, 1), int(peak), work, kind))
     return out
+
+
+def _own_length(model_ids: list[str] | None, params: dict[str, dict] | None) -> int | None:
+    """The tokens a planned student reads when its encoding sets none: the length it trained at (a student is
+    saved with its training's ``max_seq_length``)."""
+    ref = model_ids[0] if model_ids and len(model_ids) == 1 else ""
+    if not ref.startswith("<train_student["):  # a planned output: <train_student[gpl]:student>
+        return None
+    return ((params or {}).get(ref[1:].split(":")[0]) or {}).get("max_seq_length")
+
+
+def _query_tokens(c, size: CorpusSize, max_len: int) -> float:
+    """A training query's tokens: a span of a passage (Contriever's crops: the mean of ``crop_ratio`` of it), else
+    a query's ``QUERY_TOKENS``."""
+    ratio = getattr(getattr(c, "generate", None), "crop_ratio", None)
+    return max(QUERY_TOKENS, min(size.mean_tokens * sum(ratio) / 2, max_len)) if ratio else QUERY_TOKENS
 
 
 def _dump(model) -> dict:
@@ -400,35 +416,53 @@ def hardware_key(hw: Hardware) -> str:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per kind of work, measured / estimated of the stages this store ran on this hardware with free cores."""
+    """Measured / estimated of the stages this store ran on this hardware with free cores, at three grains: the
+    stage itself (``train_student[gpl]``), its kind of stage (``train_student``), its kind of work (``train``).
+    A stage's estimate takes the finest that has been measured: MoCo's training says little of Margin-MSE's."""
 
-    factors: dict[str, tuple[float, int]]  # kind -> (median measured / prior, stage runs)
+    factors: dict[str, tuple[float, int]]  # stage label, stage name or kind of work -> (median ratio, stage runs)
+
+    def factor(self, e: StageEstimate) -> tuple[str, float] | None:
+        """The key and factor that calibrate ``e``; None: nothing of its kind measured."""
+        for key in (e.stage, stage_name(e.stage), e.kind):
+            if key in self.factors:
+                return key, self.factors[key][0]
+        return None
 
     def apply(self, est: list[StageEstimate]) -> list[StageEstimate]:
-        return [replace(e, seconds=round(e.seconds * self.factors[e.kind][0], 1)) if e.kind in self.factors else e
-                for e in est]
+        return [replace(e, seconds=round(e.seconds * f[1], 1)) if (f := self.factor(e)) else e for e in est]
 
-    def describe(self) -> str:
+    def describe(self, est: list[StageEstimate] | None = None) -> str:
+        """The factors used for ``est`` (every factor without it)."""
+        keys = {f[0] for e in est if (f := self.factor(e))} if est is not None else set(self.factors)
         return "calibrated by this store's runs here: " + ", ".join(
-            f"{k} x{f:.2f} ({n} stage run{'s' if n > 1 else ''})" for k, (f, n) in sorted(self.factors.items()))
+            f"{k} x{f:.2f} ({n} stage run{'s' if n > 1 else ''})" for k, (f, n) in sorted(self.factors.items())
+            if k in keys)
 
 
 def calibration(catalog, hw: Hardware) -> Calibration | None:
-    """What this store measured on this hardware (``Catalog.estimated_stages``), per kind of work: the
-    median of measured / prior over stages estimated at ``CALIBRATE_FROM`` seconds or more that ran with
-    free cores (the cores other processes kept busy when the run was estimated, and the load average when
-    the stage started less its own threads, at most ``BUSY`` a core). None: nothing to calibrate by (the shipped rates stand)."""
+    """What this store measured on this hardware (``Catalog.estimated_stages``); None: nothing to calibrate by
+    (the shipped rates stand). See ``calibration_from``."""
     if catalog is None:
         return None
+    return calibration_from(catalog.estimated_stages(hardware_key(hw)), hw.cores)
+
+
+def calibration_from(rows: list[dict], cores: int) -> Calibration | None:
+    """Per stage, kind of stage and kind of work, the median of measured / prior over ``rows`` (``{stage, kind,
+    prior, measured, load, runtime}``) estimated at ``CALIBRATE_FROM`` seconds or more that ran with free cores
+    (the cores other processes kept busy when the run was estimated, and the load average when the stage
+    started less its own threads, at most ``BUSY`` a core), each factor kept within 0.2-5."""
     ratios: dict[str, list[float]] = {}
-    for r in catalog.estimated_stages(hardware_key(hw)):
+    for r in rows:
         if not r["prior"] or r["prior"] < CALIBRATE_FROM or r["measured"] is None:
             continue
         started = (r["runtime"].get("load") or [None])[0]
-        others = [r["load"], None if started is None else started - (r["runtime"].get("threads") or hw.cores)]
-        if any(x is not None and x > BUSY * hw.cores for x in others):
+        others = [r["load"], None if started is None else started - (r["runtime"].get("threads") or cores)]
+        if any(x is not None and x > BUSY * cores for x in others):
             continue
-        ratios.setdefault(r["kind"], []).append(r["measured"] / r["prior"])
+        for key in dict.fromkeys((r["stage"], stage_name(r["stage"]), r["kind"])):
+            ratios.setdefault(key, []).append(r["measured"] / r["prior"])
     if not ratios:
         return None
     return Calibration({k: (min(5.0, max(0.2, float(statistics.median(v)))), len(v)) for k, v in ratios.items()})
@@ -447,7 +481,7 @@ def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str,
     total = sum(e.seconds for e in est)
     peak = max((e.peak_mb for e in est), default=0)
     head = f"{'stage':<34} {'estimate':>9} {'peak MB':>8}" + (f" {'measured':>9}" if measured is not None else "")
-    source = calibrated.describe() if calibrated else "irflow/measured/rates.json"
+    source = calibrated.describe(est) if calibrated else "irflow/measured/rates.json"
     lines = [f"estimate for {hw.describe()}, cores free ({source}):", head]
     for e in est:
         # not measured: its output came from another label's identical computation (one cache key)
