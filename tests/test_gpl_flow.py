@@ -148,6 +148,11 @@ def test_students_kept_every_n_steps_are_candidates_of_the_selection(setup, gpl_
     assert not weights["gpl-student-step1"][name].equal(weights["gpl-student-step2"][name])
     assert not weights["gpl-student-step2"][name].equal(weights["gpl-student"][name])
     assert sorted(p.name for p in (path["gpl-student"] / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    # a kept student's model is its checkpoint's files linked, not a second copy of its weights on disk
+    linked = [f.name for f in path["gpl-student-step1"].rglob("*.safetensors")
+              if f.stat().st_ino == (path["gpl-student"] / "checkpoints" / "step-1" /
+                                     f.relative_to(path["gpl-student-step1"])).stat().st_ino]
+    assert linked
 
     shipped = export(catalog, result.run_id, tmp_path / "final", system="gpl-student")
     assert not (shipped.out / "checkpoints").exists()

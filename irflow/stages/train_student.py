@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Annotated, Literal
@@ -355,8 +356,16 @@ def checkpoint_student(p: CheckpointParams, rt: StageRuntime, *, student: Datase
         raise DataError(f"checkpoint_student: the student kept no step {p.step} (kept: {have or 'none'}; "
                         f"train_student keeps every candidates_every steps)")
     out = Path(rt.workdir) / "student"
-    shutil.copytree(src, out)
+    shutil.copytree(src, out, copy_function=_link_or_copy)  # both immutable: one copy of the weights on disk
     return {"student": out}
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link to ``src`` where the file system allows one (the same store), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 # ---- TAS-B --------------------------------------------------------------------------------------------
