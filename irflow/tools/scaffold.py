@@ -152,12 +152,46 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     if is_beir_source(corpus):
         raise ConfigError(f"{corpus} is a BEIR dataset: start from configs/baselines_scifact.yaml (dataset.source)")
     profile = _profile(documents_path(src), "auto", fields, model)
-    docs = profile.documents
-    passages, long_docs, ratio = passage_settings(profile)
+    choices = Choices()
+    labelled = qrels is not None
+    passages, n_passages = _passages(profile, labelled, choices)
+    d: dict = {"source": str(src.resolve())}
+    if fields:
+        d["fields"] = fields
+    if passages:
+        d["passages"] = passages
+    held_out = _evaluation(d, profile.documents, recipe, queries, qrels, choices)
+    if query_log:
+        d["query_log"] = str(Path(query_log).expanduser().resolve())
+    cfg: dict = {"flow": recipe, "dataset": d}
+    if recipe == "baselines":
+        cfg.update(bm25={"variants": ["flat"]}, dense={"model": model})
+    else:
+        cfg.update(_training(model, query_log, generator, teacher, held_out is not None, choices))
+    # torch or ONNX Runtime, whichever a probe finds faster here (irflow.learn.backend_probe): neither is faster everywhere
+    cfg["runtime"] = {"backend": "auto"}
+    choices.add("runtime.backend: auto (torch or ONNX Runtime for encoding, whichever a short probe finds faster "
+                "on this machine; remembered in the store)")
+    size = est.CorpusSize(n_passages, round(_mean_passage_words(profile, passages), 1), round(held_out or 0),
+                          _log_queries(query_log))
     hw = est.hardware()
     timed = calibrated.apply if calibrated else (lambda rows: rows)
-    labelled = qrels is not None
-    choices = Choices()
+    c, stages, inputs = _plan(yaml.safe_dump(cfg, sort_keys=False))
+    if recipe == "gpl":  # size training to the budget, then estimate every stage of the plan
+        c = _fit_budget(cfg, c, stages, inputs, size, hw, timed, budget_minutes, choices)
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    estimates = timed(est.estimate(c, stages, size, hw, inputs=inputs))
+    table = est.format_estimates(estimates, hw, calibrated=calibrated, load=others_busy())
+    header = [command or f"irflow new {recipe} --corpus {corpus}", "", *choices.lines,
+              f"machine: {hw.describe()}", *(f"warning: {w}" for w in choices.warnings), "", *table.splitlines(), "",
+              "irflow run THIS_FILE; then irflow export latest --out DIR (the model the run selected)"]
+    return "\n".join("# " + ln if ln else "#" for ln in header) + "\n" + text, table, choices
+
+
+def _passages(profile, labelled: bool, choices: Choices) -> tuple[dict | None, int]:
+    """(dataset.passages, or None: documents are not cut; how many passages the corpus becomes)."""
+    docs = profile.documents
+    passages, long_docs, ratio = passage_settings(profile)
     if passages and labelled:
         # judgements name whole documents: cut, they would name none of the passages
         choices.warn(f"{long_docs:,} document(s) are longer than the encoder reads ({ENCODER_TOKENS} tokens) and are "
@@ -172,21 +206,21 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                    f"{passages['stride']} ({ratio:.2f} tokens a word in them)" if passages else
                    f": {long_docs:,} longer than the encoder reads ({ENCODER_TOKENS} tokens), not cut" if long_docs else
                    f": none longer than the encoder reads ({ENCODER_TOKENS} tokens), none cut"))
+    return passages, n_passages
 
-    d: dict = {"source": str(src.resolve())}
-    if fields:
-        d["fields"] = fields
-    if passages:
-        d["passages"] = passages
-    fraction = proxy_fraction(docs)
-    expected = fraction * docs
-    evaluates = True
-    if labelled:
+
+def _evaluation(d: dict, docs: int, recipe: str, queries: str | None, qrels: str | None,
+                choices: Choices) -> float | None:
+    """The dataset section's evaluation (``d``, in place): labelled, a synthetic held-out set, or none when the
+    corpus is too small for one. Returns the proxy queries expected (0 when labelled), None: nothing evaluated."""
+    if qrels is not None:
         d.update(queries=str(Path(queries).expanduser().resolve()), qrels=str(Path(qrels).expanduser().resolve()))
         choices.add(f"evaluation: labelled ({queries}, {qrels})")
-    elif expected < MIN_PROXY_DOCUMENTS:
+        return 0
+    fraction = proxy_fraction(docs)
+    expected = fraction * docs
+    if expected < MIN_PROXY_DOCUMENTS:
         d["proxy"] = None
-        evaluates = False
         choices.add("evaluation: none (dataset.proxy: null)")
         choices.warn(f"{_n(docs, 'document')} are too few to evaluate without labels: a synthetic held-out set needs "
                      f"about {MIN_PROXY_DOCUMENTS} held-out documents (at most {PROXY_FRACTION[1]:.0%} of the corpus), "
@@ -194,87 +228,75 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                      + ("The run trains and hands out the trained model unmeasured (GPL without evaluation data); "
                         "give --queries and --qrels to measure it" if recipe == "gpl" else
                         "The run hands out the starting model, unmeasured"))
-    else:
-        d["proxy"] = {"fraction": fraction}
-        choices.add(f"evaluation: a synthetic held-out set (a proxy): documents whose id hashes below {fraction:g} "
-                    f"(about {expected:.0f} of {docs:,}) and their duplicates are set aside before training, an ICT "
-                    "query per passage of theirs; a document once held out stays out as the corpus changes")
+        return None
+    d["proxy"] = {"fraction": fraction}
+    choices.add(f"evaluation: a synthetic held-out set (a proxy): documents whose id hashes below {fraction:g} "
+                f"(about {expected:.0f} of {docs:,}) and their duplicates are set aside before training, an ICT "
+                "query per passage of theirs; a document once held out stays out as the corpus changes")
+    return expected
+
+
+def _training(model: str, query_log: str | None, generator: str | None, teacher: str | None, evaluates: bool,
+              choices: Choices) -> dict:
+    """GPL's sections: where its queries come from, its miners, teacher, labels, student and evaluation."""
     if query_log:
-        d["query_log"] = str(Path(query_log).expanduser().resolve())
-    cfg: dict = {"flow": recipe, "dataset": d}
-    if recipe == "baselines":
-        cfg.update(bm25={"variants": ["flat"]}, dense={"model": model})
+        gen, why = {"source": "unlabelled"}, "your query log (what made GPL's student gain on SciFact and NFCorpus)"
+    elif generator or _available(T5_HUB):
+        gen = {"source": "t5", "model": generator or T5_HUB, "queries_per_passage": 3}
+        why = "a T5 query generator (the paper's)"
     else:
-        if query_log:
-            gen, why = {"source": "unlabelled"}, "your query log (what made GPL's student gain on SciFact and NFCorpus)"
-        elif generator or _available(T5_HUB):
-            gen = {"source": "t5", "model": generator or T5_HUB, "queries_per_passage": 3}
-            why = "a T5 query generator (the paper's)"
-        else:
-            gen, why = {"source": "ict"}, (f"ict: no query log and no T5 generator here ({T5_HUB} is not downloadable; "
-                                           "give --generator DIR)")
-            if evaluates:
-                choices.warn("model-free queries (ict) lowered GPL's student below zero-shot on SciFact and NFCorpus "
-                             "(bench/results/model_free.json), and a proxy of their own kind cannot select the student: "
-                             "the run will most likely keep the starting model. A query log (--query-log) is the "
-                             "offline source that gained")
-        choices.add(f"training queries: {why}")
-        if teacher or _available(CE_HUB):
-            t = {"type": "cross_encoder", "model": teacher or CE_HUB}
-            choices.add("teacher: a cross-encoder (the paper's)")
-        else:
-            t = {"type": "fusion", "method": "zscore", "weights": {"bm25": 0.3, "minilm": 0.7},
-                 "score_every_candidate": True}
-            choices.add(f"teacher: BM25 + MiniLM fusion (no cross-encoder here: {CE_HUB} is not downloadable; "
-                        "give --teacher DIR)")
-        cfg.update(generate=gen,
-                   mine={"miners": [{"name": "bm25", "type": "bm25"},
-                                    {"name": "minilm", "type": "dense", "model": model}], "depth": 50},
-                   teacher=t, label={"negatives_per_positive": 16, "rank_range": [3, 30], "scale": "auto"},
-                   train={"model": model, "similarity": "cos", "batch_size": 16, "max_seq_length": 200,
-                          "lr": 2.0e-5, "warmup_steps": 25, "steps": 100, "checkpoint_every": 50,
-                          "qgen": {"enabled": False}},
-                   bm25={"variants": ["flat"]}, dense={"batch_size": 64, "max_seq_length": ENCODER_TOKENS},
-                   hybrid={"method": "zscore", "sparse_weight": 0.3, "depth": 100})
+        gen, why = {"source": "ict"}, (f"ict: no query log and no T5 generator here ({T5_HUB} is not downloadable; "
+                                       "give --generator DIR)")
+        if evaluates:
+            choices.warn("model-free queries (ict) lowered GPL's student below zero-shot on SciFact and NFCorpus "
+                         "(bench/results/model_free.json), and a proxy of their own kind cannot select the student: "
+                         "the run will most likely keep the starting model. A query log (--query-log) is the "
+                         "offline source that gained")
+    choices.add(f"training queries: {why}")
+    if teacher or _available(CE_HUB):
+        t = {"type": "cross_encoder", "model": teacher or CE_HUB}
+        choices.add("teacher: a cross-encoder (the paper's)")
+    else:
+        t = {"type": "fusion", "method": "zscore", "weights": {"bm25": 0.3, "minilm": 0.7},
+             "score_every_candidate": True}
+        choices.add(f"teacher: BM25 + MiniLM fusion (no cross-encoder here: {CE_HUB} is not downloadable; "
+                    "give --teacher DIR)")
+    return {"generate": gen,
+            "mine": {"miners": [{"name": "bm25", "type": "bm25"},
+                                {"name": "minilm", "type": "dense", "model": model}], "depth": 50},
+            "teacher": t, "label": {"negatives_per_positive": 16, "rank_range": [3, 30], "scale": "auto"},
+            "train": {"model": model, "similarity": "cos", "batch_size": 16, "max_seq_length": 200,
+                      "lr": 2.0e-5, "warmup_steps": 25, "steps": 100, "checkpoint_every": 50,
+                      "qgen": {"enabled": False}},
+            "bm25": {"variants": ["flat"]}, "dense": {"batch_size": 64, "max_seq_length": ENCODER_TOKENS},
+            "hybrid": {"method": "zscore", "sparse_weight": 0.3, "depth": 100}}
 
-    # torch or ONNX Runtime, whichever a probe finds faster here (irflow.learn.backend_probe): neither is faster everywhere
-    cfg["runtime"] = {"backend": "auto"}
-    choices.add("runtime.backend: auto (torch or ONNX Runtime for encoding, whichever a short probe finds faster "
-                "on this machine; remembered in the store)")
-    proxy_queries = 0 if labelled or not evaluates else round(expected)
-    size = est.CorpusSize(n_passages, round(_mean_passage_words(profile, passages), 1), proxy_queries,
-                          _log_queries(query_log))
-    # size training to the budget, then estimate every stage of the plan
-    text = yaml.safe_dump(cfg, sort_keys=False)
-    c, stages, inputs = _plan(text)
-    if recipe == "gpl":
-        one = timed(est.estimate(c, ["train_student[gpl]"], size, hw))[0].seconds
-        per_step = max(1e-3, (one - 3) / c.train.steps)
-        others = sum(e.seconds for e in timed(est.estimate(c, stages, size, hw, inputs=inputs))
-                     if not e.stage.startswith("train_student"))
-        left = max(60.0, budget_minutes * 60 - others)
-        steps = int(min(140_000, max(50, left / per_step)))
-        cfg["train"]["steps"] = steps
-        cfg["train"]["checkpoint_every"] = max(50, steps // 10)
-        choices.add(f"train.steps: {steps:,}, what fits --budget-minutes {budget_minutes:g} here with the rest of "
-                    "the run (the paper: 140,000 steps on a GPU)")
-        needed = others + 3 + steps * per_step
-        if needed > budget_minutes * 60 * 1.05:
-            choices.warn(f"--budget-minutes {budget_minutes:g} is less than this run needs: without training it "
-                         f"takes about {others / 60:.1f} min here (encoding the corpus, searching, labelling), and "
-                         f"with the fewest steps irflow trains ({steps}) about {needed / 60:.0f} min; give it "
-                         f"{needed / 60:.0f} minutes or more")
-        text = yaml.safe_dump(cfg, sort_keys=False)
-        # the stages and the corpus are those planned above: only train.steps changed
-        from irflow.recipes.base import load_config
 
-        c = load_config(yaml.safe_load(text))
-    estimates = timed(est.estimate(c, stages, size, hw, inputs=inputs))
-    table = est.format_estimates(estimates, hw, calibrated=calibrated, load=others_busy())
-    header = [command or f"irflow new {recipe} --corpus {corpus}", "", *choices.lines,
-              f"machine: {hw.describe()}", *(f"warning: {w}" for w in choices.warnings), "", *table.splitlines(), "",
-              "irflow run THIS_FILE; then irflow export latest --out DIR (the model the run selected)"]
-    return "\n".join("# " + ln if ln else "#" for ln in header) + "\n" + text, table, choices
+def _fit_budget(cfg: dict, c, stages: list[str], inputs: dict, size, hw, timed, budget_minutes: float,
+                choices: Choices):
+    """``train.steps`` (in ``cfg``, in place) so that the whole run fits ``budget_minutes`` here, or the fewest
+    steps and a warning with the minutes it needs; returns the config loaded with those steps (the plan's
+    stages are unchanged: only train.steps is)."""
+    from irflow.recipes.base import load_config
+    from irflow.tools import estimate as est
+
+    one = timed(est.estimate(c, ["train_student[gpl]"], size, hw))[0].seconds
+    per_step = max(1e-3, (one - 3) / c.train.steps)
+    others = sum(e.seconds for e in timed(est.estimate(c, stages, size, hw, inputs=inputs))
+                 if not e.stage.startswith("train_student"))
+    left = max(60.0, budget_minutes * 60 - others)
+    steps = int(min(140_000, max(50, left / per_step)))
+    cfg["train"]["steps"] = steps
+    cfg["train"]["checkpoint_every"] = max(50, steps // 10)
+    choices.add(f"train.steps: {steps:,}, what fits --budget-minutes {budget_minutes:g} here with the rest of "
+                "the run (the paper: 140,000 steps on a GPU)")
+    needed = others + 3 + steps * per_step
+    if needed > budget_minutes * 60 * 1.05:
+        choices.warn(f"--budget-minutes {budget_minutes:g} is less than this run needs: without training it "
+                     f"takes about {others / 60:.1f} min here (encoding the corpus, searching, labelling), and "
+                     f"with the fewest steps irflow trains ({steps}) about {needed / 60:.0f} min; give it "
+                     f"{needed / 60:.0f} minutes or more")
+    return load_config(yaml.safe_load(yaml.safe_dump(cfg, sort_keys=False)))
 
 
 def _n(count: int, noun: str) -> str:
