@@ -462,22 +462,8 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
 
     p = TrainStudentParams(**job["params"])
     ex, qtext, dtext = job["ex"], job["qtext"], job["dtext"]
-    if p.loss == "margin_mse":
-        keys = None
-        loss_fn = MarginMSELoss(similarity=p.similarity)
-        margins = torch.tensor(ex["margin"], dtype=torch.float32)
-    elif p.loss == "listwise_kl":
-        keys = None
-        # the teacher's scores are in the student's similarity units (pseudo_label's scale), so one factor
-        # serves both softmaxes: temperature = 1 / scale
-        loss_fn = ListwiseDistillationLoss(similarity=p.similarity, scale=p.listwise_scale,
-                                           temperature=1.0 / p.listwise_scale)
-    else:
-        cols = [c for c in ("q", "p", "n") if c in ex]
-        keys = [frozenset((c, ex[c][i]) if c == "q" else ("d", ex[c][i]) for c in cols) for i in range(len(ex["q"]))]
-        # MNRL that also scores the passages of the other processes' shares (MNRL itself in one process)
-        loss_fn = CrossBatchInfoNCE(similarity=p.similarity, scale=p.mnrl_scale)
-
+    loss_fn, keys = _loss(p, ex)
+    margins = torch.tensor(ex["margin"], dtype=torch.float32) if p.loss == "margin_mse" else None
     device = rt.device
     seed_everything(p.seed)  # same initial weights in every process
     model = load_sentence_transformer(job["base_model"], device, p.max_seq_length)
@@ -519,17 +505,10 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
                 loss = loss + inbatch.from_embeddings(q, pos, n, t)
             return loss
         if p.loss == "listwise_kl":
-            # one forward pass for every negative of the batch; lists may differ in length, so each
-            # query's KL is taken on its own and averaged
+            # one forward pass for every negative of the batch
             negs = _embed(model, [dtext[d] for i in idx for d in ex["negs"][i]], device)
-            losses, at = [], 0
-            for row, i in enumerate(idx):
-                k = len(ex["negs"][i])
-                cands = torch.cat([pos[row:row + 1], negs[at:at + k]])
-                at += k
-                scores = torch.tensor(ex["scores"][i], dtype=torch.float32, device=device)
-                losses.append(loss_fn.from_embeddings(q[row:row + 1], cands.unsqueeze(0), scores.unsqueeze(0)))
-            return torch.stack(losses).mean()
+            return _listwise_loss(loss_fn, q, pos, negs, [len(ex["negs"][i]) for i in idx],
+                                  [ex["scores"][i] for i in idx])
         raise AssertionError(p.loss)
 
     def mnrl_loss(idx: list[int], q):
@@ -539,15 +518,7 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
 
     rank, world = distributed.rank_and_world()
     if rank == 0:
-        extra = f" with MoCo (queue {p.moco.queue_size}, momentum {p.moco.momentum})" if moco else ""
-        if tas is not None:
-            extra = (f" with TAS-B ({tas['clusters']} clusters, {p.tas.clusters_per_batch} a batch, "
-                     f"{p.tas.margin_bins} margin bins{', in-batch teacher' if inbatch else ''})")
-        log.info("train_student: %s/%s%s on %d examples, %d steps of %d on %d process(es) (%s, %s)", p.loss,
-                 p.similarity, extra,
-                 len(ex["q"]), plan.total_steps(p), p.batch_size, world, device, rt.precision)
-        if p.moco.enabled and not moco:
-            log.info("train_student: moco applies to loss mnrl only; %s trains without it", p.loss)
+        _say_start(p, len(ex["q"]), plan.total_steps(p), world, rt, moco is not None, tas, inbatch is not None)
     # sequences a step encodes per example: the query, the positive and the negative(s)
     texts = 2 + (max(map(len, ex["negs"]), default=0) if p.loss == "listwise_kl" else int("n" in ex))
     out = Path(job["out"])
@@ -582,3 +553,44 @@ def fit_and_save(job: dict, rt: StageRuntime) -> None:
                      "cluster_sizes": tas["cluster_sizes"], "inbatch_teacher": inbatch is not None,
                      "teacher_scale": tas.get("teacher_scale")}} if tas else {}),
          "history": history}, indent=1))
+
+
+def _listwise_loss(loss_fn, q, pos, negs, lengths: list[int], scores: list[list[float]]):
+    """The mean over the batch of each query's KL on its list (its positive, then its ``lengths[row]``
+    negatives, in ``negs`` one query after another): lists may differ in length, so each is taken on its own."""
+    import torch
+
+    losses, at = [], 0
+    for row, k in enumerate(lengths):
+        cands = torch.cat([pos[row:row + 1], negs[at:at + k]])
+        at += k
+        target = torch.tensor(scores[row], dtype=torch.float32, device=q.device)
+        losses.append(loss_fn.from_embeddings(q[row:row + 1], cands.unsqueeze(0), target.unsqueeze(0)))
+    return torch.stack(losses).mean()
+
+
+def _loss(p: TrainStudentParams, ex: dict):
+    """(the loss module, the examples' keys that must not share a batch: MNRL's in-batch negatives, else None)."""
+    if p.loss == "margin_mse":
+        return MarginMSELoss(similarity=p.similarity), None
+    if p.loss == "listwise_kl":
+        # the teacher's scores are in the student's similarity units (pseudo_label's scale), so one factor
+        # serves both softmaxes: temperature = 1 / scale
+        return ListwiseDistillationLoss(similarity=p.similarity, scale=p.listwise_scale,
+                                        temperature=1.0 / p.listwise_scale), None
+    cols = [c for c in ("q", "p", "n") if c in ex]
+    keys = [frozenset((c, ex[c][i]) if c == "q" else ("d", ex[c][i]) for c in cols) for i in range(len(ex["q"]))]
+    # MNRL that also scores the passages of the other processes' shares (MNRL itself in one process)
+    return CrossBatchInfoNCE(similarity=p.similarity, scale=p.mnrl_scale), keys
+
+
+def _say_start(p: TrainStudentParams, examples: int, steps: int, world: int, rt: StageRuntime, moco: bool,
+               tas: dict | None, inbatch: bool) -> None:
+    extra = f" with MoCo (queue {p.moco.queue_size}, momentum {p.moco.momentum})" if moco else ""
+    if tas is not None:
+        extra = (f" with TAS-B ({tas['clusters']} clusters, {p.tas.clusters_per_batch} a batch, "
+                 f"{p.tas.margin_bins} margin bins{', in-batch teacher' if inbatch else ''})")
+    log.info("train_student: %s/%s%s on %d examples, %d steps of %d on %d process(es) (%s, %s)", p.loss,
+             p.similarity, extra, examples, steps, p.batch_size, world, rt.device, rt.precision)
+    if p.moco.enabled and not moco:
+        log.info("train_student: moco applies to loss mnrl only; %s trains without it", p.loss)
