@@ -12,8 +12,9 @@ stage and in all. With ``--new CORPUS``, first writes a config with `irflow new 
 With ``--series``, the runs of ``SERIES`` one after another in one fresh store, each started with ``irflow run`` as a
 user starts it: the first calibrates the store (the estimate after it uses the rates this store measured
 here), the others are scored: each computed stage's printed estimate (the catalog's ``estimates``: what the
-user read before the run) against its measured seconds, with the load it ran under; the JSON is rewritten
-after every run.
+user read before the run) against its measured seconds, with the load it ran under, when the run said it
+would overrun (``overrun_said_at_share``) and the load warning its estimate printed; the JSON is rewritten after
+every run. Run it beside another benchmark for the series under load.
 
     python bench/estimates.py --series --store /tmp/est-series --out bench/results/estimates_series_idle.json
 """
@@ -137,22 +138,54 @@ def run_series(store: Path, out_path: str, only: list[str] | None = None) -> dic
                                   "--force", "--store", str(store)], check=True, env=harness.cli_env(),
                            cwd=harness.ROOT)
         argv = cmd + ["run", config, "--store", str(store), "--json"] + [a for s in sets for a in ("--set", s)]
-        load_before, t0 = harness.loadavg(), time.time()
-        done = subprocess.run(argv, capture_output=True, text=True, env=harness.cli_env(), cwd=harness.ROOT)
-        wall = time.time() - t0
-        if done.returncode:
-            print(done.stderr[-3000:])
-            out["runs"].append({"name": name, "failed": done.stderr[-1500:]})
+        load_before = harness.loadavg()
+        done = run_watched(argv)
+        if done["returncode"]:
+            print(done["stderr"][-3000:])
+            out["runs"].append({"name": name, "failed": done["stderr"][-1500:]})
             continue
-        run_id = json.loads(done.stdout.strip().splitlines()[-1])["run_id"]
-        row = {"name": name, "config": config, "set": sets, "wall_s": round(wall, 1), "load_before": load_before,
-               "load_after": harness.loadavg(), **printed(store, run_id)}
+        run_id = json.loads(done["stdout"].strip().splitlines()[-1])["run_id"]
+        row = {"name": name, "config": config, "set": sets, "wall_s": done["wall_s"], "load_before": load_before,
+               "load_after": harness.loadavg(), **{k: done[k] for k in WATCHED}, **printed(store, run_id)}
         out["runs"].append(row)
         print(f"{name}: {len(row['stages'])} stages, estimate {row['total']['estimate_s']} s, measured "
               f"{row['total']['measured_s']} s ({row['total']['ratio']}x), load {load_before} -> {row['load_after']}")
         summarise_series(store, out)
         harness.write_json(out_path, out)
     return out
+
+
+WATCHED = ("overrun_said_at_s", "overrun_said_at_share", "overrun_message", "load_warning")
+
+
+def run_watched(argv: list[str]) -> dict:
+    """``irflow run`` as a user runs it, its stderr read as it comes: when (seconds from the start, share of the
+    run) it first said it would overrun its estimate, and the load warning its estimate printed."""
+    import subprocess
+    import threading
+
+    t0 = time.time()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=harness.cli_env(),
+                            cwd=harness.ROOT)
+    lines: list[str] = []
+    said: list[tuple[float, str]] = []
+
+    def watch() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "slower than its estimate" in line and not said:
+                said.append((round(time.time() - t0, 1), line.strip()))
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    stdout = proc.stdout.read()
+    proc.wait()
+    reader.join(5)
+    wall = time.time() - t0
+    warning = next((ln.strip() for ln in lines if "other processes keep" in ln), None)
+    return {"returncode": proc.returncode, "stdout": stdout, "stderr": "".join(lines), "wall_s": round(wall, 1),
+            "overrun_said_at_s": said[0][0] if said else None,
+            "overrun_said_at_share": round(said[0][0] / wall, 3) if said else None,
+            "overrun_message": said[0][1] if said else None, "load_warning": warning}
 
 
 def replayed_calibration(store: Path, runs: list[dict], now: bool = False) -> dict:
@@ -219,6 +252,9 @@ def summarise_series(store: Path, out: dict) -> None:
     """The series' summaries: of the scored runs as printed, and as the calibration would have estimated them."""
     scored = [r for r in out["runs"] if "stages" in r and not r["name"].startswith("calibration")]
     out["summary"] = summarise(scored, key="name")
+    # when each run said it would overrun (a share of its wall time; None: it did not), and its load warning
+    out["summary"]["overrun_said_at_share"] = {r["name"]: r.get("overrun_said_at_share") for r in scored}
+    out["summary"]["load_warned"] = sum(bool(r.get("load_warning")) for r in scored)
     out["replayed_calibration"] = replayed_calibration(store, out["runs"])
     out["summary_replayed_calibration"] = summarise([{"name": n, **v} for n, v in out["replayed_calibration"].items()],
                                                     key="name")
@@ -263,7 +299,6 @@ def run_as_a_user(corpus: str, query_log: str | None, budget: float, store: Path
     `irflow run`, as a user runs them: the whole run's wall time against the budget, and when (if ever) the run
     said it would overrun, as seconds from its start and as a share of the run."""
     import subprocess
-    import threading
 
     cfg = store.parent / f"{store.name}-new.yaml"
     cmd = [sys.executable, "-m", "irflow.cli"]
@@ -273,31 +308,14 @@ def run_as_a_user(corpus: str, query_log: str | None, budget: float, store: Path
     print(made.stdout[-3000:], made.stderr[-2000:])
     made.check_returncode()
     load_before = harness.loadavg()
-    t0 = time.time()
-    proc = subprocess.Popen(cmd + ["run", str(cfg), "--store", str(store), "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=harness.cli_env(), cwd=harness.ROOT)
-    said: list[tuple[float, str]] = []
-    lines: list[str] = []
-
-    def watch() -> None:
-        for line in proc.stderr:
-            lines.append(line)
-            if "slower than its estimate" in line and not said:
-                said.append((round(time.time() - t0, 1), line.strip()))
-    reader = threading.Thread(target=watch, daemon=True)
-    reader.start()
-    out = proc.stdout.read()
-    proc.wait()
-    reader.join(5)
-    wall = time.time() - t0
-    if proc.returncode:
-        raise SystemExit("".join(lines[-40:]))
+    done = run_watched(cmd + ["run", str(cfg), "--store", str(store), "--json"])
+    if done["returncode"]:
+        raise SystemExit(done["stderr"][-6000:])
+    out, wall = done["stdout"], done["wall_s"]
     result = json.loads(out.strip().splitlines()[-1])
     return {"run_id": result["run_id"], "budget_s": budget * 60, "wall_s": round(wall, 1),
             "wall_vs_budget": round(wall / (budget * 60), 2), "load_before": load_before,
-            "load_after": harness.loadavg(), "overrun_said_at_s": said[0][0] if said else None,
-            "overrun_said_at_share": round(said[0][0] / wall, 3) if said else None,
-            "overrun_message": said[0][1] if said else None, "new_output": made.stdout[-4000:]}
+            "load_after": harness.loadavg(), **{k: done[k] for k in WATCHED}, "new_output": made.stdout[-4000:]}
 
 
 def main() -> None:
