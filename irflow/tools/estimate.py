@@ -128,102 +128,157 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     search stage reads (``searched_queries``; otherwise the evaluation's and the generated ones); ``inputs``:
     label -> {role: dataset ids} (the plan's), by which an encoding of a corpus whose passages an earlier
     stage of the plan encoded with the same model and settings is estimated at the passages left to encode
-    (``irflow.engine.row_reuse``: the zero-shot model's corpus after the miner's training corpus)."""
-    hw = hw or hardware()
-    fixed = rates()["fixed_seconds"]["value"]
-    mem = rates()["memory_mb"]["value"]
-    dense = getattr(c, "dense", None)
-    enc_len = getattr(dense, "max_seq_length", None) or 256
-    train = getattr(c, "train", None)
-    model = getattr(train, "model", None) or getattr(dense, "model", None) or getattr(c, "base_model", None)
-    scale = model_scale(model)
-    emb_mb = size.passages * 384 * 4 * 2 / 2**20 * max(1.0, scale ** 0.5)
-    n_gen = _generated_queries(c, size)
-    encoded: dict[tuple, tuple] = {}  # (model ids, encoding params) -> the corpus ids its first encoding read
-    proxy = getattr(getattr(c, "dataset", None), "proxy", None)
-    held_out = getattr(proxy, "fraction", 0.1) if proxy is not None and not getattr(proxy, "judged", False) else 0.1
-    # the teacher's model is an input, not a param: its size is read from the config's name for it
-    teacher_scale = model_scale(getattr(getattr(c, "teacher", None), "model", None))
+    (``irflow.engine.row_reuse``: the zero-shot model's corpus after the miner's training corpus). A stage is
+    its fixed cost (``fixed_seconds``) plus what its estimator in ``WORK`` adds; one without: the fixed cost."""
+    run = _Run(c, size, hw or hardware(), params or {}, queries or {}, inputs or {})
     out = []
     for label in stages:
         base = stage_name(label)
-        own = (params or {}).get(label) or {}  # the stage's params where the plan gives them; else the config's
-        teacher = own.get("teacher") or _dump(getattr(c, "teacher", None))
-        sec, peak, work, kind = fixed.get(base, 1), mem["base"], "fixed cost", "fixed"
-        if base == "encode_corpus":
-            roles = (inputs or {}).get(label) or {}
-            length = own.get("max_seq_length") or _own_length(roles.get("model"), params) or enc_len
-            passages = size.passages
-            model_ids, corpus_ids = tuple(roles.get("model") or ()), tuple(roles.get("corpus") or ())
-            if model_ids and encoded.setdefault((model_ids, json.dumps(own, sort_keys=True)), corpus_ids) != corpus_ids:
-                passages = round(size.passages * held_out)  # the rest reused from the first encoding
-            toks = passages * _tokens(size, length)
-            sec += toks / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
-            peak += mem["model"] + emb_mb
-            work, kind = f"{passages:,} passages x {_tokens(size, length):.0f} tokens", "encode"
-        elif base in ("dense_search", "dense_score"):
-            sec += (queries or {}).get(label, size.queries + n_gen) * QUERY_TOKENS / 1000 * _rate(hw, "encode") * scale
-            peak += mem["model"] + emb_mb
-            work, kind = "query encoding + search", "encode"
-        elif base == "bm25_index":
-            sec += size.passages / rates()["bm25_passages_per_s"]["value"]
-            peak += mem["jvm"]
-            work, kind = f"{size.passages:,} passages indexed", "bm25"
-        elif base in ("bm25_search", "bm25_score"):
-            peak += mem["jvm"]
-            n = (queries or {}).get(label, size.queries + n_gen)
-            sec += n / 200
-            work, kind = f"{n:,} queries searched", "bm25"
-        elif base == "generate_queries" and "[t5" in label or base == "doc2query_expand":
-            qpp = own.get("queries_per_passage", getattr(getattr(c, "generate", None), "queries_per_passage", 1))
-            qpp = qpp if isinstance(qpp, int) else 3
-            sec += size.passages * qpp * rates()["hardware"][hw.kind]["generate_query_s"]["value"] * (
-                2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
-            peak += 2 * mem["model"]
-            work, kind = f"{size.passages * qpp:,} queries sampled", "generate"
-        elif base in ("label_scores", "judge_queries") and teacher.get("type") == "cross_encoder":
-            if base == "label_scores":
-                pairs = n_gen * ((own.get("negatives_per_positive") or c.label.negatives_per_positive) + 1)
-            else:  # the held-out log queries' candidates: the miners' top mine.depth each, overlapping by about half
-                held = (queries or {}).get(label) or int((size.log_queries or 0) * getattr(proxy.queries, "fraction", 0.2))
-                pairs = int(held * getattr(getattr(c, "mine", None), "depth", 50) * 1.5)
-            sec += pairs * _tokens(size, teacher["max_length"]) / 1000 * _rate(hw, "score") * teacher_scale
-            peak += mem["model"]
-            work, kind = f"{pairs:,} (query, passage) pairs {'scored' if base == 'label_scores' else 'judged'}", "score"
-        elif base == "pseudo_label" and isinstance(_scale(c, (params or {}).get(label)), dict):
-            # scale: auto encodes a sample of the triples (query, positive, negative) with the student
-            p = own or getattr(c, "label").model_dump()
-            triples = n_gen * max(1, p.get("negatives_per_positive")
-                                  or getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
-            sample = min(triples, p.get("scale_sample") or 1000)
-            length = p["scale"].get("max_seq_length") or enc_len
-            sec += sample * (QUERY_TOKENS + 2 * _tokens(size, length)) / 1000 * _rate(hw, "encode") * scale
-            sec += fixed["model_load"]
-            peak += mem["model"]
-            work, kind = f"{sample:,} triples encoded for the margin scale", "encode"
-        elif base == "train_student" and train is not None:
-            # the stage's own params where the plan gives them (the QGen baseline's steps default to GPL's)
-            p = (params or {}).get(label) or _train_params(train, qgen="qgen" in label)
-            steps, batch, length = p["steps"] or train.steps, p["batch_size"], p["max_seq_length"]
-            # texts an example encodes: the query and its positive, and one negative (margin_mse) or, listwise, every
-            # negative labelled for the query
-            negatives = {"mnrl": 0, "margin_mse": 1}.get(
-                p["loss"], getattr(getattr(c, "label", None), "negatives_per_positive", 1) or 1)
-            texts = (2 + negatives) * batch
-            toks = batch * _query_tokens(c, size, length) + (texts - batch) * min(size.mean_tokens, length)
-            sec += steps * toks / 1000 * _rate(hw, "train") * scale + fixed["model_load"]
-            peak += mem["train"] * max(1.0, scale ** 0.5) * batch / 16
-            work, kind = f"{steps} steps of {batch}", "train"
-        elif base in TRAINERS and (params or {}).get(label):
-            sec, peak, work = _trainer(base, params[label], size, hw, scale, fixed, mem)
-            kind = "train"
-        elif base == "deepct_weight" and (params or {}).get(label):
-            n = _windows(size.mean_tokens, params[label]["max_length"])
-            sec += size.passages * size.mean_tokens / 1000 * _rate(hw, "encode") * scale + fixed["model_load"]
-            peak += mem["model"]
-            work, kind = f"{size.passages:,} passages x {n} windows weighted", "encode"
-        out.append(StageEstimate(label, round(sec, 1), int(peak), work, kind))
+        own = run.params.get(label) or {}  # the stage's params where the plan gives them; else the config's
+        work = WORK.get(base)
+        sec, peak, what, kind = (work(run, label, own) if work else None) or (0.0, 0.0, "fixed cost", "fixed")
+        out.append(StageEstimate(label, round(run.fixed.get(base, 1) + sec, 1), int(run.mem["base"] + peak), what,
+                                 kind))
     return out
+
+
+class _Run:
+    """What every stage's estimate reads: the config, the corpus, the hardware, the plan's params, queries and
+    inputs, the shipped rates, and the encodings planned so far (``encoded``)."""
+
+    def __init__(self, c, size: CorpusSize, hw: Hardware, params: dict, queries: dict, inputs: dict):
+        self.c, self.size, self.hw, self.params, self.queries, self.inputs = c, size, hw, params, queries, inputs
+        self.fixed = rates()["fixed_seconds"]["value"]
+        self.mem = rates()["memory_mb"]["value"]
+        dense = getattr(c, "dense", None)
+        self.enc_len = getattr(dense, "max_seq_length", None) or 256
+        self.train = getattr(c, "train", None)
+        self.scale = model_scale(getattr(self.train, "model", None) or getattr(dense, "model", None)
+                                 or getattr(c, "base_model", None))
+        self.emb_mb = size.passages * 384 * 4 * 2 / 2**20 * max(1.0, self.scale ** 0.5)
+        self.n_gen = _generated_queries(c, size)
+        self.encoded: dict[tuple, tuple] = {}  # (model ids, encoding params) -> the corpus ids its first encoding read
+        self.proxy = getattr(getattr(c, "dataset", None), "proxy", None)
+        judged = self.proxy is None or getattr(self.proxy, "judged", False)
+        self.held_out = 0.1 if judged else getattr(self.proxy, "fraction", 0.1)
+        # the teacher's model is an input, not a param: its size is read from the config's name for it
+        self.teacher_scale = model_scale(getattr(getattr(c, "teacher", None), "model", None))
+
+    def rate(self, work: str) -> float:
+        return _rate(self.hw, work)
+
+    def searched(self, label: str) -> int:
+        return self.queries.get(label, self.size.queries + self.n_gen)
+
+
+Work = tuple[float, float, str, str]  # seconds and MB beyond the fixed cost, the work in words, its kind
+
+
+def _encode_corpus(run: _Run, label: str, own: dict) -> Work:
+    roles = run.inputs.get(label) or {}
+    length = own.get("max_seq_length") or _own_length(roles.get("model"), run.params) or run.enc_len
+    passages = run.size.passages
+    model_ids, corpus_ids = tuple(roles.get("model") or ()), tuple(roles.get("corpus") or ())
+    if model_ids and run.encoded.setdefault((model_ids, json.dumps(own, sort_keys=True)), corpus_ids) != corpus_ids:
+        passages = round(run.size.passages * run.held_out)  # the rest reused from the first encoding
+    tokens = _tokens(run.size, length)
+    sec = passages * tokens / 1000 * run.rate("encode") * run.scale + run.fixed["model_load"]
+    return sec, run.mem["model"] + run.emb_mb, f"{passages:,} passages x {tokens:.0f} tokens", "encode"
+
+
+def _dense_search(run: _Run, label: str, own: dict) -> Work:
+    sec = run.searched(label) * QUERY_TOKENS / 1000 * run.rate("encode") * run.scale
+    return sec, run.mem["model"] + run.emb_mb, "query encoding + search", "encode"
+
+
+def _bm25_index(run: _Run, label: str, own: dict) -> Work:
+    return (run.size.passages / rates()["bm25_passages_per_s"]["value"], run.mem["jvm"],
+            f"{run.size.passages:,} passages indexed", "bm25")
+
+
+def _bm25_search(run: _Run, label: str, own: dict) -> Work:
+    n = run.searched(label)
+    return n / 200, run.mem["jvm"], f"{n:,} queries searched", "bm25"
+
+
+def _generate(run: _Run, label: str, own: dict) -> Work | None:
+    if stage_name(label) == "generate_queries" and "[t5" not in label:  # the model-free sources: a fixed cost
+        return None
+    qpp = own.get("queries_per_passage", getattr(getattr(run.c, "generate", None), "queries_per_passage", 1))
+    qpp = qpp if isinstance(qpp, int) else 3
+    per_query = rates()["hardware"][run.hw.kind]["generate_query_s"]["value"] * (
+        2 / max(1, run.hw.cores) if run.hw.kind != "cuda" else 1.0)
+    n = run.size.passages * qpp
+    return n * per_query, 2 * run.mem["model"], f"{n:,} queries sampled", "generate"
+
+
+def _cross_encoder(run: _Run, label: str, own: dict) -> Work | None:
+    teacher = own.get("teacher") or _dump(getattr(run.c, "teacher", None))
+    if teacher.get("type") != "cross_encoder":
+        return None
+    if stage_name(label) == "label_scores":
+        pairs = run.n_gen * ((own.get("negatives_per_positive") or run.c.label.negatives_per_positive) + 1)
+    else:  # the held-out log queries' candidates: the miners' top mine.depth each, overlapping by about half
+        held = run.queries.get(label) or int((run.size.log_queries or 0) * getattr(run.proxy.queries, "fraction", 0.2))
+        pairs = int(held * getattr(getattr(run.c, "mine", None), "depth", 50) * 1.5)
+    sec = pairs * _tokens(run.size, teacher["max_length"]) / 1000 * run.rate("score") * run.teacher_scale
+    verb = "scored" if stage_name(label) == "label_scores" else "judged"
+    return sec, run.mem["model"], f"{pairs:,} (query, passage) pairs {verb}", "score"
+
+
+def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
+    if not isinstance(_scale(run.c, run.params.get(label)), dict):  # a fixed margin scale: nothing encoded
+        return None
+    # scale: auto encodes a sample of the triples (query, positive, negative) with the student
+    p = own or getattr(run.c, "label").model_dump()
+    triples = run.n_gen * max(1, p.get("negatives_per_positive")
+                              or getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
+    sample = min(triples, p.get("scale_sample") or 1000)
+    length = p["scale"].get("max_seq_length") or run.enc_len
+    sec = (sample * (QUERY_TOKENS + 2 * _tokens(run.size, length)) / 1000 * run.rate("encode") * run.scale
+           + run.fixed["model_load"])
+    return sec, run.mem["model"], f"{sample:,} triples encoded for the margin scale", "encode"
+
+
+def _train_student(run: _Run, label: str, own: dict) -> Work | None:
+    if run.train is None:
+        return None
+    # the stage's own params where the plan gives them (the QGen baseline's steps default to GPL's)
+    p = run.params.get(label) or _train_params(run.train, qgen="qgen" in label)
+    steps, batch, length = p["steps"] or run.train.steps, p["batch_size"], p["max_seq_length"]
+    # texts an example encodes: the query and its positive, and one negative (margin_mse) or, listwise, every
+    # negative labelled for the query
+    negatives = {"mnrl": 0, "margin_mse": 1}.get(
+        p["loss"], getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
+    texts = (2 + negatives) * batch
+    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * min(run.size.mean_tokens, length)
+    sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
+    return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
+
+
+def _supervised(run: _Run, label: str, own: dict) -> Work | None:
+    if not run.params.get(label):
+        return None
+    base = stage_name(label)
+    sec, peak, what = _trainer(base, run.params[label], run.size, run.hw, run.scale, run.fixed, run.mem)
+    return sec - run.fixed.get(base, 1), peak - run.mem["base"], what, "train"
+
+
+def _deepct_weight(run: _Run, label: str, own: dict) -> Work | None:
+    if not run.params.get(label):
+        return None
+    n = _windows(run.size.mean_tokens, run.params[label]["max_length"])
+    sec = run.size.passages * run.size.mean_tokens / 1000 * run.rate("encode") * run.scale + run.fixed["model_load"]
+    return sec, run.mem["model"], f"{run.size.passages:,} passages x {n} windows weighted", "encode"
+
+
+# stage name -> what its time grows with (the others: their fixed cost)
+WORK = {"encode_corpus": _encode_corpus, "dense_search": _dense_search, "dense_score": _dense_search,
+        "bm25_index": _bm25_index, "bm25_search": _bm25_search, "bm25_score": _bm25_search,
+        "generate_queries": _generate, "doc2query_expand": _generate,
+        "label_scores": _cross_encoder, "judge_queries": _cross_encoder, "pseudo_label": _pseudo_label,
+        "train_student": _train_student, "train_dual_encoder": _supervised, "train_query_encoder": _supervised,
+        "train_cross_encoder": _supervised, "train_deepct": _supervised, "deepct_weight": _deepct_weight}
 
 
 def _own_length(model_ids: list[str] | None, params: dict[str, dict] | None) -> int | None:
@@ -280,9 +335,6 @@ def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:
             if row and row.get("num_rows") is not None:
                 out[p.name] = int(row["num_rows"])
     return out
-
-
-TRAINERS = ("train_dual_encoder", "train_query_encoder", "train_cross_encoder", "train_deepct")
 
 
 def _trainer(base: str, p: dict, size: CorpusSize, hw: Hardware, scale: float, fixed: dict,
