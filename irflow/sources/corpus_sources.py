@@ -400,21 +400,8 @@ def read_corpus(path: Path, out: Path, *, format: str = "auto", fields: dict[str
                 max_words: int | None = None, stride: int | None = None) -> CorpusStats:
     """Stream the documents of ``path`` into the parquet file ``out`` (``corpus`` schema); see the module doc."""
     path, out = Path(path), Path(out)
-    if format not in FORMATS:
-        raise ConfigError(f"format: '{format}' is not one of {', '.join(FORMATS)}")
-    if max_words is not None and max_words <= 0:
-        raise ConfigError(f"max_words must be positive, got {max_words}")
     stride = stride if stride is not None else max_words
-    if max_words is not None and not 0 < stride <= max_words:
-        raise ConfigError(f"stride must be in 1..max_words ({max_words}), got {stride}")
-    _check_fields(fields, CORPUS_KEYS)
-    if not path.exists():
-        raise IngestError(f"{path}: no such file or folder")
-    fmt = detect_format(path) if format == "auto" else format
-    if fmt == "folder" and fields:
-        raise ConfigError("fields: a folder of documents has no columns to map")
-    if (fmt == "folder") != path.is_dir() and fmt not in ("beir", "parquet"):
-        raise IngestError(f"{path}: format '{fmt}' reads a {'folder' if fmt == 'folder' else 'file'}")
+    fmt = _checked_format(path, format, fields, max_words, stride)
     files = _source_files(path, fmt)
     if fmt == "folder":
         if not files:
@@ -424,26 +411,7 @@ def read_corpus(path: Path, out: Path, *, format: str = "auto", fields: dict[str
             log.warning("%s: %d file(s) of other types ignored (%s)", path, sum(others.values()),
                         ", ".join(f"{s}: {n}" for s, n in sorted(others.items())))
     before = _state(files)
-
-    names = [str(f) for f in files]
-    if fmt == "beir":
-        src = BeirSource(path)
-        member = src.find("corpus.jsonl")
-        if member is None:
-            raise IngestError(f"{path}: no corpus.jsonl")
-        names = [src.display(member)]
-        records = _jsonl_records(src, member, fields, CORPUS_KEYS)
-    elif fmt == "jsonl":
-        records = _jsonl_records(_File(path), "", fields, CORPUS_KEYS)
-    elif fmt in ("csv", "tsv"):
-        records = _csv_records(path, "\t" if fmt == "tsv" else ",", fields, CORPUS_KEYS)
-    elif fmt == "parquet":
-        records = _parquet_records(files, fields, CORPUS_KEYS)
-    else:
-        records = _folder_records(path, files)
-    where: Callable[[Loc], str] = {
-        "parquet": lambda loc: f"{names[loc[0]]}: row {loc[1]}",
-        "folder": lambda loc: names[loc[0]]}.get(fmt, lambda loc: f"{names[loc[0]]}:{loc[1]}")
+    records, where = _corpus_records(path, fmt, files, fields)
 
     schema = data_contracts.CORPUS.schema
     seen: dict[str, Loc] = {}  # id -> where it was first read
@@ -510,6 +478,50 @@ def read_corpus(path: Path, out: Path, *, format: str = "auto", fields: dict[str
         out.unlink(missing_ok=True)
         raise
     return CorpusStats(documents=docs, passages=passages, empty_dropped=empty, split_documents=split)
+
+
+def _checked_format(path: Path, format: str, fields: dict[str, str] | None, max_words: int | None,
+                    stride: int | None) -> str:
+    """The source's format (``format``, or detected when ``auto``), after refusing settings that cannot apply."""
+    if format not in FORMATS:
+        raise ConfigError(f"format: '{format}' is not one of {', '.join(FORMATS)}")
+    if max_words is not None and max_words <= 0:
+        raise ConfigError(f"max_words must be positive, got {max_words}")
+    if max_words is not None and not 0 < stride <= max_words:
+        raise ConfigError(f"stride must be in 1..max_words ({max_words}), got {stride}")
+    _check_fields(fields, CORPUS_KEYS)
+    if not path.exists():
+        raise IngestError(f"{path}: no such file or folder")
+    fmt = detect_format(path) if format == "auto" else format
+    if fmt == "folder" and fields:
+        raise ConfigError("fields: a folder of documents has no columns to map")
+    if (fmt == "folder") != path.is_dir() and fmt not in ("beir", "parquet"):
+        raise IngestError(f"{path}: format '{fmt}' reads a {'folder' if fmt == 'folder' else 'file'}")
+    return fmt
+
+
+def _corpus_records(path: Path, fmt: str, files: list[Path], fields: dict[str, str] | None):
+    """(the documents as (where, id, title, text) records, how a record's place is said in an error)."""
+    names = [str(f) for f in files]
+    if fmt == "beir":
+        src = BeirSource(path)
+        member = src.find("corpus.jsonl")
+        if member is None:
+            raise IngestError(f"{path}: no corpus.jsonl")
+        names = [src.display(member)]
+        records = _jsonl_records(src, member, fields, CORPUS_KEYS)
+    elif fmt == "jsonl":
+        records = _jsonl_records(_File(path), "", fields, CORPUS_KEYS)
+    elif fmt in ("csv", "tsv"):
+        records = _csv_records(path, "\t" if fmt == "tsv" else ",", fields, CORPUS_KEYS)
+    elif fmt == "parquet":
+        records = _parquet_records(files, fields, CORPUS_KEYS)
+    else:
+        records = _folder_records(path, files)
+    where: Callable[[Loc], str] = {
+        "parquet": lambda loc: f"{names[loc[0]]}: row {loc[1]}",
+        "folder": lambda loc: names[loc[0]]}.get(fmt, lambda loc: f"{names[loc[0]]}:{loc[1]}")
+    return records, where
 
 
 # ---- queries and qrels ----------------------------------------------------------------------
