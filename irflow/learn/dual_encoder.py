@@ -132,11 +132,8 @@ def train_json(job: dict, rt) -> None:
 def train(job: Job, rt) -> list[dict]:
     """Train (this process's share of) the dual encoder on ``rt`` (a ``StageRuntime``); rank 0 saves it
     to ``job.out_dir``. Returns the loss history."""
-    import torch
-
     from irflow.engine.distributed import rank_and_world
     from irflow.learn.encoding import load_sentence_transformer
-    from irflow.learn.losses import CrossBatchInfoNCE, ListwiseDistillationLoss, StarLoss, gather_ids, grad_cache_step
     from irflow.learn.training import BatchPlan, seed_everything, train_loop
 
     p = TrainDualEncoderParams(**job.params)
@@ -155,60 +152,8 @@ def train(job: Job, rt) -> list[dict]:
         f = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in f.items()}
         return model(f)["sentence_embedding"]
 
-    if p.loss in ("infonce", "star"):
-        loss_fn = (CrossBatchInfoNCE(similarity=p.similarity, scale=p.scale) if p.loss == "infonce" else
-                   StarLoss(similarity=p.similarity, scale=p.scale, alpha=p.alpha))
-        n_neg = p.negatives_per_line
-
-        def texts_of(idx):
-            qs = [job.queries[i] for i in idx]
-            ps = [job.positives[i] for i in idx]
-            ns = [t for i in idx for t in job.negatives[i][:n_neg]] if n_neg else []
-            return qs, ps, ns
-
-        def judged_mask(idx):
-            """True where a gathered candidate is judged relevant to the row's query (candidates in the
-            loss's order: every process's positives, then every process's negatives)."""
-            if p.false_negatives != "mask":
-                return None
-
-            def ids(values):  # on the training device: nccl gathers CUDA tensors only
-                return gather_ids(torch.tensor(values, dtype=torch.long, device=device))
-
-            cand = [ids([job.positive_ids[i] for i in idx])]
-            if n_neg:
-                cand.append(ids([d for i in idx for d in job.negative_ids[i][:n_neg]]))
-            cand_ids = torch.cat(cand)
-            judged = [torch.tensor(job.judged_ids[i], dtype=torch.long, device=device) for i in idx]
-            return torch.stack([torch.isin(cand_ids, j) for j in judged])
-
-        def compute_loss(idx):
-            qs, ps, ns = texts_of(idx)
-            mask = judged_mask(idx)
-            if p.mini_batch:
-                groups = [qs, ps, ns] if ns else [qs, ps]
-                embeds = [lambda t: embed(t, p.query_max_length)] + [lambda t: embed(t, p.passage_max_length)] * 2
-                return grad_cache_step(embeds[:len(groups)], groups, lambda reps: loss_fn.from_embeddings(
-                    reps[0], reps[1], reps[2] if len(reps) > 2 else None, mask), p.mini_batch)
-            q = embed(qs, p.query_max_length)
-            pos = embed(ps, p.passage_max_length)
-            neg = embed(ns, p.passage_max_length) if ns else None
-            return loss_fn.from_embeddings(q, pos, neg, mask)
-
-        def step_info():
-            return {"candidates": loss_fn.last_candidates}
-    else:
-        loss_fn = ListwiseDistillationLoss(similarity=p.similarity, scale=p.scale, temperature=p.temperature)
-        m = p.list_size
-
-        def compute_loss(idx):
-            q = embed([job.queries[i] for i in idx], p.query_max_length)
-            cands = embed([t for i in idx for t in job.candidates[i][:m]], p.passage_max_length)
-            teacher = torch.tensor([job.teacher[i][:m] for i in idx], dtype=torch.float32, device=device)
-            return loss_fn.from_embeddings(q, cands.view(len(idx), m, -1), teacher)
-
-        def step_info():
-            return {"candidates": m}
+    make = _contrastive_loss if p.loss in ("infonce", "star") else _listwise_loss
+    compute_loss, step_info = make(job, p, embed, device)
 
     probe = cosine_probe(job, p.seed) if rank == 0 else []
     before = probe_mean_cosine(model, embed, probe, p.passage_max_length)
@@ -234,6 +179,74 @@ def train(job: Job, rt) -> list[dict]:
              "steps": len(history), "mean_cosine": {"texts": len(probe), "before": round(before, 4),
                                                "after": round(after, 4)}, "history": history}, indent=1))
     return history
+
+
+def _contrastive_loss(job: Job, p: TrainDualEncoderParams, embed, device: str):
+    """(compute_loss, step_info) of InfoNCE or STAR over the batch's positives and hard negatives of every
+    process, judged passages masked when ``false_negatives: mask``; GradCache in chunks of ``mini_batch``."""
+    import torch
+
+    from irflow.learn.losses import CrossBatchInfoNCE, StarLoss, gather_ids, grad_cache_step
+
+    loss_fn = (CrossBatchInfoNCE(similarity=p.similarity, scale=p.scale) if p.loss == "infonce" else
+               StarLoss(similarity=p.similarity, scale=p.scale, alpha=p.alpha))
+    n_neg = p.negatives_per_line
+
+    def texts_of(idx):
+        qs = [job.queries[i] for i in idx]
+        ps = [job.positives[i] for i in idx]
+        ns = [t for i in idx for t in job.negatives[i][:n_neg]] if n_neg else []
+        return qs, ps, ns
+
+    def judged_mask(idx):
+        """True where a gathered candidate is judged relevant to the row's query (candidates in the
+        loss's order: every process's positives, then every process's negatives)."""
+        if p.false_negatives != "mask":
+            return None
+
+        def ids(values):  # on the training device: nccl gathers CUDA tensors only
+            return gather_ids(torch.tensor(values, dtype=torch.long, device=device))
+
+        cand = [ids([job.positive_ids[i] for i in idx])]
+        if n_neg:
+            cand.append(ids([d for i in idx for d in job.negative_ids[i][:n_neg]]))
+        cand_ids = torch.cat(cand)
+        judged = [torch.tensor(job.judged_ids[i], dtype=torch.long, device=device) for i in idx]
+        return torch.stack([torch.isin(cand_ids, j) for j in judged])
+
+    def compute_loss(idx):
+        qs, ps, ns = texts_of(idx)
+        mask = judged_mask(idx)
+        if p.mini_batch:
+            groups = [qs, ps, ns] if ns else [qs, ps]
+            embeds = [lambda t: embed(t, p.query_max_length)] + [lambda t: embed(t, p.passage_max_length)] * 2
+            return grad_cache_step(embeds[:len(groups)], groups, lambda reps: loss_fn.from_embeddings(
+                reps[0], reps[1], reps[2] if len(reps) > 2 else None, mask), p.mini_batch)
+        q = embed(qs, p.query_max_length)
+        pos = embed(ps, p.passage_max_length)
+        neg = embed(ns, p.passage_max_length) if ns else None
+        return loss_fn.from_embeddings(q, pos, neg, mask)
+
+    return compute_loss, lambda: {"candidates": loss_fn.last_candidates}
+
+
+def _listwise_loss(job: Job, p: TrainDualEncoderParams, embed, device: str):
+    """(compute_loss, step_info) of the KL between the teacher's and the student's softmax over each query's
+    first ``list_size`` candidates."""
+    import torch
+
+    from irflow.learn.losses import ListwiseDistillationLoss
+
+    loss_fn = ListwiseDistillationLoss(similarity=p.similarity, scale=p.scale, temperature=p.temperature)
+    m = p.list_size
+
+    def compute_loss(idx):
+        q = embed([job.queries[i] for i in idx], p.query_max_length)
+        cands = embed([t for i in idx for t in job.candidates[i][:m]], p.passage_max_length)
+        teacher = torch.tensor([job.teacher[i][:m] for i in idx], dtype=torch.float32, device=device)
+        return loss_fn.from_embeddings(q, cands.view(len(idx), m, -1), teacher)
+
+    return compute_loss, lambda: {"candidates": m}
 
 
 def cosine_probe(job: Job, seed: int, size: int = COSINE_PROBE) -> list[str]:
