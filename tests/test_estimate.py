@@ -196,3 +196,29 @@ def test_listwise_training_is_estimated_with_every_negative_of_a_query():
                         for sets in ([], ["train.loss=listwise_kl"]))
     assert margin.work == listwise.work == "40 steps of 16"
     assert listwise.seconds > 1.7 * margin.seconds
+
+
+def test_searches_and_pair_scoring_grow_with_their_depth_and_pairs():
+    """BM25 search time grows with the hits a query fetches (the evaluation's 1,000 against a miner's 50); the
+    teacher's scoring of every candidate with its (query, passage) pairs; a search reading generated training
+    queries counts those, one reading the proxy's (generated from held-out passages) the evaluation's."""
+    from irflow.recipes.base import load_config
+
+    c = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), [])
+    size = estimate.CorpusSize(5183, 200, 300, 809)
+    miner, flat = "bm25_search[miner-bm25]", "bm25_search[flat]"
+    got = estimate.estimate(c, [miner, flat], size, HW, {miner: {"depth": 50}, flat: {"depth": 1000}},
+                            {miner: 809, flat: 809})
+    assert got[0].work == "809 queries searched to 50" and got[1].work == "809 queries searched to 1000"
+    assert got[1].seconds > 5 * got[0].seconds - 10
+    scored = estimate.estimate(c, ["bm25_score[teacher-bm25]", "dense_score[teacher-minilm]"], size, HW, {},
+                               {"bm25_score[teacher-bm25]": 100, "dense_score[teacher-minilm]": 100})
+    pairs = int(100 * c.mine.depth * 1.5)
+    assert [e.work for e in scored] == [f"{pairs:,} (query, passage) pairs scored"] * 2
+    assert [e.kind for e in scored] == ["bm25", "encode"]
+    inputs = {miner: {"queries": ["<generate_queries[ict]:queries>"]},
+              flat: {"queries": ["<generate_queries[proxy]:queries>"]}}
+    ict = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), ["generate={source: ict}"])
+    counted = estimate.estimate(ict, [miner, flat], size, HW, {miner: {"depth": 50}, flat: {"depth": 1000}},
+                                inputs=inputs)
+    assert counted[0].work.startswith("5,183 queries") and counted[1].work.startswith("300 queries")

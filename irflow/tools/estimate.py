@@ -168,7 +168,16 @@ class _Run:
         return _rate(self.hw, work)
 
     def searched(self, label: str) -> int:
-        return self.queries.get(label, self.size.queries + self.n_gen)
+        """The queries a stage reads: counted by the plan (``searched_queries``), else the generated ones for
+        a stage reading generated training queries, the evaluation's for one reading those (the proxy's
+        queries are generated too, from the held-out passages), both when the plan does not say."""
+        if label in self.queries:
+            return self.queries[label]
+        ids = (self.inputs.get(label) or {}).get("queries") or []
+        if len(ids) != 1:
+            return self.size.queries + self.n_gen
+        training = ids[0].startswith("<generate_queries[") and not ids[0].startswith("<generate_queries[proxy]")
+        return self.n_gen if training else self.size.queries
 
 
 Work = tuple[float, float, str, str]  # seconds and MB beyond the fixed cost, the work in words, its kind
@@ -191,14 +200,27 @@ def _dense_search(run: _Run, label: str, own: dict) -> Work:
     return sec, run.mem["model"] + run.emb_mb, "query encoding + search", "encode"
 
 
+def _pairs_scored(run: _Run, label: str, own: dict) -> Work:
+    """BM25 or a dense miner scoring every candidate of a query (``teacher.score_every_candidate``): the
+    miners' top ``mine.depth`` each, overlapping by about half, a score per pair."""
+    bm25 = stage_name(label) == "bm25_score"
+    pairs = int(run.searched(label) * getattr(getattr(run.c, "mine", None), "depth", 50) * 1.5)
+    sec = pairs / rates()["pairs_scored_per_s"]["value"]["bm25" if bm25 else "dense"]
+    if not bm25:  # the queries are encoded first
+        sec += run.searched(label) * QUERY_TOKENS / 1000 * run.rate("encode") * run.scale
+    return (sec, run.mem["jvm"] if bm25 else run.mem["model"] + run.emb_mb, f"{pairs:,} (query, passage) pairs scored",
+            "bm25" if bm25 else "encode")
+
+
 def _bm25_index(run: _Run, label: str, own: dict) -> Work:
     return (run.size.passages / rates()["bm25_passages_per_s"]["value"], run.mem["jvm"],
             f"{run.size.passages:,} passages indexed", "bm25")
 
 
 def _bm25_search(run: _Run, label: str, own: dict) -> Work:
-    n = run.searched(label)
-    return n / 200, run.mem["jvm"], f"{n:,} queries searched", "bm25"
+    n, depth = run.searched(label), own.get("depth") or 1000
+    ms = rates()["bm25_search_ms"]["value"]
+    return n * (ms["query"] + ms["hit"] * depth) / 1000, run.mem["jvm"], f"{n:,} queries searched to {depth}", "bm25"
 
 
 def _generate(run: _Run, label: str, own: dict) -> Work | None:
@@ -273,8 +295,8 @@ def _deepct_weight(run: _Run, label: str, own: dict) -> Work | None:
 
 
 # stage name -> what its time grows with (the others: their fixed cost)
-WORK = {"encode_corpus": _encode_corpus, "dense_search": _dense_search, "dense_score": _dense_search,
-        "bm25_index": _bm25_index, "bm25_search": _bm25_search, "bm25_score": _bm25_search,
+WORK = {"encode_corpus": _encode_corpus, "dense_search": _dense_search, "dense_score": _pairs_scored,
+        "bm25_index": _bm25_index, "bm25_search": _bm25_search, "bm25_score": _pairs_scored,
         "generate_queries": _generate, "doc2query_expand": _generate,
         "label_scores": _cross_encoder, "judge_queries": _cross_encoder, "pseudo_label": _pseudo_label,
         "train_student": _train_student, "train_dual_encoder": _supervised, "train_query_encoder": _supervised,

@@ -176,11 +176,12 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                           _log_queries(query_log))
     hw = est.hardware()
     timed = calibrated.apply if calibrated else (lambda rows: rows)
-    c, stages, inputs = _plan(yaml.safe_dump(cfg, sort_keys=False))
+    c, stages, inputs, params = _plan(yaml.safe_dump(cfg, sort_keys=False))
     if recipe == "gpl":  # size training to the budget, then estimate every stage of the plan
-        c = _fit_budget(cfg, c, stages, inputs, size, hw, timed, budget_minutes, choices)
+        _fit_budget(cfg, c, stages, inputs, params, size, hw, timed, budget_minutes, choices)
+        c, stages, inputs, params = _plan(yaml.safe_dump(cfg, sort_keys=False))  # the steps chosen
     text = yaml.safe_dump(cfg, sort_keys=False)
-    estimates = timed(est.estimate(c, stages, size, hw, inputs=inputs))
+    estimates = timed(est.estimate(c, stages, size, hw, params, inputs=inputs))
     table = est.format_estimates(estimates, hw, calibrated=calibrated, load=others_busy())
     header = [command or f"irflow new {recipe} --corpus {corpus}", "", *choices.lines,
               f"machine: {hw.describe()}", *(f"warning: {w}" for w in choices.warnings), "", *table.splitlines(), "",
@@ -272,17 +273,15 @@ def _training(model: str, query_log: str | None, generator: str | None, teacher:
             "hybrid": {"method": "zscore", "sparse_weight": 0.3, "depth": 100}}
 
 
-def _fit_budget(cfg: dict, c, stages: list[str], inputs: dict, size, hw, timed, budget_minutes: float,
-                choices: Choices):
+def _fit_budget(cfg: dict, c, stages: list[str], inputs: dict, params: dict, size, hw, timed, budget_minutes: float,
+                choices: Choices) -> None:
     """``train.steps`` (in ``cfg``, in place) so that the whole run fits ``budget_minutes`` here, or the fewest
-    steps and a warning with the minutes it needs; returns the config loaded with those steps (the plan's
-    stages are unchanged: only train.steps is)."""
-    from irflow.recipes.base import load_config
+    steps and a warning with the minutes it needs."""
     from irflow.tools import estimate as est
 
-    one = timed(est.estimate(c, ["train_student[gpl]"], size, hw))[0].seconds
+    one = timed(est.estimate(c, ["train_student[gpl]"], size, hw, params))[0].seconds
     per_step = max(1e-3, (one - 3) / c.train.steps)
-    others = sum(e.seconds for e in timed(est.estimate(c, stages, size, hw, inputs=inputs))
+    others = sum(e.seconds for e in timed(est.estimate(c, stages, size, hw, params, inputs=inputs))
                  if not e.stage.startswith("train_student"))
     left = max(60.0, budget_minutes * 60 - others)
     steps = int(min(140_000, max(50, left / per_step)))
@@ -296,7 +295,6 @@ def _fit_budget(cfg: dict, c, stages: list[str], inputs: dict, size, hw, timed, 
                      f"takes about {others / 60:.1f} min here (encoding the corpus, searching, labelling), and "
                      f"with the fewest steps irflow trains ({steps}) about {needed / 60:.0f} min; give it "
                      f"{needed / 60:.0f} minutes or more")
-    return load_config(yaml.safe_load(yaml.safe_dump(cfg, sort_keys=False)))
 
 
 def _n(count: int, noun: str) -> str:
@@ -322,7 +320,8 @@ def _log_queries(query_log: str | None) -> int:
 
 
 def _plan(text: str):
-    """The config model, the stage labels a first run computes and each one's inputs (label -> {role: ids})."""
+    """The config model, the stage labels a first run computes, and each one's inputs (label -> {role: ids}) and
+    params (label -> its params, as the run would call it)."""
     from irflow.recipes.base import get_recipe, load_config, plan
 
     c = load_config(yaml.safe_load(text))
@@ -336,11 +335,12 @@ def _plan(text: str):
         steps = plan(get_recipe(c.flow), c, store)
         stages = list(dict.fromkeys(p["name"] for p in steps))
         inputs = {p["name"]: p["inputs"] for p in steps}
+        params = {p["name"]: p["params"] for p in steps}
     finally:
         shutil.rmtree(store, ignore_errors=True)
         if old is None:
             os.environ.pop("PREFECT_HOME", None)
-    return c, stages, inputs
+    return c, stages, inputs, params
 
 
 def write(out: str | Path, text: str, force: bool = False) -> Path:
