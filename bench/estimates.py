@@ -173,8 +173,8 @@ def run_watched(argv: list[str]) -> dict:
     def watch() -> None:
         for line in proc.stderr:
             lines.append(line)
-            if "slower than its estimate" in line and not said:
-                said.append((round(time.time() - t0, 1), line.strip()))
+            if "slower than its estimate" in line and not said:  # after a progress bar's text on its line
+                said.append((round(time.time() - t0, 1), line[line.find("this run is going"):].strip()))
     reader = threading.Thread(target=watch, daemon=True)
     reader.start()
     stdout = proc.stdout.read()
