@@ -14,7 +14,8 @@ fp32), the same batches in the same order (irflow's BatchPlan).
   (the positive and negative columns merged into one forward pass) and per column
   (``column_merging_disabled``: one forward pass per column, as irflow);
 - irflow: ``train_student``'s process function (``fit_and_save``: the stage's model, loss, loop, schedule),
-  with ``runtime.recompute_activations`` auto (the default) and true.
+  with ``runtime.recompute_activations`` auto (the default) and true, and (``irflow-glibc-heap``) without
+  ``steady_heap`` (glibc's own mmap threshold while training).
 Seconds per step between the end of step 1 and the end of the last step; the loss of every step (the
 curves must agree: same weights, same batches; dropout draws differ); ru_maxrss of the arm's process.
 Arms alternate rep by rep so that load drifts hit each.
@@ -34,7 +35,8 @@ import time
 
 import harness
 
-ARMS = ("sentence-transformers", "sentence-transformers-per-column", "irflow-auto", "irflow-recompute")
+ARMS = ("sentence-transformers", "sentence-transformers-per-column", "irflow-auto", "irflow-glibc-heap",
+        "irflow-recompute")
 BATCH, MAX_LEN, LR, SEED = 16, 200, 2e-5, 42
 
 
@@ -102,7 +104,10 @@ def arm_st(data, steps: int, merge: bool = True) -> dict:
     return {"times": times, "losses": losses, "peak_mb_by_step": peaks}
 
 
-def arm_irflow(data, steps: int, recompute) -> dict:
+def arm_irflow(data, steps: int, recompute, heap: bool = True) -> dict:
+    """``heap`` False: glibc's own mmap threshold during training (``irflow.engine.processes.steady_heap`` off)."""
+    import contextlib
+
     import irflow.learn.training as training
     from irflow.engine.models import minilm_path
     from irflow.engine.runtime import StageRuntime
@@ -121,6 +126,8 @@ def arm_irflow(data, steps: int, recompute) -> dict:
         peaks.append(_peak_mb())
 
     training._on_step = tick
+    if not heap:
+        training.steady_heap = lambda device: contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as out:
         rt = StageRuntime(precision=_precision(), threads=os.cpu_count() or 2, work="train",
                           recompute_activations=recompute, workdir=out)
@@ -138,7 +145,7 @@ def child(arm: str, steps: int, out: str) -> None:
     if arm.startswith("sentence-transformers"):
         r = arm_st(data, steps, merge=arm == "sentence-transformers")
     else:
-        r = arm_irflow(data, steps, "auto" if arm == "irflow-auto" else True)
+        r = arm_irflow(data, steps, True if arm == "irflow-recompute" else "auto", heap=arm != "irflow-glibc-heap")
     t = r["times"]
     r["seconds_per_step"] = (t[-1] - t[0]) / (len(t) - 1)
     r["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

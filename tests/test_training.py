@@ -980,3 +980,35 @@ def test_recompute_activations_auto_turns_on_only_when_a_step_would_not_fit(env,
     assert on and "more than 50%" in why
     assert RuntimeConfig().recompute_activations == "auto"
     assert RuntimeConfig(recompute_activations=True).recompute_activations is True
+
+
+def test_a_cpu_training_maps_its_largest_blocks_apart_from_the_heap():
+    """steady_heap: inside, a 20 MiB block (a step's attention scores) gets a mapping of its own; outside, at
+    glibc's threshold after large blocks were freed (32 MiB), it comes from the heap, which it fragments."""
+    import subprocess
+    import sys
+
+    code = """
+import ctypes
+import numpy as np
+from irflow.engine.processes import HEAP_MMAP_THRESHOLD, M_MMAP_THRESHOLD, steady_heap
+ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+
+def in_heap(a):
+    addr = a.__array_interface__["data"][0]
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+outside = np.ones(20 * 2**20, dtype=np.uint8)
+print(in_heap(outside))
+del outside
+with steady_heap("cpu"):
+    inside = np.ones(20 * 2**20, dtype=np.uint8)
+    print(in_heap(inside))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]

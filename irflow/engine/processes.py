@@ -207,6 +207,33 @@ def release_memory() -> None:
         pass
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter: a block this large or larger gets a mapping of its own
+TRAINING_MMAP_THRESHOLD = 16 * 2**20
+HEAP_MMAP_THRESHOLD = 32 * 2**20  # where glibc's own threshold ends up once blocks that large have been freed
+
+
+@contextlib.contextmanager
+def steady_heap(device: str):
+    """For a CPU training: blocks of 16 MiB or more (a step's attention scores and feed-forward activations) in
+    mappings of their own, returned to the system when freed. glibc raises its threshold as such blocks are
+    freed, to 32 MiB, and then serves them from its heap, where each step's mix of sizes fragments it: the
+    process's peak memory grows past what a step holds (``bench/train_speed.py``). After the training the
+    threshold stays at 32 MiB, where glibc's own would be. Elsewhere than glibc, or on a GPU: nothing."""
+    libc = None
+    if not str(device).startswith("cuda"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            if libc.mallopt(M_MMAP_THRESHOLD, TRAINING_MMAP_THRESHOLD) != 1:
+                libc = None
+        except (OSError, AttributeError):
+            libc = None
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+
+
 @contextlib.contextmanager
 def file_lock(path: Path, waiting: str | None = None):
     """An exclusive ``flock`` on ``path`` (created if needed). If another process holds it, log

@@ -31,7 +31,7 @@ from pydantic import Field, PositiveInt
 from tqdm.auto import tqdm
 
 from irflow.engine.params import Params
-from irflow.engine.processes import check_interrupted
+from irflow.engine.processes import check_interrupted, steady_heap
 
 log = logging.getLogger("irflow.train")
 CHECKPOINT = "checkpoint.pt"
@@ -203,41 +203,43 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
     checkpoint_activations(model, bool(recompute))
     bar = tqdm(range(start, total), desc=desc, initial=start, total=total, unit=" step", mininterval=2,
                disable=not show_progress or rank > 0)
-    for step in bar:
-        check_interrupted()
-        model.train()
-        share, weight = distributed.share_of(plan.at(step), rank, world)
-        with rt.autocast():
-            loss = compute_loss(share)
-            if weight != 1.0:
-                loss = loss * weight
-        if loss.requires_grad:
-            loss.backward()
-        if world > 1:
-            distributed.average_gradients(model, world)
-        if p.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if after_step is not None:
-            after_step()
-        value = distributed.mean_over_processes(loss.detach(), world)
-        history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0], **(step_info() if step_info else {})})
-        # refresh=False: the bar's own refresh (every 2 s) shows it. A refresh here would redraw the bar with the
-        # step count the iterator last published, which lags (a log read "22/861" for steps 22 and 23)
-        bar.set_postfix(loss=f"{value:.4f}", refresh=False)
-        done = step + 1
-        if keep is not None and rank == 0:
-            keep(done)
-        if (ckpt_path is not None and rank == 0 and p.checkpoint_every and done % p.checkpoint_every == 0
-                and done < total):
-            tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": done,
-                        "history": history}, tmp)
-            os.replace(tmp, ckpt_path)
-        _on_step(done)
+    with steady_heap(device):  # a step's largest blocks mapped apart: the heap does not fragment
+        for step in bar:
+            check_interrupted()
+            model.train()
+            share, weight = distributed.share_of(plan.at(step), rank, world)
+            with rt.autocast():
+                loss = compute_loss(share)
+                if weight != 1.0:
+                    loss = loss * weight
+            if loss.requires_grad:
+                loss.backward()
+            if world > 1:
+                distributed.average_gradients(model, world)
+            if p.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if after_step is not None:
+                after_step()
+            value = distributed.mean_over_processes(loss.detach(), world)
+            history.append({"step": step + 1, "loss": value, "lr": sched.get_last_lr()[0],
+                            **(step_info() if step_info else {})})
+            # refresh=False: the bar's own refresh (every 2 s) shows it. A refresh here would redraw the bar with the
+            # step count the iterator last published, which lags (a log read "22/861" for steps 22 and 23)
+            bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+            done = step + 1
+            if keep is not None and rank == 0:
+                keep(done)
+            if (ckpt_path is not None and rank == 0 and p.checkpoint_every and done % p.checkpoint_every == 0
+                    and done < total):
+                tmp = ckpt_path.with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": done,
+                            "history": history}, tmp)
+                os.replace(tmp, ckpt_path)
+            _on_step(done)
     checkpoint_activations(model, False)  # the trained model leaves as it came (it is saved, or used, next)
     return history
 
