@@ -1012,3 +1012,33 @@ with steady_heap("cpu"):
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "False"]
+
+
+def test_a_paced_training_reports_its_steps_as_progress(tmp_path):
+    """train_loop reports each step done to the pace of the stage computing in its thread: a training four
+    times slower than its estimate is said at its third step of twenty, long before it outlasts the estimate."""
+    from irflow.engine import pace
+
+    model, x, y = _Tiny(), torch.randn(8, 4), torch.randn(8)
+    clock = {"now": 1000.0}
+    p = pace.Pace({"train_student[gpl]": 100.0}, started=1000.0)
+    p.stage_started("train_student[gpl]", now=1000.0)
+    said = []
+
+    def compute_loss(idx):
+        clock["now"] += 20.0  # a step estimated at 5 s takes 20
+        return torch.nn.functional.mse_loss(model.lin(x[idx]).view(-1), y[idx])
+
+    pace._PACES["r"] = p
+    real_check = pace.Pace.check
+    try:
+        pace.Pace.check = lambda self, now=None: said.append(real_check(self, clock["now"])) or said[-1]
+        with pace.computing("r", "train_student[gpl]"):
+            train_loop(model, compute_loss, BatchPlan(8, 4, seed=0), LoopParams(steps=20, lr=1e-2), 0,
+                       StageRuntime(device="cpu", precision="fp32"), "t", show_progress=False)
+    finally:
+        pace.Pace.check = real_check
+        pace._PACES.pop("r", None)
+    first = next(i for i, m in enumerate(said) if m)
+    assert first == 3 and "4.0x slower" in said[first]  # 20 s covered (step 4 of 20: 80 s measured)
+    assert all(m is None for m in said[first + 1:])  # said once

@@ -4,7 +4,9 @@ more than ``OVERRUN`` times that, the run says so once, with the finishing time 
 
 A stage still computing counts as soon as it outlasts its estimate (its estimate covered, every second
 beyond it measured), so a long stage that is slow is said while it runs, not only when it ends: a watcher
-looks every ``WATCH_EVERY`` seconds.
+looks every ``WATCH_EVERY`` seconds. A stage that reports its progress (``progress``: the training loop, its
+steps done) counts before that: the share of its estimate its progress covers, against its seconds so far, so
+a run whose training is slow is said early in the training, not only once the training outlasts its estimate.
 
 ``irflow run`` registers the estimate of the run it is about to start (``expect``); the runner reports each
 stage it starts computing (``stage_started``) and each it computed (``stage_done``). A run started another
@@ -13,6 +15,8 @@ way (``irflow.api.run``) has no estimate and is not paced.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import threading
 import time
@@ -21,8 +25,11 @@ from datetime import datetime, timedelta
 log = logging.getLogger("irflow.engine.pace")
 OVERRUN = 1.5  # a run this much slower than its estimate is said to overrun
 _JUDGE_AFTER = 1 / 20  # the share of the estimated run the stages done must cover before judging the pace
+JUDGE_FROM = 20.0  # seconds of the estimate the stages done must cover at least: less says more of fixed costs
 WATCH_EVERY = 5.0  # seconds between two looks at the stages still computing
 _PACES: dict[str, "Pace"] = {}
+# (run id, stage label) of the stage computing in this thread: where a progress report belongs
+_COMPUTING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("irflow_pace", default=None)
 _WATCHERS: dict[str, threading.Event] = {}
 _LOCK = threading.Lock()
 
@@ -34,15 +41,24 @@ class Pace:
         self.started = time.time() if started is None else started
         self.done_estimated = self.done_measured = 0.0
         self.running: dict[str, float] = {}  # label -> when it started computing
+        self.progress: dict[str, float] = {}  # label -> the share of its work a running stage has done
         self.said: str | None = None
 
     def stage_started(self, label: str, now: float | None = None) -> None:
         if label in self.expected:
             self.running[label] = time.time() if now is None else now
 
+    def stage_progress(self, label: str, share: float, now: float | None = None) -> str | None:
+        """A running stage has done ``share`` of its work; the overrun message when that shows it."""
+        if label not in self.running:
+            return None
+        self.progress[label] = min(1.0, max(0.0, share))
+        return self.check(now)
+
     def stage_done(self, label: str, seconds: float, now: float | None = None) -> str | None:
         """Count a computed stage; the overrun message when this stage is the one that shows it."""
         self.running.pop(label, None)
+        self.progress.pop(label, None)
         estimated = self.expected.pop(label, None)
         if estimated is None or self.said is not None:
             return None
@@ -58,9 +74,11 @@ class Pace:
         estimated, measured = self.done_estimated, self.done_measured
         for label, since in self.running.items():
             took, est = now - since, self.expected.get(label, 0.0)
-            if took > est:  # outlasted its estimate: the estimate covered, every second measured
+            if label in self.progress:  # the share of its estimate its progress covers, its seconds so far
+                estimated, measured = estimated + est * self.progress[label], measured + took
+            elif took > est:  # outlasted its estimate: the estimate covered, every second measured
                 estimated, measured = estimated + est, measured + took
-        if estimated < max(30.0, self.total * _JUDGE_AFTER):
+        if estimated < max(JUDGE_FROM, self.total * _JUDGE_AFTER):
             return None
         ratio = measured / estimated
         if ratio <= OVERRUN:
@@ -107,6 +125,23 @@ def _say(run_id: str, step) -> None:
 
 def stage_started(run_id: str, label: str) -> None:
     _say(run_id, lambda p: p.stage_started(label))
+
+
+@contextlib.contextmanager
+def computing(run_id: str, label: str):
+    """Around a stage's computation in this thread: its ``progress`` reports are the pace's of this stage."""
+    token = _COMPUTING.set((run_id, label))
+    try:
+        yield
+    finally:
+        _COMPUTING.reset(token)
+
+
+def progress(share: float) -> None:
+    """The stage computing in this thread has done ``share`` (0-1) of its work; nothing outside a paced run."""
+    where = _COMPUTING.get()
+    if where is not None and where[0] in _PACES:
+        _say(where[0], lambda p: p.stage_progress(where[1], share))
 
 
 def stage_done(run_id: str, label: str, seconds: float) -> None:

@@ -273,8 +273,9 @@ def execute(stage: Stage, run: Run, params: Params | dict, tag: str | None, inpu
                     check_interrupted()
                     pace.stage_started(run.run_id, stage_label)
                     onnx_models = _onnx_models(stage, run, params, inputs)
-                    refs, provenance = _compute(stage, run, store, catalog, key, params, inputs, stage_label,
-                                                onnx_models, detail, reuse_rows=not forced)
+                    with pace.computing(run.run_id, stage_label):
+                        refs, provenance = _compute(stage, run, store, catalog, key, params, inputs, stage_label,
+                                                    onnx_models, detail, reuse_rows=not forced)
             except Exception as e:
                 # A Ctrl-C that a library turned into its own error anywhere in the computation (the
                 # stage's function, but also staging its outputs: a DuckDB contract query raises

@@ -30,6 +30,7 @@ import pyarrow as pa
 from pydantic import Field, PositiveInt
 from tqdm.auto import tqdm
 
+from irflow.engine import pace
 from irflow.engine.params import Params
 from irflow.engine.processes import check_interrupted, steady_heap
 
@@ -240,6 +241,7 @@ def train_loop(model, compute_loss: Callable[[list[int]], "object"], plan: Batch
                             "history": history}, tmp)
                 os.replace(tmp, ckpt_path)
             _on_step(done)
+            pace.progress(done / total)
     checkpoint_activations(model, False)  # the trained model leaves as it came (it is saved, or used, next)
     return history
 
