@@ -266,7 +266,8 @@ def summarise_series(store: Path, out: dict) -> None:
 def replay_pace(store: Path, run_id: str) -> dict:
     """When ``irflow.engine.pace`` says the overrun, replayed on a finished run's recorded stage starts and
     seconds against the estimate the run was given (the catalog's ``estimates``), second by second: the
-    rule as it is now, on a run measured before it changed."""
+    rule as it is now, on a run measured before it changed. A training reports its steps as it goes: replayed
+    as steps at an even pace over its recorded seconds."""
     from irflow import api
     from irflow.engine import pace
 
@@ -286,6 +287,9 @@ def replay_pace(store: Path, run_id: str) -> dict:
             said = p.stage_started(st, now=t) if kind == "start" else p.stage_done(st, sec, now=t)
             if said:
                 said_at = t
+        for st, t0, sec in rows:
+            if said_at is None and st.startswith("train_") and t0 <= t < t0 + sec and st in p.running:
+                said_at = t if p.stage_progress(st, (t - t0) / sec, now=t) else None
         if said_at is None and p.check(now=t):
             said_at = t
         t += 1.0
