@@ -152,7 +152,7 @@ def train(job: Job, rt) -> list[dict]:
         f = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in f.items()}
         return model(f)["sentence_embedding"]
 
-    make = _contrastive_loss if p.loss in ("infonce", "star") else _listwise_loss
+    make = _contrastive_objective if p.loss in ("infonce", "star") else _listwise_objective
     compute_loss, step_info = make(job, p, embed, device)
 
     probe = cosine_probe(job, p.seed) if rank == 0 else []
@@ -181,7 +181,7 @@ def train(job: Job, rt) -> list[dict]:
     return history
 
 
-def _contrastive_loss(job: Job, p: TrainDualEncoderParams, embed, device: str):
+def _contrastive_objective(job: Job, p: TrainDualEncoderParams, embed, device: str):
     """(compute_loss, step_info) of InfoNCE or STAR over the batch's positives and hard negatives of every
     process, judged passages masked when ``false_negatives: mask``; GradCache in chunks of ``mini_batch``."""
     import torch
@@ -230,7 +230,7 @@ def _contrastive_loss(job: Job, p: TrainDualEncoderParams, embed, device: str):
     return compute_loss, lambda: {"candidates": loss_fn.last_candidates}
 
 
-def _listwise_loss(job: Job, p: TrainDualEncoderParams, embed, device: str):
+def _listwise_objective(job: Job, p: TrainDualEncoderParams, embed, device: str):
     """(compute_loss, step_info) of the KL between the teacher's and the student's softmax over each query's
     first ``list_size`` candidates."""
     import torch

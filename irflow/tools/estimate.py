@@ -163,6 +163,8 @@ class _Run:
         self.held_out = 0.1 if judged else getattr(self.proxy, "fraction", 0.1)
         # the teacher's model is an input, not a param: its size is read from the config's name for it
         self.teacher_scale = model_scale(getattr(getattr(c, "teacher", None), "model", None))
+        # a query's candidates for the teacher: the miners' top mine.depth each, overlapping by about half
+        self.candidates = getattr(getattr(c, "mine", None), "depth", 50) * 1.5
 
     def rate(self, work: str) -> float:
         return _rate(self.hw, work)
@@ -201,13 +203,13 @@ def _dense_search(run: _Run, label: str, own: dict) -> Work:
 
 
 def _pairs_scored(run: _Run, label: str, own: dict) -> Work:
-    """BM25 or a dense miner scoring every candidate of a query (``teacher.score_every_candidate``): the
-    miners' top ``mine.depth`` each, overlapping by about half, a score per pair."""
+    """BM25 or a dense miner scoring every candidate of a query (``teacher.score_every_candidate``), a score
+    per pair."""
     bm25 = stage_name(label) == "bm25_score"
-    pairs = int(run.searched(label) * getattr(getattr(run.c, "mine", None), "depth", 50) * 1.5)
+    pairs = int(run.searched(label) * run.candidates)
     sec = pairs / rates()["pairs_scored_per_s"]["value"]["bm25" if bm25 else "dense"]
     if not bm25:  # the queries are encoded first
-        sec += run.searched(label) * QUERY_TOKENS / 1000 * run.rate("encode") * run.scale
+        sec += _dense_search(run, label, own)[0]
     return (sec, run.mem["jvm"] if bm25 else run.mem["model"] + run.emb_mb, f"{pairs:,} (query, passage) pairs scored",
             "bm25" if bm25 else "encode")
 
@@ -240,9 +242,9 @@ def _cross_encoder(run: _Run, label: str, own: dict) -> Work | None:
         return None
     if stage_name(label) == "label_scores":
         pairs = run.n_gen * ((own.get("negatives_per_positive") or run.c.label.negatives_per_positive) + 1)
-    else:  # the held-out log queries' candidates: the miners' top mine.depth each, overlapping by about half
+    else:  # the held-out log queries' candidates
         held = run.queries.get(label) or int((run.size.log_queries or 0) * getattr(run.proxy.queries, "fraction", 0.2))
-        pairs = int(held * getattr(getattr(run.c, "mine", None), "depth", 50) * 1.5)
+        pairs = int(held * run.candidates)
     sec = pairs * _tokens(run.size, teacher["max_length"]) / 1000 * run.rate("score") * run.teacher_scale
     verb = "scored" if stage_name(label) == "label_scores" else "judged"
     return sec, run.mem["model"], f"{pairs:,} (query, passage) pairs {verb}", "score"
@@ -278,29 +280,12 @@ def _train_student(run: _Run, label: str, own: dict) -> Work | None:
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
 
 
-def _supervised(run: _Run, label: str, own: dict) -> Work | None:
-    if not run.params.get(label):
-        return None
-    base = stage_name(label)
-    sec, peak, what = _trainer(base, run.params[label], run.size, run.hw, run.scale, run.fixed, run.mem)
-    return sec - run.fixed.get(base, 1), peak - run.mem["base"], what, "train"
-
-
 def _deepct_weight(run: _Run, label: str, own: dict) -> Work | None:
     if not run.params.get(label):
         return None
     n = _windows(run.size.mean_tokens, run.params[label]["max_length"])
     sec = run.size.passages * run.size.mean_tokens / 1000 * run.rate("encode") * run.scale + run.fixed["model_load"]
     return sec, run.mem["model"], f"{run.size.passages:,} passages x {n} windows weighted", "encode"
-
-
-# stage name -> what its time grows with (the others: their fixed cost)
-WORK = {"encode_corpus": _encode_corpus, "dense_search": _dense_search, "dense_score": _pairs_scored,
-        "bm25_index": _bm25_index, "bm25_search": _bm25_search, "bm25_score": _pairs_scored,
-        "generate_queries": _generate, "doc2query_expand": _generate,
-        "label_scores": _cross_encoder, "judge_queries": _cross_encoder, "pseudo_label": _pseudo_label,
-        "train_student": _train_student, "train_dual_encoder": _supervised, "train_query_encoder": _supervised,
-        "train_cross_encoder": _supervised, "train_deepct": _supervised, "deepct_weight": _deepct_weight}
 
 
 def _own_length(model_ids: list[str] | None, params: dict[str, dict] | None) -> int | None:
@@ -359,11 +344,13 @@ def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:
     return out
 
 
-def _trainer(base: str, p: dict, size: CorpusSize, hw: Hardware, scale: float, fixed: dict,
-             mem: dict) -> tuple[float, int, str]:
-    """(seconds, peak MB, work) of a supervised trainer from its params (a dump of its params model: every
-    field but the KEYED_WHEN_SET ones at their default, read with ``get``): its steps (``steps``, else
-    ``epochs`` over the train split's examples) x the text-tokens one step embeds."""
+def _trainer(run: _Run, label: str, own: dict) -> Work | None:
+    """A supervised trainer from its params (a dump of its params model: every field but the KEYED_WHEN_SET
+    ones at their default, read with ``get``): its steps (``steps``, else ``epochs`` over the train split's
+    examples) x the text-tokens one step embeds. None without the plan's params."""
+    if not run.params.get(label):
+        return None
+    base, p, size, scale = stage_name(label), run.params[label], run.size, run.scale
     batch = p["batch_size"]
     doc = size.mean_tokens
     if base == "train_dual_encoder":
@@ -384,11 +371,19 @@ def _trainer(base: str, p: dict, size: CorpusSize, hw: Hardware, scale: float, f
         toks = batch * min(doc, p["max_length"])
     steps = p["steps"] or p["epochs"] * -(-examples // batch)
     if not steps:
-        return fixed.get(base, 1), mem["base"], "steps unknown (no train split counted)"
-    sec = (fixed.get(base, 1) + steps * toks / 1000 * _rate(hw, "train") * scale
-           + extra / 1000 * _rate(hw, "encode") * scale + fixed["model_load"])
-    peak = mem["base"] + mem["train"] * max(1.0, scale ** 0.5) * batch / 16
-    return round(sec, 1), int(peak), f"{steps} steps of {batch}"
+        return 0.0, 0.0, "steps unknown (no train split counted)", "train"
+    sec = (steps * toks / 1000 * run.rate("train") * scale + extra / 1000 * run.rate("encode") * scale
+           + run.fixed["model_load"])
+    return sec, run.mem["train"] * max(1.0, scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
+
+
+# stage name -> what its time grows with (the others: their fixed cost)
+WORK = {"encode_corpus": _encode_corpus, "dense_search": _dense_search, "dense_score": _pairs_scored,
+        "bm25_index": _bm25_index, "bm25_search": _bm25_search, "bm25_score": _pairs_scored,
+        "generate_queries": _generate, "doc2query_expand": _generate,
+        "label_scores": _cross_encoder, "judge_queries": _cross_encoder, "pseudo_label": _pseudo_label,
+        "train_student": _train_student, "train_dual_encoder": _trainer, "train_query_encoder": _trainer,
+        "train_cross_encoder": _trainer, "train_deepct": _trainer, "deepct_weight": _deepct_weight}
 
 
 def _windows(tokens: float, max_length: int) -> int:
