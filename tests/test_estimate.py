@@ -79,7 +79,7 @@ def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_pat
                                                                       .model_dump()})[0].seconds
     # scale: auto fits the margins' scale on a sample of 1,000 triples, each encoded by the student
     label = estimate.estimate(c, ["pseudo_label"], size, HW)[0]
-    assert label.kind == "encode" and label.work == "1,000 triples encoded for the margin scale"
+    assert label.kind == "encode" and label.work.startswith("1,000 triples (")
     fixed = load_config(str(ROOT / "configs" / "gpl_scifact_offline.yaml"), ["label.scale=1.0"])
     assert estimate.estimate(fixed, ["pseudo_label"], size, HW)[0].work == "fixed cost"
     assert label.seconds > 10 * estimate.estimate(fixed, ["pseudo_label"], size, HW)[0].seconds
@@ -222,3 +222,21 @@ def test_searches_and_pair_scoring_grow_with_their_depth_and_pairs():
     counted = estimate.estimate(ict, [miner, flat], size, HW, {miner: {"depth": 50}, flat: {"depth": 1000}},
                                 inputs=inputs)
     assert counted[0].work.startswith("5,183 queries") and counted[1].work.startswith("300 queries")
+
+
+def test_the_demo_is_estimated_from_its_own_counts_and_a_repeated_computation_is_a_cache_hit(tmp_path):
+    """The sample's 100 judged test queries and 300 train queries are counted (not guessed); passages are read at
+    their own length up to the cap; the zero-shot model's encoding of the corpus, planned after the miner's
+    identical one (same params, same inputs: one cache key), costs nothing."""
+    from irflow import api
+
+    size = estimate.corpus_size(api.load_config(str(ROOT / "configs" / "demo.yaml")).dataset)
+    assert size.queries == 100 and len(size.train_positives) == 300 and len(size.word_quantiles) == 20
+    assert size.tokens(64) == 64 and size.tokens(160) < 160 and size.tokens(10_000) == pytest.approx(
+        size.mean_tokens, rel=0.1)
+    rows = {r.stage: r for r in api.estimate(str(ROOT / "configs" / "demo.yaml"), store=tmp_path / "s").rows}
+    assert rows["encode_corpus[miner-minilm]"].seconds > 10
+    assert rows["encode_corpus[zero-shot]"].seconds == 0 and rows["encode_corpus[zero-shot]"].work.startswith(
+        "computed above")
+    assert rows["bm25_search[flat]"].work == "100 queries searched to 1000"
+    assert rows["bm25_search[miner-bm25]"].work == "300 queries searched to 30"

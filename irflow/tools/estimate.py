@@ -13,6 +13,7 @@ These are estimates: within a factor of two on the machines the rates come from.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections import Counter
@@ -76,6 +77,7 @@ class CorpusSize:
     log_queries: int = 0  # a query log's queries (generate.source: unlabelled)
     train_positives: tuple[int, ...] = ()  # per query of the train split, its positives (supervised recipes)
     train_passages: int = 0  # passages with a train positive (DeepCT's training windows)
+    word_quantiles: tuple[float, ...] = ()  # the passages' words at even quantiles (``quantiles``; none: the mean)
 
     def train_pairs(self, per_query: int | None = None) -> int:
         """The train split's (query, positive) pairs, at most ``per_query`` a query."""
@@ -84,6 +86,21 @@ class CorpusSize:
     @property
     def mean_tokens(self) -> float:
         return self.mean_words * WORDS_TO_TOKENS
+
+    def tokens(self, max_len: int) -> float:
+        """A passage's mean tokens read at ``max_len``: a short passage is not padded to it, so the mean of the
+        capped lengths (where the quantiles are known), not the cap of the mean."""
+        if not self.word_quantiles:
+            return min(self.mean_tokens, max_len)
+        return sum(min(w * WORDS_TO_TOKENS, max_len) for w in self.word_quantiles) / len(self.word_quantiles)
+
+
+def quantiles(words) -> tuple[float, ...]:
+    """Words per passage at the midpoints of 20 even slices (what ``CorpusSize.tokens`` averages)."""
+    import numpy as np
+
+    w = np.asarray(words, dtype=float)
+    return tuple(round(float(x), 1) for x in np.quantile(w, np.arange(0.025, 1, 0.05))) if w.size else ()
 
 
 @dataclass
@@ -116,7 +133,7 @@ def _rate(hw: Hardware, work: str) -> float:
 
 
 def _tokens(size: CorpusSize, max_len: int) -> float:
-    return min(size.mean_tokens, max_len)
+    return size.tokens(max_len)
 
 
 def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
@@ -132,14 +149,28 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     its fixed cost (``fixed_seconds``) plus what its estimator in ``WORK`` adds; one without: the fixed cost."""
     run = _Run(c, size, hw or hardware(), params or {}, queries or {}, inputs or {})
     out = []
+    computed: set[str] = set()
     for label in stages:
         base = stage_name(label)
         own = run.params.get(label) or {}  # the stage's params where the plan gives them; else the config's
+        if (same := _computation(run, label)) is not None:
+            if same in computed:  # a label computing what an earlier one computes (one cache key): a cache hit
+                out.append(StageEstimate(label, 0.0, int(run.mem["base"]), "computed above (same params and inputs)"))
+                continue
+            computed.add(same)
         work = WORK.get(base)
         sec, peak, what, kind = (work(run, label, own) if work else None) or (0.0, 0.0, "fixed cost", "fixed")
         out.append(StageEstimate(label, round(run.fixed.get(base, 1) + sec, 1), int(run.mem["base"] + peak), what,
                                  kind))
     return out
+
+
+def _computation(run: "_Run", label: str) -> str | None:
+    """What a planned stage computes, as its cache key would see it (its name, params and input ids); None when
+    the plan does not give its params and inputs."""
+    if label not in run.params or label not in run.inputs:
+        return None
+    return json.dumps([stage_name(label), run.params[label], run.inputs[label]], sort_keys=True, default=str)
 
 
 class _Run:
@@ -259,9 +290,13 @@ def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
                               or getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
     sample = min(triples, p.get("scale_sample") or 1000)
     length = p["scale"].get("max_seq_length") or run.enc_len
-    sec = (sample * (QUERY_TOKENS + 2 * _tokens(run.size, length)) / 1000 * run.rate("encode") * run.scale
+    # each distinct text once (``student_margins``): the sample's positives and negatives, drawn from the
+    # corpus, repeat as the sample nears its size
+    passages = run.size.passages * (1 - math.exp(-2 * sample / max(1, run.size.passages)))
+    queries = min(sample, run.n_gen or sample)
+    sec = ((queries * QUERY_TOKENS + passages * _tokens(run.size, length)) / 1000 * run.rate("encode") * run.scale
            + run.fixed["model_load"])
-    return sec, run.mem["model"], f"{sample:,} triples encoded for the margin scale", "encode"
+    return sec, run.mem["model"], f"{sample:,} triples ({passages:,.0f} passages) encoded for the margin scale", "encode"
 
 
 def _train_student(run: _Run, label: str, own: dict) -> Work | None:
@@ -275,7 +310,7 @@ def _train_student(run: _Run, label: str, own: dict) -> Work | None:
     negatives = {"mnrl": 0, "margin_mse": 1}.get(
         p["loss"], getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
     texts = (2 + negatives) * batch
-    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * min(run.size.mean_tokens, length)
+    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * run.size.tokens(length)
     sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
 
@@ -395,8 +430,9 @@ def _generated_queries(c, size: CorpusSize) -> int:
     gen = getattr(c, "generate", None)
     if gen is None:
         return 0
-    if gen.source == "unlabelled":
-        return size.log_queries or size.queries
+    if gen.source == "unlabelled":  # a query log, else the texts of a labelled split's queries (train: counted)
+        train = len(size.train_positives) if getattr(gen, "split", None) == "train" else 0
+        return size.log_queries or train or size.queries
     qpp = getattr(gen, "queries_per_passage", 1)
     return size.passages * (qpp if isinstance(qpp, int) else 3)
 
@@ -431,6 +467,8 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
         log_q = sum(1 for ln in Path(d.query_log).read_text(errors="replace").splitlines() if ln.strip())
     if proxy_queries is not None:
         queries = proxy_queries
+    elif beir and (judged := _split_queries(src, d.split)):
+        queries = min(judged, getattr(d, "limit_queries", None) or judged)
     elif beir or d.qrels is not None:
         queries = 300
     elif d.proxy is None:  # nothing evaluated
@@ -442,7 +480,7 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
     pairs = _train_positives(src) if beir and src.exists() else []
     per_query = Counter(q for q, _ in pairs)
     return CorpusSize(t.num_rows, round(mean, 1), queries, log_q, tuple(per_query[q] for q in sorted(per_query)),
-                      len({d for _, d in pairs}))
+                      len({d for _, d in pairs}), quantiles(words.to_numpy(zero_copy_only=False)))
 
 
 def _train_positives(src: Path) -> list[tuple[str, str]]:
@@ -453,6 +491,18 @@ def _train_positives(src: Path) -> list[tuple[str, str]]:
     b = BeirSource(src)
     member = b.qrels_files().get("train")
     return positive_pairs(_read_qrels(b, member, "train"), "train") if member else []
+
+
+def _split_queries(src: Path, split: str) -> int:
+    """The judged queries of a BEIR source's ``split`` (0: not known here)."""
+    from irflow.learn.qrels import positive_pairs
+    from irflow.sources.beir import BeirSource, _read_qrels
+
+    if not src.exists():
+        return 0
+    b = BeirSource(src)
+    member = b.qrels_files().get(split)
+    return len({q for q, _ in positive_pairs(_read_qrels(b, member, split), split)}) if member else 0
 
 
 MAX_SIZED_BYTES = 200 * 2**20  # a source read before the run to size it; larger ones are left to irflow new

@@ -172,8 +172,9 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     cfg["runtime"] = {"backend": "auto"}
     choices.add("runtime.backend: auto (torch or ONNX Runtime for encoding, whichever a short probe finds faster "
                 "on this machine; remembered in the store)")
-    size = est.CorpusSize(n_passages, round(_mean_passage_words(profile, passages), 1), round(held_out or 0),
-                          _log_queries(query_log))
+    words = _passage_words(profile, passages)
+    size = est.CorpusSize(n_passages, round(sum(words) / len(words), 1) if words else 0.0, round(held_out or 0),
+                          _log_queries(query_log), word_quantiles=est.quantiles(words))
     hw = est.hardware()
     timed = calibrated.apply if calibrated else (lambda rows: rows)
     c, stages, inputs, params = _plan(yaml.safe_dump(cfg, sort_keys=False))
@@ -301,16 +302,13 @@ def _n(count: int, noun: str) -> str:
     return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
-def _mean_passage_words(profile: CorpusProfile, passages: dict | None) -> float:
-    words = profile.text_words
-    if not words:
-        return 0.0
+def _passage_words(profile: CorpusProfile, passages: dict | None) -> list[int]:
+    """The words of each passage the corpus becomes (a cut document's passages: max_words each, close enough for
+    an estimate)."""
     if not passages:
-        return sum(words) / len(words)
+        return list(profile.text_words)
     m, stride = passages["max_words"], passages["stride"]
-    # a cut document's passages hold max_words each (the last fewer): close enough for an estimate
-    total = sum(w if w <= m else m * (1 + -(-(w - m) // stride)) for w in words)
-    return total / cut_count(words, m, stride)
+    return [x for w in profile.text_words for x in ([w] if w <= m else [m] * (1 + -(-(w - m) // stride)))]
 
 
 def _log_queries(query_log: str | None) -> int:
