@@ -240,3 +240,25 @@ def test_the_demo_is_estimated_from_its_own_counts_and_a_repeated_computation_is
         "computed above")
     assert rows["bm25_search[flat]"].work == "100 queries searched to 1000"
     assert rows["bm25_search[miner-bm25]"].work == "300 queries searched to 30"
+
+
+def test_an_encoding_reports_its_progress_to_the_pace_as_a_share_of_its_part(tmp_path):
+    """A corpus encoding says how far it is (by its batches' tokens), so a slow one is said before it outlasts its
+    estimate; run as the second of two shards here, its shares are of that half of the stage."""
+    from irflow.dev.testing import make_tiny_bi_encoder
+    from irflow.learn.encoding import encode_texts, load_sentence_transformer
+
+    st = load_sentence_transformer(str(make_tiny_bi_encoder(tmp_path / "m")))
+    texts = [" ".join(["word"] * (3 + 7 * i)) for i in range(24)]
+    pace.expect("r-enc", {"encode_corpus[x]": 100})
+    try:
+        pace.stage_started("r-enc", "encode_corpus[x]")
+        p, seen = pace._PACES["r-enc"], []
+        reported = p.stage_progress
+        p.stage_progress = lambda label, share, now=None: seen.append(share) or reported(label, share, now)
+        with pace.computing("r-enc", "encode_corpus[x]"), pace.part(1, 2):
+            encode_texts(st, texts, batch_size=4, normalize=True)
+    finally:
+        pace.forget("r-enc")
+    assert len(seen) >= 6 and seen[0] == 0.5 and seen == sorted(seen) and seen[-1] < 1.0
+    assert p.progress["encode_corpus[x]"] == seen[-1]

@@ -28,8 +28,10 @@ _JUDGE_AFTER = 1 / 20  # the share of the estimated run the stages done must cov
 JUDGE_FROM = 20.0  # seconds of the estimate the stages done must cover at least: less says more of fixed costs
 WATCH_EVERY = 5.0  # seconds between two looks at the stages still computing
 _PACES: dict[str, "Pace"] = {}
-# (run id, stage label) of the stage computing in this thread: where a progress report belongs
-_COMPUTING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("irflow_pace", default=None)
+# (run id, stage label, the share of the stage done before this part, the part's share) of the stage computing
+# in this thread: where a progress report belongs, and what it is a share of
+_COMPUTING: contextvars.ContextVar[tuple[str, str, float, float] | None] = contextvars.ContextVar("irflow_pace",
+                                                                                                default=None)
 _WATCHERS: dict[str, threading.Event] = {}
 _LOCK = threading.Lock()
 
@@ -130,7 +132,22 @@ def stage_started(run_id: str, label: str) -> None:
 @contextlib.contextmanager
 def computing(run_id: str, label: str):
     """Around a stage's computation in this thread: its ``progress`` reports are the pace's of this stage."""
-    token = _COMPUTING.set((run_id, label))
+    token = _COMPUTING.set((run_id, label, 0.0, 1.0))
+    try:
+        yield
+    finally:
+        _COMPUTING.reset(token)
+
+
+@contextlib.contextmanager
+def part(index: int, parts: int):
+    """Around the ``index``-th of ``parts`` even parts of the stage computing in this thread (a shard run here):
+    its ``progress`` reports are shares of that part."""
+    where = _COMPUTING.get()
+    if where is None:
+        yield
+        return
+    token = _COMPUTING.set((where[0], where[1], where[2] + where[3] * index / parts, where[3] / parts))
     try:
         yield
     finally:
@@ -138,10 +155,12 @@ def computing(run_id: str, label: str):
 
 
 def progress(share: float) -> None:
-    """The stage computing in this thread has done ``share`` (0-1) of its work; nothing outside a paced run."""
+    """The stage (or part, ``part``) computing in this thread has done ``share`` (0-1) of its work; nothing
+    outside a paced run."""
     where = _COMPUTING.get()
     if where is not None and where[0] in _PACES:
-        _say(where[0], lambda p: p.stage_progress(where[1], share))
+        run_id, label, before, span = where
+        _say(run_id, lambda p: p.stage_progress(label, before + span * share))
 
 
 def stage_done(run_id: str, label: str, seconds: float) -> None:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from irflow.engine import pace
 from irflow.engine.params import Params
 from irflow.engine.runtime import RuntimeConfig
 
@@ -207,9 +208,10 @@ def run_here(jobs: list[ShardJob]) -> list[dict]:
 
     with keeping():
         done = []
-        for job in jobs:
+        for i, job in enumerate(jobs):
             try:
-                done.append(run_shard(job))
+                with pace.part(i, len(jobs)):
+                    done.append(run_shard(job))
             except Exception as e:
                 raise ShardFailed(f"shard {job.index} (rows {job.start}-{job.stop} of {job.role}) failed: "
                                   f"{type(e).__name__}: {e}", e) from e

@@ -22,6 +22,7 @@ import contextlib
 import numpy as np
 from tqdm.auto import tqdm
 
+from irflow.engine import pace
 from irflow.engine.processes import check_interrupted
 
 BUCKET = 16  # tokens
@@ -94,10 +95,14 @@ def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, d
     max_length = int(st_model.max_seq_length)
     lengths = token_lengths(st_model.tokenizer, texts, max_length=max_length)
     out = np.zeros((len(texts), embedding_dim(st_model)), dtype=np.float32)
+    batches = length_batches(lengths, batch_size, max_length)
+    work, done = sum(padded * len(idx) for padded, idx in batches) or 1, 0  # tokens: a batch's time grows with them
     with tqdm(total=len(texts), desc=desc, unit=" texts", mininterval=2) as bar, \
             (autocast() if autocast and not onnx else contextlib.nullcontext()):
-        for padded, idx in length_batches(lengths, batch_size, max_length):
+        for padded, idx in batches:
             check_interrupted()
+            pace.progress(done / work)  # a slow encoding is said while it runs (irflow.engine.pace)
+            done += padded * len(idx)
             batch = [texts[i] for i in idx]
             if full_batches and not (onnx and st_model.row_wise):  # (row-wise: each text alone already)
                 batch += batch[:1] * (batch_size - len(batch))
