@@ -14,15 +14,19 @@ user starts it: the first calibrates the store (the estimate after it uses the r
 here), the others are scored: each computed stage's printed estimate (the catalog's ``estimates``: what the
 user read before the run) against its measured seconds, with the load it ran under, when the run said it
 would overrun (``overrun_said_at_share``) and the load warning its estimate printed; the JSON is rewritten after
-every run. Run it beside another benchmark for the series under load.
+every run. ``--compete CMD`` runs it beside one competing run (started after the calibration run, on free
+cores; stopped after the last run).
 
     python bench/estimates.py --series --store /tmp/est-series --out bench/results/estimates_series_idle.json
+    python bench/estimates.py --series "gpl, 80 steps, no qgen" ance --store /tmp/est-loaded \
+        --compete "python -m irflow.cli run configs/demo.yaml --store /tmp/rival --set train.steps=3000" --out OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -119,40 +123,62 @@ def printed(store: Path, run_id: str) -> dict:
                       "ratio": round(total / total_est, 2) if total_est else None}}
 
 
-def run_series(store: Path, out_path: str, only: list[str] | None = None) -> dict:
+def run_series(store: Path, out_path: str, only: list[str] | None = None, compete: str | None = None) -> dict:
+    """``compete``: a shell command started after the calibration run (on free cores) and stopped after the
+    last run: the series beside one competing run."""
+    import shlex
+    import signal
+    import subprocess
+
+    cmd = [sys.executable, "-m", "irflow.cli"]
+    out = {"machine": harness.machine(), "store": str(store), "runs": [], "competing": compete}
+    rival = None
+    try:
+        for name, config, sets in SERIES:
+            if only and name not in only and not name.startswith("calibration"):
+                continue
+            if compete and rival is None and not name.startswith("calibration"):
+                rival = subprocess.Popen(shlex.split(compete), env=harness.cli_env(), cwd=harness.ROOT,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                time.sleep(30)  # the competitor past its start-up, at its steady load
+            _series_run(store, out, out_path, cmd, name, config, sets)
+    finally:
+        if rival is not None:
+            os.killpg(rival.pid, signal.SIGTERM)
+            rival.wait()
+    return out
+
+
+def _series_run(store: Path, out: dict, out_path: str, cmd: list[str], name: str, config: str,
+                sets: list[str]) -> None:
+    """One run of the series, as a user starts it, its printed estimate against its stages' seconds."""
     import subprocess
     import tempfile
     import zipfile
 
-    cmd = [sys.executable, "-m", "irflow.cli"]
-    out = {"machine": harness.machine(), "store": str(store), "runs": []}
-    for name, config, sets in SERIES:
-        if only and name not in only and not name.startswith("calibration"):
-            continue
-        if config.startswith("new:"):  # your own documents: the sample's corpus as a file, `irflow new` sizes it
-            docs = Path(tempfile.mkdtemp()) / "corpus.jsonl"
-            with zipfile.ZipFile(harness.ROOT / SAMPLE) as z:
-                docs.write_bytes(z.read(next(n for n in z.namelist() if n.endswith("corpus.jsonl"))))
-            budget, config = config.split(":")[1], str(store.parent / f"{store.name}-new.yaml")
-            subprocess.run(cmd + ["new", "gpl", "--corpus", str(docs), "--budget-minutes", budget, "--out", config,
-                                  "--force", "--store", str(store)], check=True, env=harness.cli_env(),
-                           cwd=harness.ROOT)
-        argv = cmd + ["run", config, "--store", str(store), "--json"] + [a for s in sets for a in ("--set", s)]
-        load_before = harness.loadavg()
-        done = run_watched(argv)
-        if done["returncode"]:
-            print(done["stderr"][-3000:])
-            out["runs"].append({"name": name, "failed": done["stderr"][-1500:]})
-            continue
-        run_id = json.loads(done["stdout"].strip().splitlines()[-1])["run_id"]
-        row = {"name": name, "config": config, "set": sets, "wall_s": done["wall_s"], "load_before": load_before,
-               "load_after": harness.loadavg(), **{k: done[k] for k in WATCHED}, **printed(store, run_id)}
-        out["runs"].append(row)
-        print(f"{name}: {len(row['stages'])} stages, estimate {row['total']['estimate_s']} s, measured "
-              f"{row['total']['measured_s']} s ({row['total']['ratio']}x), load {load_before} -> {row['load_after']}")
-        summarise_series(store, out)
-        harness.write_json(out_path, out)
-    return out
+    if config.startswith("new:"):  # your own documents: the sample's corpus as a file, `irflow new` sizes it
+        docs = Path(tempfile.mkdtemp()) / "corpus.jsonl"
+        with zipfile.ZipFile(harness.ROOT / SAMPLE) as z:
+            docs.write_bytes(z.read(next(n for n in z.namelist() if n.endswith("corpus.jsonl"))))
+        budget, config = config.split(":")[1], str(store.parent / f"{store.name}-new.yaml")
+        subprocess.run(cmd + ["new", "gpl", "--corpus", str(docs), "--budget-minutes", budget, "--out", config,
+                              "--force", "--store", str(store)], check=True, env=harness.cli_env(),
+                       cwd=harness.ROOT)
+    argv = cmd + ["run", config, "--store", str(store), "--json"] + [a for s in sets for a in ("--set", s)]
+    load_before = harness.loadavg()
+    done = run_watched(argv)
+    if done["returncode"]:
+        print(done["stderr"][-3000:])
+        out["runs"].append({"name": name, "failed": done["stderr"][-1500:]})
+        return
+    run_id = json.loads(done["stdout"].strip().splitlines()[-1])["run_id"]
+    row = {"name": name, "config": config, "set": sets, "wall_s": done["wall_s"], "load_before": load_before,
+           "load_after": harness.loadavg(), **{k: done[k] for k in WATCHED}, **printed(store, run_id)}
+    out["runs"].append(row)
+    print(f"{name}: {len(row['stages'])} stages, estimate {row['total']['estimate_s']} s, measured "
+          f"{row['total']['measured_s']} s ({row['total']['ratio']}x), load {load_before} -> {row['load_after']}")
+    summarise_series(store, out)
+    harness.write_json(out_path, out)
 
 
 WATCHED = ("overrun_said_at_s", "overrun_said_at_share", "overrun_message", "load_warning")
@@ -335,6 +361,8 @@ def main() -> None:
                                                                  "would have spoken, replayed on the run's records")
     ap.add_argument("--series", nargs="*", metavar="NAME", help="the SERIES of runs (or those named, after the "
                                                                 "calibration) in one store, estimate vs measured")
+    ap.add_argument("--compete", metavar="CMD", help="with --series: a competing command, started after the "
+                                                     "calibration run and stopped after the last run")
     ap.add_argument("--resummarise", action="store_true", help="with --out of a --series run: its summaries again")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -347,7 +375,7 @@ def main() -> None:
                                               "summary_replayed_calibration_now")}, indent=1))
         return
     if args.series is not None:
-        out = run_series(store, args.out, args.series or None)
+        out = run_series(store, args.out, args.series or None, args.compete)
         print(json.dumps(out.get("summary"), indent=1))
         return
     if args.replay_pace:

@@ -222,6 +222,45 @@ def mean(v: dict) -> float:
     return sum(v.values()) / len(v) if v else float("nan")
 
 
+def real_reliability(real: dict[str, dict[str, float]], resamples: int = 2000, seed: int = 0) -> dict:
+    """How far the test qrels can confirm a proxy's ranking of these models: the Kendall tau a proxy that ranks them
+    by their true quality would show against the test queries' ranking, approximated by the tau between the
+    models' mean over the test queries and their mean over a bootstrap resample of them (optimistic: the
+    observed means stand for the true ones), and the tau between two disjoint halves of the test queries."""
+    names = sorted(real)
+    qids = sorted(real[names[0]])
+    m = np.array([[real[n][q] for q in qids] for n in names])
+    full, rng, n = m.mean(1), np.random.default_rng(seed), len(qids)
+    as_dict = (lambda v: dict(zip(names, v.tolist())))
+    boot = np.array([own_corpus.kendall_tau(as_dict(full), as_dict(m[:, rng.integers(0, n, n)].mean(1)))
+                     for _ in range(resamples)])
+    halves = []
+    for _ in range(resamples):
+        order = rng.permutation(n)
+        halves.append(own_corpus.kendall_tau(as_dict(m[:, order[: n // 2]].mean(1)),
+                                             as_dict(m[:, order[n // 2:]].mean(1))))
+    return {"queries": n, "models": len(names), "real_range": round(float(full.max() - full.min()), 4),
+            "perfect_proxy_tau": round(float(boot.mean()), 3),
+            "perfect_proxy_tau_90": [round(float(x), 3) for x in np.percentile(boot, [5, 95])],
+            "perfect_proxy_reaches_0.8": round(float((boot >= 0.8).mean()), 3),
+            "split_half_tau": round(float(np.mean(halves)), 3)}
+
+
+def significant_pairs(real: dict[str, dict[str, float]], proxy: dict[str, float], alpha: float = 0.05) -> dict:
+    """The pairs of models the test qrels tell apart (paired t-test over the test queries, p < alpha), and how many
+    of them the proxy orders as the qrels do: agreement where there is something to agree on."""
+    from irflow.learn.stats import paired
+
+    names, agree, pairs = sorted(real), 0, 0
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            t = paired(real[a], real[b])
+            if t.t_pvalue < alpha:
+                pairs += 1
+                agree += (t.mean_diff > 0) == (proxy[b] > proxy[a])
+    return {"pairs": pairs, "ordered_as_the_qrels": agree, "share": round(agree / pairs, 3) if pairs else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", required=True, choices=("scifact", "nfcorpus"))
@@ -354,21 +393,24 @@ def analyse(out: dict, units: dict, trials: int) -> None:
             "selected_of_all": everything.system, "selected_p": everything.p_value,
             "selected_real_vs_start": round(real[everything.system] - real["zero-shot"], 4),
             "per_run": per_run, "false_selection_k5": null["false_selection"],
-            "continued_minus_log120": cont, "proxy_ndcg@10": {n: round(v, 4) for n, v in proxy.items()}}
+            "continued_minus_log120": cont, "proxy_ndcg@10": {n: round(v, 4) for n, v in proxy.items()},
+            "significant_pairs": significant_pairs({n: s["real"] for n, s in scores.items()}, proxy)}
         worst = min(r["real_vs_start"] for r in per_run.values())
         bare_worst = min(r["without_caveat_real_vs_start"] for r in per_run.values())
         table.append([p, summary[p]["queries"], summary[p]["kendall_tau"], summary[p]["kendall_tau_trained"], pick,
                       f"{summary[p]['regret']:.4f}", everything.system, f"{summary[p]['selected_real_vs_start']:+.4f}",
                       f"{worst:+.4f}", f"{bare_worst:+.4f}", f"{null['false_selection']:.3f}",
-                      f"{cont[p]:+.4f} / {cont['real']:+.4f}"])
+                      f"{cont[p]:+.4f} / {cont['real']:+.4f}",
+                      f"{summary[p]['significant_pairs']['ordered_as_the_qrels']} of {summary[p]['significant_pairs']['pairs']}"])
     out.update({"real_ndcg@10": {n: round(v, 4) for n, v in real.items()}, "real_best": real_best,
-                "proxies": summary})
+                "proxies": summary, "real_reliability": real_reliability({n: s["real"] for n, s in scores.items()})})
+    print("the test qrels' own reliability:", out["real_reliability"])
     harness.table(["model", "real nDCG@10"] + list(PROXIES),
                   [[n, f"{real[n]:.4f}"] + [f"{summary[p]['proxy_ndcg@10'][n]:.4f}" for p in PROXIES]
                    for n in sorted(real, key=real.get, reverse=True)])
     harness.table(["proxy", "queries", "tau", "tau trained", "proxy best", "regret", f"ships (of {len(models) - 1})",
                    "real vs start", "worst run vs start", "the same without the caveat", "false sel. k=5",
-                   "continued: proxy / real"], table)
+                   "continued: proxy / real", "significant pairs ordered right"], table)
 
 
 def reanalyse(path: str, trials: int) -> None:
