@@ -45,9 +45,12 @@ def compare(store: Path, run_id: str) -> dict:
     c = api.load_config(config)
     # every stage of the run, with the seconds of the run that computed it (this one, or an earlier one whose
     # result it reused: a bench run that was restarted)
-    computed, params, queries, loads, inputs = {}, {}, {}, {}, {}
+    computed, params, queries, loads, inputs, keys = {}, {}, {}, {}, {}, set()
     with catalog.connect() as con:
         for s in catalog.stage_runs(run_id):
+            if s["cache_key"] in keys:  # a second label of one computation (the first one's seconds are its)
+                continue
+            keys.add(s["cache_key"])
             row = con.execute("SELECT seconds, detail, runtime FROM stage_runs WHERE cache_key = ? AND status = "
                               "'computed' ORDER BY started_at DESC LIMIT 1", [s["cache_key"]]).fetchone()
             if row:
