@@ -262,3 +262,17 @@ def test_an_encoding_reports_its_progress_to_the_pace_as_a_share_of_its_part(tmp
         pace.forget("r-enc")
     assert len(seen) >= 6 and seen[0] == 0.5 and seen == sorted(seen) and seen[-1] < 1.0
     assert p.progress["encode_corpus[x]"] == seen[-1]
+
+
+def test_a_stages_start_up_is_not_taken_for_its_pace():
+    """An encoding whose model took 30 s to load, then encodes at its estimated pace, is not said to overrun: its
+    progress counts from its first report; one that then goes 2x slower is."""
+    p = pace.Pace({"encode_corpus[x]": 100, "train_student[gpl]": 100}, started=0.0)
+    p.stage_started("encode_corpus[x]", now=0.0)
+    assert p.stage_progress("encode_corpus[x]", 0.0, now=30.0) is None  # the first batch, after the load
+    # 30 s for 30 s estimated since the first batch (counted from the stage's start: 60 s for 30, "2.0x")
+    assert p.stage_progress("encode_corpus[x]", 0.3, now=60.0) is None and p.said is None
+    slow = pace.Pace({"encode_corpus[x]": 100, "train_student[gpl]": 100}, started=0.0)
+    slow.stage_started("encode_corpus[x]", now=0.0)
+    slow.stage_progress("encode_corpus[x]", 0.0, now=30.0)
+    assert slow.stage_progress("encode_corpus[x]", 0.25, now=80.0) and "2.0x slower" in slow.said

@@ -5,8 +5,9 @@ more than ``OVERRUN`` times that, the run says so once, with the finishing time 
 A stage still computing counts as soon as it outlasts its estimate (its estimate covered, every second
 beyond it measured), so a long stage that is slow is said while it runs, not only when it ends: a watcher
 looks every ``WATCH_EVERY`` seconds. A stage that reports its progress (``progress``: the training loop, its
-steps done) counts before that: the share of its estimate its progress covers, against its seconds so far, so
-a run whose training is slow is said early in the training, not only once the training outlasts its estimate.
+steps done; a corpus encoding, its batches) counts before that: the share of its estimate its progress has
+covered since its first report, against the seconds since, so a run whose training is slow is said early in
+the training, and a stage's start-up (its model loaded, a first step) is not taken for its pace.
 
 ``irflow run`` registers the estimate of the run it is about to start (``expect``); the runner reports each
 stage it starts computing (``stage_started``) and each it computed (``stage_done``). A run started another
@@ -44,6 +45,7 @@ class Pace:
         self.done_estimated = self.done_measured = 0.0
         self.running: dict[str, float] = {}  # label -> when it started computing
         self.progress: dict[str, float] = {}  # label -> the share of its work a running stage has done
+        self.first: dict[str, tuple[float, float]] = {}  # label -> (when, share) of its first progress report
         self.said: str | None = None
 
     def stage_started(self, label: str, now: float | None = None) -> None:
@@ -55,12 +57,14 @@ class Pace:
         if label not in self.running:
             return None
         self.progress[label] = min(1.0, max(0.0, share))
+        self.first.setdefault(label, (time.time() if now is None else now, self.progress[label]))
         return self.check(now)
 
     def stage_done(self, label: str, seconds: float, now: float | None = None) -> str | None:
         """Count a computed stage; the overrun message when this stage is the one that shows it."""
         self.running.pop(label, None)
         self.progress.pop(label, None)
+        self.first.pop(label, None)
         estimated = self.expected.pop(label, None)
         if estimated is None or self.said is not None:
             return None
@@ -76,10 +80,14 @@ class Pace:
         estimated, measured = self.done_estimated, self.done_measured
         for label, since in self.running.items():
             took, est = now - since, self.expected.get(label, 0.0)
-            if label in self.progress:  # the share of its estimate its progress covers, its seconds so far
-                estimated, measured = estimated + est * self.progress[label], measured + took
-            elif took > est:  # outlasted its estimate: the estimate covered, every second measured
+            if took > est:  # outlasted its estimate: the estimate covered, every second measured
                 estimated, measured = estimated + est, measured + took
+            elif label in self.first:  # the share of its estimate its progress covers since its first report,
+                # against the seconds since: its start-up (a model loaded, texts tokenised, a first step
+                # warming up) is counted once the stage is done, not extrapolated over the rest
+                since_t, since_share = self.first[label]
+                estimated, measured = (estimated + est * (self.progress[label] - since_share),
+                                       measured + (now - since_t))
         if estimated < max(JUDGE_FROM, self.total * _JUDGE_AFTER):
             return None
         ratio = measured / estimated
