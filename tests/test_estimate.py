@@ -240,6 +240,13 @@ def test_the_demo_is_estimated_from_its_own_counts_and_a_repeated_computation_is
         "computed above")
     assert rows["bm25_search[flat]"].work == "100 queries searched to 1000"
     assert rows["bm25_search[miner-bm25]"].work == "300 queries searched to 30"
+    # RocketQA's cross-encoder reading candidates: the train split's 300 queries x its top 20, the 100 test
+    # queries x the re-ranking's top 20 (each measured 17-84 s on the sample)
+    rocketqa = {r.stage: r for r in api.estimate(str(ROOT / "configs" / "rocketqa_demo.yaml"),
+                                                 store=tmp_path / "s").rows}
+    assert rocketqa["score_candidates[ce]"].work == "6,000 (query, passage) pairs scored"
+    assert rocketqa["rerank[mc]"].work == "2,000 (query, passage) pairs scored"
+    assert rocketqa["score_candidates[fusion]"].work == "fixed cost"
 
 
 def test_an_encoding_reports_its_progress_to_the_pace_as_a_share_of_its_part(tmp_path):

@@ -281,6 +281,26 @@ def _cross_encoder(run: _Run, label: str, own: dict) -> Work | None:
     return sec, run.mem["model"], f"{pairs:,} (query, passage) pairs {verb}", "score"
 
 
+def _reranked(run: _Run, label: str, own: dict) -> Work | None:
+    """A cross-encoder reading each query's top ``depth`` of a ranking: ``rerank`` (the model input) and
+    ``score_candidates`` (its teacher, when a cross-encoder; a labelled split's queries are those with
+    positives there)."""
+    if stage_name(label) == "rerank":  # the model input: RocketQA's cross-encoder, else the config's teacher
+        ce = getattr(run.c, "cross_encoder", None)
+        max_length = own.get("max_length") or 256
+        scale = model_scale(getattr(ce, "model", None)) if ce is not None else run.teacher_scale
+    else:
+        teacher = own.get("teacher") or {}
+        if teacher.get("type") != "cross_encoder":
+            return None
+        max_length, scale = teacher.get("max_length") or 350, run.teacher_scale
+    queries = (len(run.size.train_positives) if own.get("split") == "train" and run.size.train_positives
+               else run.searched(label))
+    pairs = queries * (own.get("depth") or 50)
+    sec = pairs * min(run.size.tokens(max_length) + QUERY_TOKENS, max_length) / 1000 * run.rate("score") * scale
+    return sec + run.fixed["model_load"], run.mem["model"], f"{pairs:,} (query, passage) pairs scored", "score"
+
+
 def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
     if not isinstance(_scale(run.c, run.params.get(label)), dict):  # a fixed margin scale: nothing encoded
         return None
@@ -417,6 +437,7 @@ WORK = {"encode_corpus": _encode_corpus, "dense_search": _dense_search, "dense_s
         "bm25_index": _bm25_index, "bm25_search": _bm25_search, "bm25_score": _pairs_scored,
         "generate_queries": _generate, "doc2query_expand": _generate,
         "label_scores": _cross_encoder, "judge_queries": _cross_encoder, "pseudo_label": _pseudo_label,
+        "score_candidates": _reranked, "rerank": _reranked,
         "train_student": _train_student, "train_dual_encoder": _trainer, "train_query_encoder": _trainer,
         "train_cross_encoder": _trainer, "train_deepct": _trainer, "deepct_weight": _deepct_weight}
 
