@@ -1,6 +1,7 @@
 """Whether a run keeps to its estimate: the measured seconds of the stages done, and of those still
 computing, against what the estimate gave them. Once they were estimated at a twentieth of the run and took
-more than ``OVERRUN`` times that, the run says so once, with the finishing time at the pace it is going.
+more than ``OVERRUN`` times that, the run says so once, with the finishing time at the pace it is going; and
+again only if the pace becomes ``AGAIN`` times slower than it said (another run taking the cores half-way).
 
 A stage still computing counts as soon as it outlasts its estimate (its estimate covered, every second
 beyond it measured), so a long stage that is slow is said while it runs, not only when it ends: a watcher
@@ -25,6 +26,7 @@ from datetime import datetime, timedelta
 
 log = logging.getLogger("irflow.engine.pace")
 OVERRUN = 1.5  # a run this much slower than its estimate is said to overrun
+AGAIN = 2.0  # said again once the pace is this many times slower than it last said
 _JUDGE_AFTER = 1 / 20  # the share of the estimated run the stages done must cover before judging the pace
 JUDGE_FROM = 20.0  # seconds of the estimate the stages done must cover at least: less says more of fixed costs
 WATCH_EVERY = 5.0  # seconds between two looks at the stages still computing
@@ -46,7 +48,8 @@ class Pace:
         self.running: dict[str, float] = {}  # label -> when it started computing
         self.progress: dict[str, float] = {}  # label -> the share of its work a running stage has done
         self.first: dict[str, tuple[float, float]] = {}  # label -> (when, share) of its first progress report
-        self.said: str | None = None
+        self.said: str | None = None  # the last overrun message
+        self.said_ratio = 0.0  # the pace it said
 
     def stage_started(self, label: str, now: float | None = None) -> None:
         if label in self.expected:
@@ -66,16 +69,16 @@ class Pace:
         self.progress.pop(label, None)
         self.first.pop(label, None)
         estimated = self.expected.pop(label, None)
-        if estimated is None or self.said is not None:
+        if estimated is None:
             return None
         self.done_estimated += estimated
         self.done_measured += seconds
         return self.check(now)
 
     def check(self, now: float | None = None) -> str | None:
-        """The overrun message, once, when the stages done and those computing beyond their estimate show it."""
-        if self.said is not None:
-            return None
+        """The overrun message when the stages done and those computing beyond their estimate show it: once, and
+        again only when the pace has since become ``AGAIN`` times slower than it said (its finishing time no
+        longer holds)."""
         now = time.time() if now is None else now
         estimated, measured = self.done_estimated, self.done_measured
         for label, since in self.running.items():
@@ -91,11 +94,13 @@ class Pace:
         if estimated < max(JUDGE_FROM, self.total * _JUDGE_AFTER):
             return None
         ratio = measured / estimated
-        if ratio <= OVERRUN:
+        if ratio <= OVERRUN or (self.said is not None and ratio < AGAIN * self.said_ratio):
             return None
         left = (self.total - estimated) * ratio
         finish, planned = (datetime.fromtimestamp(t) for t in (now + left, self.started + self.total))
-        self.said = (f"this run is going {ratio:.1f}x slower than its estimate (stages estimated at "
+        now_ = "now " if self.said is not None else ""
+        self.said_ratio = ratio
+        self.said = (f"this run is {now_}going {ratio:.1f}x slower than its estimate (stages estimated at "
                      f"{_span(estimated)} took {_span(measured)}): at this pace it ends about "
                      f"{finish:%H:%M}{_day(finish, planned)}, not {planned:%H:%M} (busy cores? `uptime` says the load)")
         return self.said

@@ -612,8 +612,13 @@ def load_note(hw: Hardware, load: float | None) -> str | None:
     """What a busy machine does to the figures: they assume free cores."""
     if load is None or load <= BUSY * hw.cores or hw.kind == "cuda":
         return None
+    c = rates()["contention"]["value"]
+    free = max(1, hw.cores - round(load))
     return (f"warning: other processes keep {load:.1f} of the {hw.cores} cores busy: other work shares them, and "
-            f"these figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long")
+            f"these figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long, and up to "
+            f"{c['threads_shared']:g}x beside another run computing with torch on every core (their threads wait for "
+            f"each other); with --set runtime.threads={free} this run measured {c['one_thread']:g}x there "
+            f"(irflow/measured/rates.json)")
 
 
 def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None,
