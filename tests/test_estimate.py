@@ -288,3 +288,13 @@ def test_a_stages_start_up_is_not_taken_for_its_pace():
     slow.stage_started("encode_corpus[x]", now=0.0)
     slow.stage_progress("encode_corpus[x]", 0.0, now=30.0)
     assert slow.stage_progress("encode_corpus[x]", 0.25, now=80.0) and "2.0x slower" in slow.said
+
+
+def test_a_training_batch_is_estimated_at_the_length_of_its_longest_passage():
+    """An encoding groups passages by length; a training batch's column is padded to its longest: with a few
+    long passages among short ones, a batch of 16 reads about the cap, the corpus's mean read far less."""
+    words = [60] * 80 + [400] * 20  # 20% of the passages past a 256-token cap
+    size = estimate.CorpusSize(100, sum(words) / len(words), word_quantiles=estimate.quantiles(words))
+    assert size.tokens(256) == pytest.approx(0.8 * 60 * estimate.WORDS_TO_TOKENS + 0.2 * 256)
+    assert size.padded_tokens(256, 16) == 256 and size.padded_tokens(256, 1) < 256
+    assert estimate.CorpusSize(100, 100).padded_tokens(256, 16) == estimate.CorpusSize(100, 100).tokens(256)

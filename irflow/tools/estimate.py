@@ -94,6 +94,17 @@ class CorpusSize:
             return min(self.mean_tokens, max_len)
         return sum(min(w * WORDS_TO_TOKENS, max_len) for w in self.word_quantiles) / len(self.word_quantiles)
 
+    def padded_tokens(self, max_len: int, batch: int) -> float:
+        """The tokens each passage of a training batch is padded to: the longest of ``batch`` passages (its
+        expected rank, read off the quantiles), capped at ``max_len``; without the quantiles, the mean."""
+        q = self.word_quantiles
+        if not q:
+            return min(self.mean_tokens, max_len)
+        at = min(len(q) - 1.0, max(0.0, (1 - 1 / (batch + 1)) * len(q) - 0.5))  # midpoint i sits at (i + 0.5)/n
+        lo = int(at)
+        words = q[lo] + (q[min(lo + 1, len(q) - 1)] - q[lo]) * (at - lo)
+        return min(words * WORDS_TO_TOKENS, max_len)
+
 
 def quantiles(words) -> tuple[float, ...]:
     """Words per passage at the midpoints of 20 even slices (what ``CorpusSize.tokens`` averages)."""
@@ -330,7 +341,8 @@ def _train_student(run: _Run, label: str, own: dict) -> Work | None:
     negatives = {"mnrl": 0, "margin_mse": 1}.get(
         p["loss"], getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
     texts = (2 + negatives) * batch
-    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * run.size.tokens(length)
+    # a batch's column of passages is padded to its longest (not bucketed by length, as an encoding is)
+    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * run.size.padded_tokens(length, batch)
     sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
 
