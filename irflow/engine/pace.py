@@ -98,9 +98,9 @@ class Pace:
             return None
         left = (self.total - estimated) * ratio
         finish, planned = (datetime.fromtimestamp(t) for t in (now + left, self.started + self.total))
-        now_ = "now " if self.said is not None else ""
+        again = "now " if self.said is not None else ""
         self.said_ratio = ratio
-        self.said = (f"this run is {now_}going {ratio:.1f}x slower than its estimate (stages estimated at "
+        self.said = (f"this run is {again}going {ratio:.1f}x slower than its estimate (stages estimated at "
                      f"{_span(estimated)} took {_span(measured)}): at this pace it ends about "
                      f"{finish:%H:%M}{_day(finish, planned)}, not {planned:%H:%M} (busy cores? `uptime` says the load)")
         return self.said
