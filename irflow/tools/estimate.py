@@ -143,10 +143,6 @@ def _rate(hw: Hardware, work: str) -> float:
     return per_1k * (2 / max(1, hw.cores) if hw.kind != "cuda" else 1.0)
 
 
-def _tokens(size: CorpusSize, max_len: int) -> float:
-    return size.tokens(max_len)
-
-
 def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
              params: dict[str, dict] | None = None, queries: dict[str, int] | None = None,
              inputs: dict[str, dict] | None = None) -> list[StageEstimate]:
@@ -234,7 +230,7 @@ def _encode_corpus(run: _Run, label: str, own: dict) -> Work:
     model_ids, corpus_ids = tuple(roles.get("model") or ()), tuple(roles.get("corpus") or ())
     if model_ids and run.encoded.setdefault((model_ids, json.dumps(own, sort_keys=True)), corpus_ids) != corpus_ids:
         passages = round(run.size.passages * run.held_out)  # the rest reused from the first encoding
-    tokens = _tokens(run.size, length)
+    tokens = run.size.tokens(length)
     sec = passages * tokens / 1000 * run.rate("encode") * run.scale + run.fixed["model_load"]
     return sec, run.mem["model"] + run.emb_mb, f"{passages:,} passages x {tokens:.0f} tokens", "encode"
 
@@ -287,7 +283,7 @@ def _cross_encoder(run: _Run, label: str, own: dict) -> Work | None:
     else:  # the held-out log queries' candidates
         held = run.queries.get(label) or int((run.size.log_queries or 0) * getattr(run.proxy.queries, "fraction", 0.2))
         pairs = int(held * run.candidates)
-    sec = pairs * _tokens(run.size, teacher["max_length"]) / 1000 * run.rate("score") * run.teacher_scale
+    sec = pairs * run.size.tokens(teacher["max_length"]) / 1000 * run.rate("score") * run.teacher_scale
     verb = "scored" if stage_name(label) == "label_scores" else "judged"
     return sec, run.mem["model"], f"{pairs:,} (query, passage) pairs {verb}", "score"
 
@@ -325,7 +321,7 @@ def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
     # corpus, repeat as the sample nears its size
     passages = run.size.passages * (1 - math.exp(-2 * sample / max(1, run.size.passages)))
     queries = min(sample, run.n_gen or sample)
-    sec = ((queries * QUERY_TOKENS + passages * _tokens(run.size, length)) / 1000 * run.rate("encode") * run.scale
+    sec = ((queries * QUERY_TOKENS + passages * run.size.tokens(length)) / 1000 * run.rate("encode") * run.scale
            + run.fixed["model_load"])
     return sec, run.mem["model"], f"{sample:,} triples ({passages:,.0f} passages) encoded for the margin scale", "encode"
 
@@ -500,7 +496,7 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
         log_q = sum(1 for ln in Path(d.query_log).read_text(errors="replace").splitlines() if ln.strip())
     if proxy_queries is not None:
         queries = proxy_queries
-    elif beir and (judged := _split_queries(src, d.split)):
+    elif beir and src.exists() and (judged := len({q for q, _ in _split_positives(src, d.split)})):
         queries = min(judged, getattr(d, "limit_queries", None) or judged)
     elif beir or d.qrels is not None:
         queries = 300
@@ -510,32 +506,20 @@ def corpus_size(d, proxy_queries: int | None = None) -> CorpusSize:
         queries = round(d.proxy.fraction * t.num_rows)
         if d.proxy.documents is not None:
             queries = min(queries, d.proxy.documents)
-    pairs = _train_positives(src) if beir and src.exists() else []
+    pairs = _split_positives(src, "train") if beir and src.exists() else []
     per_query = Counter(q for q, _ in pairs)
     return CorpusSize(t.num_rows, round(mean, 1), queries, log_q, tuple(per_query[q] for q in sorted(per_query)),
                       len({d for _, d in pairs}), quantiles(words.to_numpy(zero_copy_only=False)))
 
 
-def _train_positives(src: Path) -> list[tuple[str, str]]:
-    """The (query, passage) positives of a BEIR source's train split (none: no qrels/train.tsv)."""
+def _split_positives(src: Path, split: str) -> list[tuple[str, str]]:
+    """The (query, passage) positives of a BEIR source's ``split`` (none: no qrels file for it)."""
     from irflow.learn.qrels import positive_pairs
     from irflow.sources.beir import BeirSource, _read_qrels
 
-    b = BeirSource(src)
-    member = b.qrels_files().get("train")
-    return positive_pairs(_read_qrels(b, member, "train"), "train") if member else []
-
-
-def _split_queries(src: Path, split: str) -> int:
-    """The judged queries of a BEIR source's ``split`` (0: not known here)."""
-    from irflow.learn.qrels import positive_pairs
-    from irflow.sources.beir import BeirSource, _read_qrels
-
-    if not src.exists():
-        return 0
     b = BeirSource(src)
     member = b.qrels_files().get(split)
-    return len({q for q, _ in positive_pairs(_read_qrels(b, member, split), split)}) if member else 0
+    return positive_pairs(_read_qrels(b, member, split), split) if member else []
 
 
 MAX_SIZED_BYTES = 200 * 2**20  # a source read before the run to size it; larger ones are left to irflow new

@@ -308,7 +308,7 @@ def _passage_words(profile: CorpusProfile, passages: dict | None) -> list[int]:
     if not passages:
         return list(profile.text_words)
     m, stride = passages["max_words"], passages["stride"]
-    return [x for w in profile.text_words for x in ([w] if w <= m else [m] * (1 + -(-(w - m) // stride)))]
+    return [x for w in profile.text_words for x in ([w] if w <= m else [m] * cut_count([w], m, stride))]
 
 
 def _log_queries(query_log: str | None) -> int:
