@@ -1017,7 +1017,7 @@ with steady_heap("cpu"):
 
 def test_a_paced_training_reports_its_steps_as_progress(tmp_path, monkeypatch):
     """train_loop reports each step done to the pace of the stage computing in its thread: a training four
-    times slower than its estimate is said at its fifth step of twenty (counted from the first, a warm-up), long
+    times slower than its estimate is said at its third step of twenty (counted from the first, a warm-up), long
     before it outlasts the estimate."""
     from irflow.engine import pace
 
@@ -1043,5 +1043,5 @@ def test_a_paced_training_reports_its_steps_as_progress(tmp_path, monkeypatch):
         pace.Pace.check = real_check
         pace._PACES.pop("r", None)
     first = next(i for i, m in enumerate(said) if m)
-    assert first == 4 and "4.0x slower" in said[first]  # 20 s covered after the first step (steps 2-5: 80 s)
+    assert first == 2 and "4.0x slower" in said[first]  # 10 s covered after the first step (steps 2-3: 40 s)
     assert all(m is None for m in said[first + 1:])  # said once

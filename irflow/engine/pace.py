@@ -28,7 +28,8 @@ log = logging.getLogger("irflow.engine.pace")
 OVERRUN = 1.5  # a run this much slower than its estimate is said to overrun
 AGAIN = 2.0  # said again once the pace is this many times slower than it last said
 _JUDGE_AFTER = 1 / 20  # the share of the estimated run the stages done must cover before judging the pace
-JUDGE_FROM = 20.0  # seconds of the estimate the stages done must cover at least: less says more of fixed costs
+JUDGE_FROM = 10.0  # seconds of the estimate covered at least: less says more of fixed costs (8 s said an idle run
+# 1.5x at 13 s that ended at 0.93x; bench/estimates.py --replay-pace over the idle and loaded series)
 WATCH_EVERY = 5.0  # seconds between two looks at the stages still computing
 _PACES: dict[str, "Pace"] = {}
 # (run id, stage label, the share of the stage done before this part, the part's share) of the stage computing
