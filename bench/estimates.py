@@ -126,9 +126,11 @@ def printed(store: Path, run_id: str) -> dict:
                       "ratio": round(total / total_est, 2) if total_est else None}}
 
 
-def run_series(store: Path, out_path: str, only: list[str] | None = None, compete: str | None = None) -> dict:
-    """``compete``: a shell command started after the calibration run (on free cores) and stopped after the
-    last run: the series beside one competing run."""
+def run_series(store: Path, out_path: str, only: list[str] | None = None, compete: str | None = None,
+               also_set: list[str] | None = None, compete_wait: float = 30.0) -> dict:
+    """``compete``: a shell command started after the calibration run (on free cores), ``compete_wait`` seconds
+    before the next run, and stopped after the last run: the series beside one competing run. ``also_set``:
+    settings added to every run but the calibration (another cache key for the same work, or the threads)."""
     import shlex
     import signal
     import subprocess
@@ -143,8 +145,9 @@ def run_series(store: Path, out_path: str, only: list[str] | None = None, compet
             if compete and rival is None and not name.startswith("calibration"):
                 rival = subprocess.Popen(shlex.split(compete), env=harness.cli_env(), cwd=harness.ROOT,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-                time.sleep(30)  # the competitor past its start-up, at its steady load
-            _series_run(store, out, out_path, cmd, name, config, sets)
+                time.sleep(compete_wait)  # the competitor past its start-up, at its steady load
+            extra = [] if name.startswith("calibration") else list(also_set or [])
+            _series_run(store, out, out_path, cmd, name + "".join(f" [{s}]" for s in extra), config, sets + extra)
     finally:
         if rival is not None:
             os.killpg(rival.pid, signal.SIGTERM)
@@ -366,6 +369,10 @@ def main() -> None:
                                                                 "calibration) in one store, estimate vs measured")
     ap.add_argument("--compete", metavar="CMD", help="with --series: a competing command, started after the "
                                                      "calibration run and stopped after the last run")
+    ap.add_argument("--also-set", nargs="+", metavar="KEY=VALUE", help="with --series: settings added to every "
+                                                                         "run but the calibration")
+    ap.add_argument("--compete-wait", type=float, default=30.0, help="with --compete: seconds between starting "
+                                                                    "the competitor and the next run")
     ap.add_argument("--resummarise", action="store_true", help="with --out of a --series run: its summaries again")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -378,7 +385,7 @@ def main() -> None:
                                               "summary_replayed_calibration_now")}, indent=1))
         return
     if args.series is not None:
-        out = run_series(store, args.out, args.series or None, args.compete)
+        out = run_series(store, args.out, args.series or None, args.compete, args.also_set, args.compete_wait)
         print(json.dumps(out.get("summary"), indent=1))
         return
     if args.replay_pace:
