@@ -65,7 +65,7 @@ def compare(store: Path, run_id: str) -> dict:
                 if len(ids) == 1 and (d := catalog.dataset(ids[0])):
                     queries[s["name"]] = d["num_rows"]
     hw = estimate.hardware()
-    size = estimate.corpus_size(c.dataset)
+    size = estimate.corpus_size(c.dataset, model=estimate.student_model(c))
     rows = estimate.estimate(c, list(computed), size, hw, params, queries, inputs)
     print(estimate.format_estimates(rows, hw, computed))
     total_est = sum(r.seconds for r in rows)

@@ -256,7 +256,7 @@ def estimate(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
     if not stale:
         return None
     hw = est.hardware()
-    size = est.corpus_size(c.dataset)
+    size = est.corpus_size(c.dataset, model=est.student_model(c))
     try:
         cat = catalog(store)
     except UserError:  # no store yet: every input is still to be made

@@ -298,3 +298,27 @@ def test_a_training_batch_is_estimated_at_the_length_of_its_longest_passage():
     assert size.tokens(256) == pytest.approx(0.8 * 60 * estimate.WORDS_TO_TOKENS + 0.2 * 256)
     assert size.padded_tokens(256, 16) == 256 and size.padded_tokens(256, 1) < 256
     assert estimate.CorpusSize(100, 100).padded_tokens(256, 16) == estimate.CorpusSize(100, 100).tokens(256)
+
+
+def test_a_corpus_tokens_are_counted_with_the_models_tokenizer():
+    """Scientific words split into more word pieces than English prose: the sample's passages are counted with
+    MiniLM's own tokenizer (every one of them: fewer than the sample), and the estimate reads passages and
+    padded training batches at that count; a model that is not here leaves the prior's tokens a word."""
+    import json
+    import zipfile
+
+    from irflow import api
+
+    d = api.load_config(str(ROOT / "configs" / "demo.yaml")).dataset
+    size = estimate.corpus_size(d, model="all-MiniLM-L6-v2")
+    with zipfile.ZipFile(ROOT / d.source) as z:
+        name = next(n for n in z.namelist() if n.endswith("corpus.jsonl"))
+        texts = [json.loads(line)["text"] for line in z.read(name).decode().splitlines() if line.strip()]
+    tok = estimate.local_tokenizer("all-MiniLM-L6-v2")
+    pieces = sum(len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])
+    assert size.tokens_per_word == pytest.approx(pieces / sum(len(t.split()) for t in texts), abs=1e-3)
+    assert size.tokens_per_word > 1.4  # SciFact's abstracts
+    prior = estimate.corpus_size(d, model=str(ROOT / "no-such-model"))
+    assert prior.tokens_per_word == estimate.WORDS_TO_TOKENS
+    assert size.tokens(10_000) == pytest.approx(prior.tokens(10_000) * size.tokens_per_word / prior.tokens_per_word)
+    assert size.padded_tokens(100, 16) == prior.padded_tokens(100, 16) == 100  # past the cap either way

@@ -53,12 +53,16 @@ class CorpusProfile:
     # the tokenizer: words x the measured or prior tokens per word)
     measured_with: str  # the tokenizer, or "prior"
 
+    @property
+    def tokens_per_word(self) -> float:
+        return round(sum(self.tokens) / max(1, sum(self.words)), 3)
+
 
 def _profile(path: Path, fmt: str, fields: dict | None, model: str) -> CorpusProfile:
     import pyarrow.parquet as pq
 
     from irflow.sources.corpus_sources import read_corpus
-    from irflow.tools.estimate import WORDS_TO_TOKENS
+    from irflow.tools import estimate as est
 
     with tempfile.TemporaryDirectory(prefix="irflow-new-") as tmp:
         out = Path(tmp) / "c.parquet"
@@ -67,26 +71,14 @@ def _profile(path: Path, fmt: str, fields: dict | None, model: str) -> CorpusPro
     texts = [f"{a or ''} {b or ''}".strip() for a, b in zip(t.column("title").to_pylist(), t.column("text").to_pylist())]
     words = [len(x.split()) for x in texts]
     text_words = [len((b or "").split()) for b in t.column("text").to_pylist()]
-    tokenizer = _tokenizer(model)
+    tokenizer = est.local_tokenizer(model)
     if tokenizer is None:
-        return CorpusProfile(stats.documents, words, text_words, [round(w * WORDS_TO_TOKENS) for w in words], "prior")
+        return CorpusProfile(stats.documents, words, text_words, [round(w * est.WORDS_TO_TOKENS) for w in words], "prior")
     counted = [len(ids) for ids in tokenizer(texts[:RATIO_SAMPLE], add_special_tokens=False, truncation=False,
                                              verbose=False)["input_ids"]]
     ratio = sum(counted) / max(1, sum(words[:RATIO_SAMPLE]))
     tokens = counted + [round(w * ratio) for w in words[RATIO_SAMPLE:]]
     return CorpusProfile(stats.documents, words, text_words, tokens, "the model's tokenizer")
-
-
-def _tokenizer(model: str):
-    from irflow.engine.models import resolve
-
-    try:
-        from transformers import AutoTokenizer
-
-        path = resolve(model).path
-        return AutoTokenizer.from_pretrained(path) if Path(path).is_dir() else None
-    except Exception:  # noqa: BLE001 -- a hub model not here: the English prior stands in
-        return None
 
 
 def passage_settings(profile: CorpusProfile, encoder_tokens: int = ENCODER_TOKENS
@@ -174,7 +166,8 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
                 "on this machine; remembered in the store)")
     words = _passage_words(profile, passages)
     size = est.CorpusSize(n_passages, round(sum(words) / len(words), 1) if words else 0.0, round(held_out or 0),
-                          _log_queries(query_log), word_quantiles=est.quantiles(words))
+                          _log_queries(query_log), word_quantiles=est.quantiles(words),
+                          tokens_per_word=profile.tokens_per_word)
     hw = est.hardware()
     timed = calibrated.apply if calibrated else (lambda rows: rows)
     c, stages, inputs, params = _plan(yaml.safe_dump(cfg, sort_keys=False))
