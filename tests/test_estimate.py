@@ -322,3 +322,16 @@ def test_a_corpus_tokens_are_counted_with_the_models_tokenizer():
     assert prior.tokens_per_word == estimate.WORDS_TO_TOKENS
     assert size.tokens(10_000) == pytest.approx(prior.tokens(10_000) * size.tokens_per_word / prior.tokens_per_word)
     assert size.padded_tokens(100, 16) == prior.padded_tokens(100, 16) == 100  # past the cap either way
+
+
+def test_an_overrun_on_a_busy_machine_says_the_load_and_what_to_do(monkeypatch):
+    """Said with the machine's load: beyond this run's own threads it names the cause (other work on the cores)
+    and the setting that helps (fewer threads each)."""
+    from irflow.engine import runtime
+
+    monkeypatch.setattr(runtime, "available_cpus", lambda: 2)
+    for load, advised in ((4.1, True), (2.0, False)):
+        monkeypatch.setattr(runtime, "load_average", lambda load=load: load)
+        p = pace.Pace({"a": 100, "b": 100}, started=0.0)
+        said = p.stage_done("a", 200, now=200.0)
+        assert said and f"load {load:.1f} on 2 cores" in said and ("runtime.threads" in said) == advised

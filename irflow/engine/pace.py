@@ -103,8 +103,21 @@ class Pace:
         self.said_ratio = ratio
         self.said = (f"this run is {again}going {ratio:.1f}x slower than its estimate (stages estimated at "
                      f"{_span(estimated)} took {_span(measured)}): at this pace it ends about "
-                     f"{finish:%H:%M}{_day(finish, planned)}, not {planned:%H:%M} (busy cores? `uptime` says the load)")
+                     f"{finish:%H:%M}{_day(finish, planned)}, not {planned:%H:%M}{_load()}")
         return self.said
+
+
+def _load() -> str:
+    """What the machine's load says of the cores: the likeliest cause of a slow run, and what to do."""
+    from irflow.engine.runtime import available_cpus, load_average
+
+    load, cores = load_average(), available_cpus()
+    if load is None:
+        return ""
+    if load <= cores * 1.25:  # this run's own threads and a little more
+        return f" (load {load:.1f} on {cores} cores)"
+    return (f" (load {load:.1f} on {cores} cores: other work shares them; another torch run on every core slows "
+            f"both many times over, so give each fewer threads: --set runtime.threads=N)")
 
 
 def _span(seconds: float) -> str:
