@@ -220,7 +220,7 @@ class Made:
 class Recipe:
     name: str
     config_cls: type[RecipeConfig]
-    body: Callable[[Any, Run], list]
+    body: Callable[[Any, Run], Made]
     _flow: Any = None
 
     @property
@@ -250,7 +250,7 @@ class Recipe:
 
 
 def recipe(name: str, config_cls: type[RecipeConfig]) -> Callable[[Callable], Recipe]:
-    """Declare a recipe: ``@recipe("gpl", GPLConfig)`` over its body ``(config, run) -> evaluations``. It
+    """Declare a recipe: ``@recipe("gpl", GPLConfig)`` over its body ``(config, run) -> Made``. It
     registers itself (``get_recipe``), and its module gets ``<name>_flow``, the Prefect flow that a
     deployment's entrypoint names (``irflow/recipes/gpl.py:gpl_flow``)."""
 
