@@ -5,7 +5,7 @@ they edit the raw YAML first, so ``--set`` is checked exactly like the file. ``v
 against a recipe's config model (a ``Params`` tree) all at once: unknown keys at any depth, wrong
 types, out-of-range and unknown enum values, and the recipe's cross-stage rules. Every problem is
 reported by dotted path, with the value and what is allowed, before any work starts. Which recipe's
-model that is (``flow:``) is decided in recipe.py (``load_config``).
+model that is (``flow:``) is decided in ``irflow.recipes.base`` (``load_config``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class StageFailed(Exception):
 
     @property
     def user_error(self) -> bool:
-        # (a shard's user error is raised as the stage's own: Stage._compute_shards)
+        # (a shard's user error is raised as the stage's own: irflow.engine.runner._compute_shards)
         return isinstance(self.cause, UserError)
 
     def one_line(self) -> str:

@@ -121,7 +121,7 @@ def encode_texts(st_model, texts: list[str], batch_size: int, normalize: bool, d
 
 def load_sentence_transformer(path: str, device: str = "cpu", max_seq_length: int | None = None, *,
                               onnx: str | None = None, threads: int = 1):
-    """The model at ``path`` (once per shard worker process: ``irflow.engine.shards.per_worker``); with ``onnx``
+    """The model at ``path`` (once per shard worker process: ``irflow.engine.worker.per_worker``); with ``onnx``
     (its exported directory, ``StageRuntime.onnx_model``) an ``OnnxBiEncoder`` on ``threads`` threads,
     which ``irflow.learn.encoding.encode_texts`` runs in its place."""
     from irflow.engine.worker import per_worker
