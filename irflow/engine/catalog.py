@@ -13,7 +13,7 @@ Tables
 A dataset row with stage ``external`` is something no stage made: a dataset source (zip, folder) or a
 model named in a config (hub id, local directory). Lineage ends there.
 
-`Catalog.sql()` also exposes every stored Parquet dataset as a view (see `connect_with_views`).
+`Catalog.connect_with_views()` (what `irflow sql` queries) also exposes every stored Parquet dataset as a view.
 """
 
 from __future__ import annotations
