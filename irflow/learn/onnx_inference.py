@@ -35,20 +35,20 @@ not to depend on the other texts of its batch (shards must assemble to the same 
 run; ``irflow.learn.encoding``). fp32 ONNX keeps this as torch does, with every batch of a length bucket
 padded to one shape. Dynamic quantisation does not: the activations' int8 scale is computed over the
 whole input tensor of each matmul, i.e. over the batch (and its padding) -- one text's hidden states
-moved by up to 0.33 when encoded alone vs in a batch of 64. So an int8 model is run one text (one
-pair) per call, unpadded: its scale is then that text's own. Such calls are small (one text's
-tokens), too small to split over threads inside ONNX Runtime: an int8 model's session computes on one
-thread, and the stage's ``threads`` callers share it, each running its own texts (ONNX Runtime's
-``run`` is thread-safe and releases the GIL). Measured on 2 cores with MiniLM, 640 SciFact passages:
-one text per call on a 2-thread session 20.2 s, on 2 callers of a 1-thread session 10.2 s (torch fp32
-in batches of 64: 24.9 s).
+move when it is encoded alone rather than in a batch (docs/how-to/onnx.md says by how much). So an int8
+model is run one text (one pair) per call, unpadded: its scale is then that text's own. Such calls are
+small (one text's tokens), too small to split over threads inside ONNX Runtime: an int8 model's session
+computes on one thread, and the stage's ``threads`` callers share it, each running its own texts (ONNX
+Runtime's ``run`` is thread-safe and releases the GIL). On 2 cores with MiniLM, callers of a 1-thread session
+encode about twice as fast as one text per call on a 2-thread session, and both beat torch fp32 in
+batches (docs/bench/onnx.md gives the seconds).
 
 Attention is exported in its eager form (``attn_implementation="eager"``: matmul, softmax, matmul)
-rather than torch's fused scaled-dot-product op, whose exported decomposition ONNX Runtime ran ~8%
-slower (same 640 passages, fp32: 26.3 s vs 28.5 s).
+rather than torch's fused scaled-dot-product op, whose exported decomposition ONNX Runtime ran slower
+(docs/bench/onnx.md).
 
 Quantisation is per channel (one weight scale per output column): per tensor, a MiniLM embedding's
-cosine to its fp32 embedding was 0.956 on average (min 0.936); per channel 0.994 (min 0.990).
+cosine to its fp32 embedding was clearly lower than per channel (docs/bench/onnx.md gives both).
 """
 
 from __future__ import annotations
@@ -371,9 +371,9 @@ def load(path: str, threads: int, max_seq_length: int | None = None) -> OnnxBiEn
     meta = json.loads((Path(path) / META_FILE).read_text())
     if meta.get("quantization") == "int8" and not cpu_has_int8_dot():
         # The model is the same everywhere (it is keyed and stored); how exact it runs follows the CPU.
-        # Measured on a 2-core AVX2 AMD EPYC: MiniLM encoding 1.98x torch fp32 (27.7 vs 14.0 passages/s), but
-        # the saturation is real: embeddings' cosine to fp32 down to 0.979 (0.989 with VNNI), a tiny test
-        # cross-encoder's scores correlating 0.89 with fp32 (tests/test_onnx.py asserts > 0.9 with VNNI).
+        # On a 2-core AVX2 AMD EPYC int8 still encoded about twice as fast as torch fp32, but the saturation
+        # is real: embeddings and a tiny test cross-encoder's scores are measurably further from fp32 than
+        # with VNNI (docs/how-to/onnx.md gives the figures; tests/test_onnx.py asserts > 0.9 with VNNI).
         log.warning("quantization int8 on a CPU without VNNI or AMX int8 (no avx512_vnni / avx_vnni / amx_int8 "
                     "flag): ONNX Runtime's u8s8 int8 products saturate there, so int8 embeddings and scores are "
                     "less exact than on a CPU with them (still ~2x faster than fp32); quantization none is exact")

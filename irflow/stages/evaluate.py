@@ -7,9 +7,10 @@
   ``beir.retrieval.custom_metrics.mrr`` computes it.
 Averages are over every judged query of the split that the system was asked (the ``queries``
 input): a query the run returns nothing for scores 0, as with ``trec_eval -c`` (which Pyserini's
-regressions use). BEIR's own evaluator averages over the answered queries only, which on NFCorpus
-(15 of 323 test queries get no BM25 hit) reads 0.016 higher. Hits whose doc id equals the query id
-are ignored (BEIR's ``ignore_identical_ids``).
+regressions use). BEIR's own evaluator averages over the answered queries only, which reads higher
+where some queries get no hit, as on NFCorpus with BM25 (bench/results/baselines.json: ``bm25.nfcorpus``,
+``ndcg@10`` over the answered queries against ``ndcg@10_over_all_judged``; docs/bench/baselines.md). Hits
+whose doc id equals the query id are ignored (BEIR's ``ignore_identical_ids``).
 
 Judgements of documents missing from the corpus (kept by default, ``dataset.dangling_qrels: keep``)
 are scored as pytrec_eval, BEIR and Pyserini score them: they count in the ideal DCG and in recall's

@@ -37,9 +37,10 @@ on the other passages of its document (the spans it shares with them, the positi
 rows need not hold; it is computed whole, and a changed corpus generates all its queries again.
 
 Measured on SciFact: ICT and cropping queries are too easy -- the source passage is BM25's top-1 for
-99.5% (ICT) and 97.4% (cropping) of them -- and GPL trained on them (388 steps) scored *below* the
-zero-shot model on the test qrels, where the train split's real query texts (labels unused) raised it
-(``irflow/measured/model_free.json``, from bench/model_free.py). Model-free sources are offered as cheap
+nearly all of them -- and GPL trained on them scored *below* the zero-shot model on the test qrels,
+where the train split's real query texts (labels unused) raised it (``irflow/measured/model_free.json``,
+from bench/model_free.py -> bench/results/model_free.json; the figures in docs/recipes/gpl.md, "Query
+sources"). Model-free sources are offered as cheap
 baselines and for machines without a query generator; the GPL recipe warns before it runs on them.
 """
 
