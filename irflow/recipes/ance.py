@@ -31,7 +31,7 @@ from irflow.recipes.common import (
     bm25_train_run,
     check_skip_top,
     evaluate_runs,
-    hybrid_runs,
+    hybrid_rankings,
     labelled_queries,
     retrieve,
     system_name,
@@ -143,7 +143,7 @@ def ance(c: ANCEConfig, run: Run) -> Made:
         systems[f"ance-round{r}"] = model
 
     tested = test_runs(run, c, data, base, systems)
-    tested.rankings.update(hybrid_runs(run, c.hybrid, tested.rankings, c.bm25.first_system,
-                                       system_name(c.base_model), systems))
+    tested.rankings.update(hybrid_rankings(run, c.hybrid, tested.rankings, c.bm25.first_system,
+                                           system_name(c.base_model), systems))
     return evaluate_runs(run, c.evaluate, data, tested)
 

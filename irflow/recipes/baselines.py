@@ -32,7 +32,7 @@ from irflow.recipes.common import (
     Systems,
     ZeroShotDense,
     alias_runs,
-    bm25_runs,
+    bm25_rankings,
     dense_run,
     evaluate_runs,
     system_name,
@@ -109,7 +109,7 @@ def deepct_run(run: Run, c: BaselinesConfig, data: Dataset) -> DatasetRef:
 @recipe("baselines", BaselinesConfig)
 def baselines(c: BaselinesConfig, run: Run) -> Made:
     data = ingest(run, c.dataset)
-    systems = Systems(bm25_runs(run, c.bm25, data.corpus, data.test_queries))
+    systems = Systems(bm25_rankings(run, c.bm25, data.corpus, data.test_queries))
     if c.dense.enabled:
         system = c.dense.system or system_name(c.dense.model)
         model = run.model(c.dense.model, "dense.model")

@@ -52,7 +52,7 @@ class BM25Config(BM25Retrieval):
 
     @property
     def first_system(self) -> str:
-        """The first variant's system name: the BM25 run a hybrid fuses (``bm25_runs`` names it so)."""
+        """The first variant's system name: the BM25 ranking a hybrid fuses (``bm25_rankings`` names it so)."""
         return bm25_system(self.variants[0])
 
 
@@ -104,20 +104,20 @@ class SupervisedHybridConfig(HybridConfig):
 
 
 
-def bm25_runs(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, *, prefix: str = "bm25",
-              tag_suffix: str = "") -> dict[str, DatasetRef]:
-    """System name -> run, one per BM25 variant (an index each, cached apart from the search); none without
-    queries (nothing evaluated)."""
-    runs = {}
+def bm25_rankings(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetRef, *, prefix: str = "bm25",
+                  tag_suffix: str = "") -> dict[str, DatasetRef]:
+    """System name -> ranking (a ``run`` dataset), one per BM25 variant (an index each, cached apart from the
+    search); none without queries (nothing evaluated)."""
+    rankings = {}
     if queries is None:
-        return runs
+        return rankings
     for variant in c.variants:
         tag = variant + tag_suffix
         index = bm25_index(run, BM25IndexParams(variant=variant), tag=tag, corpus=corpus)
         system = bm25_system(variant, prefix)
-        runs[system] = bm25_search(run, c.to(BM25SearchParams, variant=variant, system=system), tag=tag,
-                                   bm25_index=index, queries=queries)
-    return runs
+        rankings[system] = bm25_search(run, c.to(BM25SearchParams, variant=variant, system=system), tag=tag,
+                                       bm25_index=index, queries=queries)
+    return rankings
 
 
 def dense_run(run: Run, c: DenseRetrieval, corpus: DatasetRef, queries: DatasetRef, *, model: DatasetRef,
@@ -184,17 +184,18 @@ def checkpoint_candidates(run: Run, p: TrainStudentParams, data: Dataset, studen
                                                     student=student) for k in p.candidate_steps}
 
 
-def hybrid_runs(run: Run, c: HybridConfig, runs: dict[str, DatasetRef], sparse: str, zero_shot: str,
-                students: Iterable[str]) -> dict[str, DatasetRef]:
-    """System name -> fused test run: ``hybrid`` (BM25 + the zero-shot model) and, with ``students``,
+def hybrid_rankings(run: Run, c: HybridConfig, rankings: dict[str, DatasetRef], sparse: str, zero_shot: str,
+                    students: Iterable[str]) -> dict[str, DatasetRef]:
+    """System name -> fused test ranking: ``hybrid`` (BM25 + the zero-shot model) and, with ``students``,
     BM25 + each trained model (``hybrid-<model>``); none unless ``enabled``. A user who deploys BM25 +
     dense wants to know what adaptation adds to that system, not only to the dense model alone."""
-    if not c.enabled or sparse not in runs:
+    if not c.enabled or sparse not in rankings:
         return {}
-    fused = {"hybrid": fuse(run, c.params(sparse, zero_shot), tag="hybrid", rankings=[runs[sparse], runs[zero_shot]])}
+    fused = {"hybrid": fuse(run, c.params(sparse, zero_shot), tag="hybrid",
+                            rankings=[rankings[sparse], rankings[zero_shot]])}
     for name in students if c.students else ():
         fused[f"hybrid-{name}"] = fuse(run, c.student_params(sparse, name), tag=f"hybrid-{name}",
-                                       rankings=[runs[sparse], runs[name]])
+                                       rankings=[rankings[sparse], rankings[name]])
     return fused
 
 
@@ -289,7 +290,7 @@ def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
     ``start``: (system, model) where training continued from an alias's model (``start_model``): evaluated
     too, and the model the trained ones are selected against. And the promotion's comparison
     (``alias_runs``)."""
-    systems = Systems(bm25_runs(run, c.bm25, data.corpus, data.test_queries))
+    systems = Systems(bm25_rankings(run, c.bm25, data.corpus, data.test_queries))
     zero_shot = system_name(base_model or c.base_model)
     systems.dense(zero_shot, dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
                                        tag="zero-shot"), base, start=True)

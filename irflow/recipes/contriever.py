@@ -36,7 +36,7 @@ from irflow.recipes.common import (
     HybridConfig,
     checkpoint_candidates,
     evaluate_runs,
-    hybrid_runs,
+    hybrid_rankings,
     system_name,
     test_runs,
 )
@@ -116,6 +116,6 @@ def contriever(c: ContrieverConfig, run: Run) -> Made:
     students = {"contriever": model}
     candidates = checkpoint_candidates(run, c.train.to(TrainStudentParams), data, model, "contriever", "contriever")
     tested = test_runs(run, c, data, base, {**students, **candidates}, base_model=c.train.model)
-    tested.rankings.update(hybrid_runs(run, c.hybrid, tested.rankings, c.bm25.first_system,
-                                       system_name(c.train.model), students))
+    tested.rankings.update(hybrid_rankings(run, c.hybrid, tested.rankings, c.bm25.first_system,
+                                           system_name(c.train.model), students))
     return evaluate_runs(run, c.evaluate, data, tested)

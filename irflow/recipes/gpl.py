@@ -59,11 +59,11 @@ from irflow.recipes.common import (
     BM25Config,
     DenseConfig,
     HybridConfig,
-    bm25_runs,
+    bm25_rankings,
     checkpoint_candidates,
     dense_run,
     evaluate_runs,
-    hybrid_runs,
+    hybrid_rankings,
     start_model,
     system_name,
     test_runs,
@@ -510,14 +510,14 @@ def same_kind_caveat(c: GPLConfig) -> str | None:
             f"select a trained model")
 
 
-def doc2query_runs(run: Run, c: GPLConfig, data: Dataset, gen: dict) -> dict[str, DatasetRef]:
+def doc2query_rankings(run: Run, c: GPLConfig, data: Dataset, gen: dict) -> dict[str, DatasetRef]:
     """BM25 over the corpus expanded with the generated queries (``doc2query.enabled``), else none."""
     if not c.doc2query.enabled:
         return {}
     expanded = doc2query_expand(run, c.doc2query.to(Doc2QueryParams), corpus=data.corpus,
                                 queries=gen["queries"], qrels=gen["qrels"])
-    return bm25_runs(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
-                     prefix="bm25-doc2query", tag_suffix="-doc2query")
+    return bm25_rankings(run, c.bm25.model_copy(update={"variants": ("flat",)}), expanded, data.test_queries,
+                         prefix="bm25-doc2query", tag_suffix="-doc2query")
 
 
 @recipe("gpl", GPLConfig)
@@ -568,7 +568,7 @@ def gpl(c: GPLConfig, run: Run) -> Made:
     # (the students kept every train.candidates_every steps are evaluated too, not fused with BM25)
     tested = test_runs(run, c, data, base, {**students, **candidates}, base_model=c.train.model, start=start)
     rankings = tested.rankings
-    rankings.update(hybrid_runs(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.train.model), students))
-    rankings.update(doc2query_runs(run, c, data, gen))
+    rankings.update(hybrid_rankings(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.train.model), students))
+    rankings.update(doc2query_rankings(run, c, data, gen))
     return evaluate_runs(run, c.evaluate, data, tested, same_kind_caveat(c))
 

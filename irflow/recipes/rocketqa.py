@@ -52,7 +52,7 @@ from irflow.recipes.common import (
     bm25_train_run,
     check_skip_top,
     evaluate_runs,
-    hybrid_runs,
+    hybrid_rankings,
     labelled_queries,
     retrieve,
     system_name,
@@ -418,7 +418,7 @@ def rocketqa(c: RocketQAConfig, run: Run) -> Made:
     # 7. Evaluation on the test split: BM25, zero-shot, every dual encoder, M_C re-ranking M_D0's top 100.
     tested = test_runs(run, c, data, base, systems)
     rankings = tested.rankings
-    rankings.update(hybrid_runs(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.base_model), systems))
+    rankings.update(hybrid_rankings(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.base_model), systems))
     rankings["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), tag="mc",
                                    ranking=rankings["md0"], queries=data.test_queries, corpus=data.corpus,
                                    model=cross_encoder)

@@ -32,7 +32,7 @@ from irflow.recipes.common import (
     bm25_train_run,
     check_skip_top,
     evaluate_runs,
-    hybrid_runs,
+    hybrid_rankings,
     labelled_queries,
     retrieve,
     system_name,
@@ -133,6 +133,7 @@ def star(c: STARConfig, run: Run) -> Made:
         tested.dense("star-adore", dense_search(run, c.dense.to(DenseSearchParams, system="star-adore"),
                                                 tag="star-adore", embeddings=index, queries=data.test_queries,
                                                 model=adore), adore)
-    tested.rankings.update(hybrid_runs(run, c.hybrid, tested.rankings, c.bm25.first_system,
-                                       system_name(c.base_model), ["star"] + (["star-adore"] if c.adore.enabled else [])))
+    tested.rankings.update(hybrid_rankings(run, c.hybrid, tested.rankings, c.bm25.first_system,
+                                           system_name(c.base_model),
+                                           ["star"] + (["star-adore"] if c.adore.enabled else [])))
     return evaluate_runs(run, c.evaluate, data, tested)
