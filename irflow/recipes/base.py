@@ -47,7 +47,7 @@ log = logging.getLogger("irflow")
 
 # recipe name (a config's `flow:`) -> the recipe; each registers itself where it is defined (@recipe)
 _REGISTRY: dict[str, "Recipe"] = {}
-FLOWS_PACKAGE = "irflow.recipes"  # every module in it is imported to find the recipes (``recipe_names``)
+RECIPES_PACKAGE = "irflow.recipes"  # every module in it is imported to find the recipes (``recipe_names``)
 
 
 class RecipeConfig(Params):
@@ -277,12 +277,12 @@ def recipe(name: str, config_cls: type[RecipeConfig]) -> Callable[[Callable], Re
 
 def _canonical_module(body: Callable) -> str:
     """The importable name of the module that defines ``body``: ``irflow.recipes.<file>`` for a file of
-    irflow's flows package, however it was loaded; else the module's own name."""
+    irflow's recipes package, however it was loaded; else the module's own name."""
     import inspect
 
-    flows = Path(__file__).resolve().parent
+    recipes_folder = Path(__file__).resolve().parent
     file = Path(inspect.getfile(body)).resolve()
-    return f"{FLOWS_PACKAGE}.{file.stem}" if file.parent == flows else body.__module__
+    return f"{RECIPES_PACKAGE}.{file.stem}" if file.parent == recipes_folder else body.__module__
 
 
 def flow_getattr(r: Recipe) -> Callable[[str], Any]:
@@ -301,12 +301,12 @@ _DISCOVERED = False
 
 
 def _discover() -> None:
-    """Import every module of irflow's flows package once: each recipe registers itself."""
+    """Import every module of irflow's recipes package once: each recipe registers itself."""
     global _DISCOVERED
     if not _DISCOVERED:
         from irflow.engine.registry import import_modules
 
-        import_modules(FLOWS_PACKAGE)
+        import_modules(RECIPES_PACKAGE)
         _DISCOVERED = True
 
 
