@@ -208,10 +208,10 @@ def cli_page() -> str:
 # ---- stages and data contracts --------------------------------------------------------------------
 def stages() -> list:
     """Every declared stage, in the order of the modules that declare them (irflow.stages first)."""
-    import irflow.stages as tasks
+    import irflow.stages as stages_package
     from irflow.engine.stage import Stage
 
-    for m in pkgutil.iter_modules(tasks.__path__):
+    for m in pkgutil.iter_modules(stages_package.__path__):
         importlib.import_module(f"irflow.stages.{m.name}")
     recipes()  # a recipe module may declare stages of its own
     found: dict[str, object] = {}
