@@ -1,10 +1,13 @@
 """CONTRIBUTING.md's code runs as written: its stage, its recipe and its executor, loaded as the modules
-they say they are, run the recipe on a slice of SciFact through the executor's pool."""
+they say they are, run the recipe on a slice of SciFact through the executor's pool; and the files a newcomer
+touches to add them, counted by adding them once to a copy of the checkout's docs, configs and deployments."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,9 +62,61 @@ def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared
         shards = [s for s in catalog.stage_runs(r.run_id) if s["name"] == "lowercase"][0]["shards"]
         assert len(shards) >= 2
         assert "threads" in executors.names()
+        _a_newcomer_adds_the_recipe(tmp_path / "checkout", cfg)
     finally:
         recipes._REGISTRY.pop("lowercased", None)
         EXECUTORS.pop("threads", None)
         executors.__path__.remove(str(tmp_path / "executors"))
         for name in ("irflow.stages.lowercase", "irflow.recipes.lowercased", "irflow.engine.executors.threads"):
             sys.modules.pop(name, None)
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _a_newcomer_adds_the_recipe(root: Path, cfg: dict) -> None:
+    """Beside the three modules (one each: the stage, the recipe, the executor), what CONTRIBUTING.md's recipe
+    section lists, written once into a copy of the checkout's docs, configs and prefect.yaml: the project's
+    checks (``irflow.dev.recipe_files.missing``, ``docs_gen.stale``) name each file until it is there, and
+    five files by hand plus the generated pages are what it took."""
+    import yaml
+
+    from irflow.dev import docs_gen, recipe_files
+
+    for rel in ("docs", "configs"):
+        shutil.copytree(ROOT / rel, root / rel, symlinks=True)
+    for rel in ("mkdocs.yml", "prefect.yaml"):
+        shutil.copy(ROOT / rel, root / rel)
+    before = _digests(root)
+    assert [m.split(":")[0] for m in recipe_files.missing(root, "lowercased")] == [
+        "configs/", "prefect.yaml", "docs/recipes/lowercased.md", "mkdocs.yml", "docs/recipes/index.md"]
+    by_hand = {"configs/lowercased.yaml", "prefect.yaml", "docs/recipes/lowercased.md", "mkdocs.yml",
+               "docs/recipes/index.md"}
+    (root / "configs" / "lowercased.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.items() if k != "runtime"}))
+    spec = yaml.safe_load((root / "prefect.yaml").read_text())
+    spec["deployments"].append({"name": "lowercased", "entrypoint": "irflow/recipes/lowercased.py:lowercased_flow",
+                                "parameters": {"config": "configs/lowercased.yaml", "overrides": [], "store": "store"},
+                                "work_pool": {"name": "irflow-local", "work_queue_name": "default"}})
+    (root / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    (root / "docs" / "recipes" / "lowercased.md").write_text(
+        '# Lowercased\n\nBM25 over a lowercased corpus.\n\n--8<-- "reference/config/lowercased.md:figure"\n')
+    nav = root / "mkdocs.yml"
+    nav.write_text(nav.read_text().replace("      - Contriever: recipes/contriever.md\n",
+                                           "      - Contriever: recipes/contriever.md\n"
+                                           "      - Lowercased: recipes/lowercased.md\n", 1))
+    index = root / "docs" / "recipes" / "index.md"
+    index.write_text(index.read_text() + "| [Lowercased](lowercased.md) | `lowercased` | nothing: BM25 |\n")
+    assert recipe_files.missing(root, "lowercased") == []
+    stale = docs_gen.stale(root / "docs", root / "mkdocs.yml")
+    assert str(root / "docs" / "reference" / "config" / "lowercased.md") in stale  # until it is generated
+    docs_gen.write(root / "docs", root / "mkdocs.yml")
+    assert docs_gen.stale(root / "docs", root / "mkdocs.yml") == []
+    after = _digests(root)
+    touched = {rel for rel in set(before) | set(after) if before.get(rel) != after.get(rel)}
+    generated = touched - by_hand
+    assert by_hand <= touched and "docs/reference/config/lowercased.md" in generated
+    assert all(rel.startswith("docs/reference/") for rel in generated), generated
+    print(f"a stage: 1 module; a recipe: 1 module + {len(by_hand)} files by hand + {len(generated)} generated "
+          f"({', '.join(sorted(generated))}) and the mkdocs.yml nav's generated part; an executor: 1 module")

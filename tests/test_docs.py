@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from irflow import cli
-from irflow.dev import docs_gen
+from irflow.dev import docs_gen, recipe_files
 from irflow.recipes.base import get_recipe, recipe_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,12 +66,10 @@ def test_config_reference_lists_every_key_explain_lists(name, capsys):
 
 
 @pytest.mark.parametrize("name", recipe_names())
-def test_every_recipe_has_a_page_in_the_nav(name):
-    page = ROOT / "docs" / "recipes" / f"{name}.md"
-    assert page.is_file(), (f"recipe {name} has no page: write docs/recipes/{name}.md (its figure: "
-                            f'--8<-- "reference/config/{name}.md:figure"; what it measured) and add it to '
-                            "mkdocs.yml's nav and docs/recipes/index.md")
-    assert f"recipes/{name}.md" in (ROOT / "mkdocs.yml").read_text(), f"add recipes/{name}.md to mkdocs.yml's nav"
+def test_every_recipe_has_its_config_deployment_page_and_rows(name):
+    """What CONTRIBUTING.md lists beside a recipe's module (``irflow.dev.recipe_files``)."""
+    lacks = recipe_files.missing(ROOT, name)
+    assert lacks == [], f"recipe {name} lacks (CONTRIBUTING.md, 'A recipe'): " + "; ".join(lacks)
 
 
 def test_a_stale_page_is_named(regenerated):

@@ -300,6 +300,23 @@ def test_a_training_batch_is_estimated_at_the_length_of_its_longest_passage():
     assert estimate.CorpusSize(100, 100).padded_tokens(256, 16) == estimate.CorpusSize(100, 100).tokens(256)
 
 
+def test_a_training_token_costs_more_in_a_longer_passage():
+    """A step at 200 tokens costs more than 200/160 of one at 160 (attention reads every other token of the
+    passage: rates.json's length_cost, measured at both lengths); at the rate's own length, the rate itself."""
+    from irflow.recipes.base import load_config
+
+    c = load_config(str(ROOT / "configs" / "demo.yaml"), [])
+    size = estimate.CorpusSize(1000, 400)  # every passage past either cap
+    label = "train_student[gpl]"
+    step = {n: estimate.estimate(c, [label], size, HW, {label: {**c.train.gpl_params().model_dump(), "steps": 100,
+                                                                "max_seq_length": n}})[0].seconds for n in (160, 200)}
+    load = estimate.rates()["fixed_seconds"]["value"]["model_load"]
+    tokens = {n: 16 * estimate.QUERY_TOKENS + 32 * n for n in (160, 200)}
+    per_token = {n: (step[n] - load) / tokens[n] for n in (160, 200)}
+    assert per_token[160] * 1000 / 100 == pytest.approx(estimate._rate(HW, "train"), rel=0.01)
+    assert per_token[200] > 1.1 * per_token[160]
+
+
 def test_a_corpus_tokens_are_counted_with_the_models_tokenizer():
     """Scientific words split into more word pieces than English prose: the sample's passages are counted with
     MiniLM's own tokenizer (every one of them: fewer than the sample), and the estimate reads passages and

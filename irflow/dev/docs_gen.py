@@ -116,11 +116,9 @@ def recipes() -> list:
 
 def example_configs(name: str) -> list[str]:
     """The configs in configs/ whose ``flow:`` is this recipe."""
-    out = []
-    for f in sorted((ROOT / "configs").glob("*.yaml")):
-        if re.search(rf"^flow:\s*{re.escape(name)}\s*(#.*)?$", f.read_text(encoding="utf-8"), re.M):
-            out.append(f"configs/{f.name}")
-    return out
+    from irflow.dev.recipe_files import configs_of
+
+    return configs_of(ROOT, name)
 
 
 def config_page(r) -> str:

@@ -379,10 +379,19 @@ def _train_student(run: _Run, label: str, own: dict) -> Work | None:
     negatives = {"mnrl": 0, "margin_mse": 1}.get(
         p["loss"], getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
     texts = (2 + negatives) * batch
-    # a batch's column of passages is padded to its longest (not bucketed by length, as an encoding is)
-    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * run.size.padded_tokens(length, batch)
+    # a batch's column of passages is padded to its longest (not bucketed by length, as an encoding is), and a
+    # token of a longer passage costs more (its attention reads every other token of it)
+    padded = run.size.padded_tokens(length, batch)
+    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * padded * _length_cost(padded)
     sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
+
+
+def _length_cost(tokens: float) -> float:
+    """A training token's cost in a passage of ``tokens`` against one of the length the train rate was measured
+    at: (c + tokens) / (c + reference), ``length_cost`` of rates.json."""
+    c = rates()["length_cost"]["value"]
+    return (c["tokens"] + tokens) / (c["tokens"] + c["train_reference_tokens"])
 
 
 def _deepct_weight(run: _Run, label: str, own: dict) -> Work | None:
