@@ -352,3 +352,17 @@ def test_an_overrun_on_a_busy_machine_says_the_load_and_what_to_do(monkeypatch):
         p = pace.Pace({"a": 100, "b": 100}, started=0.0)
         said = p.stage_done("a", 200, now=200.0)
         assert said and f"load {load:.1f} on 2 cores" in said and ("runtime.threads" in said) == advised
+
+
+def test_a_stage_that_outlasts_its_estimate_counts_at_its_progress_pace_when_slower():
+    """A training whose first step took long (another run took the cores) outlasts its estimate before its
+    steps after the first cover enough to judge: it is said at the pace of those steps (10x), not at the
+    seconds it has taken against its estimate (1.5x, later)."""
+    p = pace.Pace({"train_student[gpl]": 100.0}, started=0.0)
+    p.stage_started("train_student[gpl]", now=0.0)
+    assert p.stage_progress("train_student[gpl]", 0.01, now=60.0) is None  # the first step, slow
+    for step in range(2, 6):  # each step estimated at 1 s takes 10
+        said = p.stage_progress("train_student[gpl]", step / 100, now=60.0 + 10 * (step - 1))
+        assert said is None  # 4 s of estimate covered since the first step: too little to judge
+    said = p.check(now=101.0)  # outlasted: its pace since the first step, 41 s for 4 s estimated
+    assert said and "10.2x slower" in said

@@ -8,7 +8,9 @@ beyond it measured), so a long stage that is slow is said while it runs, not onl
 looks every ``WATCH_EVERY`` seconds. A stage that reports its progress (``progress``: the training loop, its
 steps done; a corpus encoding, its batches) counts before that: the share of its estimate its progress has
 covered since its first report, against the seconds since, so a run whose training is slow is said early in
-the training, and a stage's start-up (its model loaded, a first step) is not taken for its pace.
+the training, and a stage's start-up (its model loaded, a first step) is not taken for its pace; once such a
+stage outlasts its estimate, it counts at that pace when it is slower than the seconds it has taken (a slow
+first step outlasts a short estimate before the steps after it cover enough to judge).
 
 ``irflow run`` registers the estimate of the run it is about to start (``expect``); the runner reports each
 stage it starts computing (``stage_started``) and each it computed (``stage_done``). A run started another
@@ -84,14 +86,18 @@ class Pace:
         estimated, measured = self.done_estimated, self.done_measured
         for label, since in self.running.items():
             took, est = now - since, self.expected.get(label, 0.0)
-            if took > est:  # outlasted its estimate: the estimate covered, every second measured
-                estimated, measured = estimated + est, measured + took
-            elif label in self.first:  # the share of its estimate its progress covers since its first report,
-                # against the seconds since: its start-up (a model loaded, texts tokenised, a first step
-                # warming up) is counted once the stage is done, not extrapolated over the rest
-                since_t, since_share = self.first[label]
-                estimated, measured = (estimated + est * (self.progress[label] - since_share),
-                                       measured + (now - since_t))
+            # the share of its estimate its progress covers since its first report, against the seconds since:
+            # its start-up (a model loaded, texts tokenised, a first step warming up) is counted once the stage
+            # is done, not extrapolated over the rest
+            since_t, since_share = self.first.get(label, (now, 1.0))
+            covered, spent = est * (self.progress.get(label, 0.0) - since_share), now - since_t
+            if took > est:  # outlasted its estimate: the estimate covered, every second measured, at least; its
+                # pace since its first report when that is slower (a slow start outlasts a short estimate
+                # before its progress covers enough to judge, and says little of the pace after it)
+                pace = spent / covered if covered > 0 else 0.0
+                estimated, measured = estimated + est, measured + max(took, est * pace)
+            elif covered > 0:
+                estimated, measured = estimated + covered, measured + spent
         if estimated < max(JUDGE_FROM, self.total * _JUDGE_AFTER):
             return None
         ratio = measured / estimated
