@@ -94,12 +94,22 @@ def passage_settings(profile: CorpusProfile, encoder_tokens: int = ENCODER_TOKEN
     return {"max_words": words, "stride": max(1, words * 3 // 4)}, len(long_docs), ratio
 
 
+def cut_lengths(words: int, max_words: int, stride: int) -> list[int]:
+    """The words of each passage ``irflow.sources.corpus_sources.cut_passages`` makes of a document of ``words``
+    words (the last one shorter)."""
+    if words <= max_words:
+        return [words]
+    out = []
+    for start in range(0, words, stride):
+        out.append(min(max_words, words - start))
+        if start + max_words >= words:
+            break
+    return out
+
+
 def cut_count(words: list[int], max_words: int, stride: int) -> int:
     """How many passages ``irflow.sources.corpus_sources.cut_passages`` makes of documents of these word counts."""
-    n = 0
-    for w in words:
-        n += 1 if w <= max_words else 1 + max(0, -(-(w - max_words) // stride))
-    return n
+    return sum(len(cut_lengths(w, max_words, stride)) for w in words)
 
 
 def proxy_fraction(documents: int) -> float:
@@ -296,12 +306,10 @@ def _n(count: int, noun: str) -> str:
 
 
 def _passage_words(profile: CorpusProfile, passages: dict | None) -> list[int]:
-    """The words of each passage the corpus becomes (a cut document's passages: max_words each, close enough for
-    an estimate)."""
+    """The words of each passage the corpus becomes."""
     if not passages:
         return list(profile.text_words)
-    m, stride = passages["max_words"], passages["stride"]
-    return [x for w in profile.text_words for x in ([w] if w <= m else [m] * cut_count([w], m, stride))]
+    return [x for w in profile.text_words for x in cut_lengths(w, passages["max_words"], passages["stride"])]
 
 
 def _log_queries(query_log: str | None) -> int:
