@@ -89,8 +89,9 @@ class Pace:
             # the share of its estimate its progress covers since its first report, against the seconds since:
             # its start-up (a model loaded, texts tokenised, a first step warming up) is counted once the stage
             # is done, not extrapolated over the rest
-            since_t, since_share = self.first.get(label, (now, 1.0))
-            covered, spent = est * (self.progress.get(label, 0.0) - since_share), now - since_t
+            first = self.first.get(label)  # (when, share) of its first progress report; None: none yet
+            covered = est * (self.progress[label] - first[1]) if first else 0.0
+            spent = now - first[0] if first else 0.0
             if took > est:  # outlasted its estimate: the estimate covered, every second measured, at least; its
                 # pace since its first report when that is slower (a slow start outlasts a short estimate
                 # before its progress covers enough to judge, and says little of the pace after it)
