@@ -223,13 +223,15 @@ class RunEstimate:
     hw: Any  # irflow.tools.estimate.Hardware
     calibrated: Any  # irflow.tools.estimate.Calibration, or None (no run on this hardware with free cores)
     load: float | None  # the cores other processes kept busy when it was made (runtime.others_busy)
+    threads: int | None = None  # the run's runtime.threads (None: every core)
 
     def table(self, measured: dict[str, float] | None = None) -> str:
         """The estimate per stage, and with ``measured`` (stage -> seconds) the seconds each took beside it."""
         from irflow.tools import estimate as est
 
         if measured is None:
-            return est.format_estimates(self.rows, self.hw, calibrated=self.calibrated, load=self.load)
+            return est.format_estimates(self.rows, self.hw, calibrated=self.calibrated, load=self.load,
+                                        threads=self.threads)
         return est.format_estimates(self.rows, self.hw, measured, self.calibrated)
 
     def record(self, run_id: str, store: str | os.PathLike | None = None) -> None:
@@ -265,7 +267,7 @@ def estimate(config: Any, overrides: list[str] | tuple[str, ...] | None = None,
                          {p.name: p.inputs for p in plan_})
     calibrated = est.calibration(cat, hw)
     return RunEstimate(calibrated.apply(prior) if calibrated else prior, prior, hw, calibrated,
-                       runtime.others_busy())
+                       runtime.others_busy(), c.runtime.threads)
 
 
 def catalog(store: str | os.PathLike | None = None, must_exist: bool = True):

@@ -64,6 +64,8 @@ def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_co
     busy = estimate.format_estimates(rows, HW, load=3.0)
     assert "other processes keep 3.0 of the 2 cores busy" in busy and "expect about 2.5x" in busy
     assert "--set runtime.threads=1" in busy  # the threads that do not wait on the other run's
+    given = estimate.format_estimates(rows, HW, load=1.6, threads=1)  # already at the cores left free
+    assert "expect about 1.8x" in given and "--set" not in given and "at runtime.threads=1" in given
 
 
 def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_path):

@@ -657,21 +657,26 @@ def calibration_from(rows: list[dict], cores: int) -> Calibration | None:
     return Calibration({k: (min(5.0, max(0.2, float(statistics.median(v)))), len(v)) for k, v in ratios.items()})
 
 
-def load_note(hw: Hardware, load: float | None) -> str | None:
-    """What a busy machine does to the figures: they assume free cores."""
+def load_note(hw: Hardware, load: float | None, threads: int | None = None) -> str | None:
+    """What a busy machine does to the figures: they assume free cores. ``threads``: the run's
+    ``runtime.threads`` (None: every core)."""
     if load is None or load <= BUSY * hw.cores or hw.kind == "cuda":
         return None
     c = rates()["contention"]["value"]
     free = max(1, hw.cores - round(load))
-    return (f"warning: other processes keep {load:.1f} of the {hw.cores} cores busy: other work shares them, and "
-            f"these figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long, and up to "
-            f"{c['threads_shared']:g}x beside another run computing with torch on every core (their threads wait for "
-            f"each other); with --set runtime.threads={free} this run measured {c['one_thread']:g}x there "
-            f"(irflow/measured/rates.json)")
+    head = (f"warning: other processes keep {load:.1f} of the {hw.cores} cores busy: other work shares them, and "
+            f"these figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long")
+    if threads is not None and threads <= free:
+        return (f"{head}; at runtime.threads={threads} beside another run computing with torch, a run measured "
+                f"{c['one_thread']:g}x there (irflow/measured/rates.json)")
+    return (f"{head}, and up to {c['threads_shared']:g}x beside another run computing with torch on every core "
+            f"(their threads wait for each other); with --set runtime.threads={free} this run measured "
+            f"{c['one_thread']:g}x there (irflow/measured/rates.json)")
 
 
 def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None,
-                     calibrated: Calibration | None = None, load: float | None = None) -> str:
+                     calibrated: Calibration | None = None, load: float | None = None,
+                     threads: int | None = None) -> str:
     total = sum(e.seconds for e in est)
     peak = max((e.peak_mb for e in est), default=0)
     head = f"{'stage':<34} {'estimate':>9} {'peak MB':>8}" + (f" {'measured':>9}" if measured is not None else "")
@@ -685,5 +690,5 @@ def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str,
     if measured is not None:
         tail += f" {sum(measured.get(e.stage, 0) for e in est):>8.1f}s"
     lines.append(tail)
-    note = load_note(hw, load) if measured is None else None
+    note = load_note(hw, load, threads) if measured is None else None
     return "\n".join(lines + ([note] if note else []))
