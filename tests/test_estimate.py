@@ -360,11 +360,13 @@ def test_a_stage_that_outlasts_its_estimate_counts_at_its_progress_pace_when_slo
     """A training whose first step took long (another run took the cores) outlasts its estimate before its
     steps after the first cover enough to judge: it is said at the pace of those steps (10x), not at the
     seconds it has taken against its estimate (1.5x, later)."""
-    p = pace.Pace({"train_student[gpl]": 100.0}, started=0.0)
-    p.stage_started("train_student[gpl]", now=0.0)
-    assert p.stage_progress("train_student[gpl]", 0.01, now=60.0) is None  # the first step, slow
+    t0 = datetime(2026, 12, 5, 22, 0).timestamp()
+    p = pace.Pace({"train_student[gpl]": 100.0}, started=t0)
+    p.stage_started("train_student[gpl]", now=t0)
+    assert p.stage_progress("train_student[gpl]", 0.01, now=t0 + 60) is None  # the first step, slow
     for step in range(2, 6):  # each step estimated at 1 s takes 10
-        said = p.stage_progress("train_student[gpl]", step / 100, now=60.0 + 10 * (step - 1))
+        said = p.stage_progress("train_student[gpl]", step / 100, now=t0 + 60 + 10 * (step - 1))
         assert said is None  # 4 s of estimate covered since the first step: too little to judge
-    said = p.check(now=101.0)  # outlasted: its pace since the first step, 41 s for 4 s estimated
-    assert said and "10.2x slower" in said
+    said = p.check(now=t0 + 101)  # outlasted: its pace since the first step, 41 s for 4 s estimated
+    # the 95 steps left at 10.25 s each: 974 s after 22:01:41
+    assert said and "10.2x slower" in said and "ends about 22:17" in said

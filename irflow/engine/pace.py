@@ -84,6 +84,7 @@ class Pace:
         longer holds)."""
         now = time.time() if now is None else now
         estimated, measured = self.done_estimated, self.done_measured
+        done_work = self.done_estimated  # the estimate of the work done: what is left is the rest, at the pace
         for label, since in self.running.items():
             took, est = now - since, self.expected.get(label, 0.0)
             # the share of its estimate its progress covers since its first report, against the seconds since:
@@ -92,6 +93,8 @@ class Pace:
             first = self.first.get(label)  # (when, share) of its first progress report; None: none yet
             covered = est * (self.progress[label] - first[1]) if first else 0.0
             spent = now - first[0] if first else 0.0
+            share = self.progress.get(label)
+            done_work += est * share if share is not None else est if took > est else 0.0
             if took > est:  # outlasted its estimate: the estimate covered, every second measured, at least; its
                 # pace since its first report when that is slower (a slow start outlasts a short estimate
                 # before its progress covers enough to judge, and says little of the pace after it)
@@ -104,12 +107,12 @@ class Pace:
         ratio = measured / estimated
         if ratio <= OVERRUN or (self.said is not None and ratio < AGAIN * self.said_ratio):
             return None
-        left = (self.total - estimated) * ratio
+        left = max(0.0, self.total - done_work) * ratio
         finish, planned = (datetime.fromtimestamp(t) for t in (now + left, self.started + self.total))
         again = "now " if self.said is not None else ""
         self.said_ratio = ratio
-        self.said = (f"this run is {again}going {ratio:.1f}x slower than its estimate (stages estimated at "
-                     f"{_span(estimated)} took {_span(measured)}): at this pace it ends about "
+        self.said = (f"this run is {again}going {ratio:.1f}x slower than its estimate (judged on "
+                     f"{_span(estimated)} of estimated work): at this pace it ends about "
                      f"{finish:%H:%M}{_day(finish, planned)}, not {planned:%H:%M}{_load()}")
         return self.said
 
