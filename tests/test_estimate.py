@@ -320,8 +320,8 @@ def test_a_training_token_costs_more_in_a_longer_passage():
 
 
 def test_a_corpus_tokens_are_counted_with_the_models_tokenizer():
-    """Scientific words split into more word pieces than English prose: the sample's passages are counted with
-    MiniLM's own tokenizer (every one of them: fewer than the sample), and the estimate reads passages and
+    """Scientific words split into more word pieces than English prose: a sample of the sample's passages is
+    counted with MiniLM's own tokenizer (within 3% of counting them all), and the estimate reads passages and
     padded training batches at that count; a model that is not here leaves the prior's tokens a word."""
     import json
     import zipfile
@@ -335,7 +335,7 @@ def test_a_corpus_tokens_are_counted_with_the_models_tokenizer():
         texts = [json.loads(line)["text"] for line in z.read(name).decode().splitlines() if line.strip()]
     tok = estimate.local_tokenizer("all-MiniLM-L6-v2")
     pieces = sum(len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])
-    assert size.tokens_per_word == pytest.approx(pieces / sum(len(t.split()) for t in texts), abs=1e-3)
+    assert size.tokens_per_word == pytest.approx(pieces / sum(len(t.split()) for t in texts), rel=0.03)
     assert size.tokens_per_word > 1.4  # SciFact's abstracts
     prior = estimate.corpus_size(d, model=str(ROOT / "no-such-model"))
     assert prior.tokens_per_word == estimate.WORDS_TO_TOKENS
