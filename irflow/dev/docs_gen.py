@@ -123,7 +123,7 @@ def example_configs(name: str) -> list[str]:
 
 def config_page(r) -> str:
     module = sys.modules[r.body.__module__]
-    path = Path(inspect.getfile(module)).relative_to(ROOT).as_posix()
+    path = module.__name__.replace(".", "/") + ".py"  # where the module lives in a checkout
     rows = r.config_cls.explain()
     groups: dict[str, list] = {}
     for key, default, doc in rows:
