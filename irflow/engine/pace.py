@@ -90,10 +90,10 @@ class Pace:
             # the share of its estimate its progress covers since its first report, against the seconds since:
             # its start-up (a model loaded, texts tokenised, a first step warming up) is counted once the stage
             # is done, not extrapolated over the rest
-            first = self.first.get(label)  # (when, share) of its first progress report; None: none yet
-            covered = est * (self.progress[label] - first[1]) if first else 0.0
+            share = self.progress.get(label)  # of its work done; None: no progress report yet
+            first = self.first.get(label)  # (when, share) of its first progress report
+            covered = est * (share - first[1]) if first else 0.0
             spent = now - first[0] if first else 0.0
-            share = self.progress.get(label)
             done_work += est * share if share is not None else est if took > est else 0.0
             if took > est:  # outlasted its estimate: the estimate covered, every second measured, at least; its
                 # pace since its first report when that is slower (a slow start outlasts a short estimate

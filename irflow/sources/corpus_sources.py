@@ -356,17 +356,26 @@ def _folder_records(root: Path, files: list[Path]) -> Iterator[Record]:
 
 
 # ---- corpus ---------------------------------------------------------------------------------
+def passage_spans(words: int, max_words: int, stride: int) -> list[tuple[int, int]]:
+    """The [start, stop) word ranges of the passages a document of ``words`` words is cut into: windows of
+    ``max_words`` every ``stride`` words until one reaches the end; the whole document when it fits."""
+    if words <= max_words:
+        return [(0, words)]
+    out = []
+    for start in range(0, words, stride):
+        out.append((start, min(words, start + max_words)))
+        if start + max_words >= words:
+            break
+    return out
+
+
 def cut_passages(doc_id: str, text: str, max_words: int | None, stride: int) -> list[tuple[str, str]]:
     """A document's (passage id, text) pairs, cut as the module doc says (the document itself if not cut)."""
     words = text.split() if max_words else []
     if len(words) <= (max_words or 0):
         return [(doc_id, text)]
-    out = []
-    for start in range(0, len(words), stride):
-        out.append((f"{doc_id}#{len(out) + 1}", " ".join(words[start:start + max_words])))
-        if start + max_words >= len(words):
-            break
-    return out
+    return [(f"{doc_id}#{i}", " ".join(words[a:b])) for i, (a, b) in enumerate(passage_spans(len(words), max_words,
+                                                                                           stride), 1)]
 
 
 def _check_fields(fields: dict[str, str] | None, allowed) -> None:

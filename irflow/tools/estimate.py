@@ -128,13 +128,13 @@ def local_tokenizer(model: str | None):
         return None
 
 
-def tokens_per_word(texts: list[str], tokenizer, sample: int = TOKENISED_SAMPLE) -> float | None:
-    """Tokens per whitespace word over up to ``sample`` of ``texts`` (evenly spread), counted with ``tokenizer``;
-    None without one."""
-    if tokenizer is None or not texts:
+def tokens_per_word(texts, tokenizer, sample: int = TOKENISED_SAMPLE) -> float | None:
+    """Tokens per whitespace word over up to ``sample`` of ``texts`` (a pyarrow string column; evenly spread, only
+    those read into Python), counted with ``tokenizer``; None without one."""
+    if tokenizer is None or not len(texts):
         return None
     step = max(1, len(texts) // sample)
-    picked = [t for t in texts[::step][:sample] if t]
+    picked = [t for t in texts.take(list(range(0, len(texts), step))[:sample]).to_pylist() if t]
     words = sum(len(t.split()) for t in picked)
     if not words:
         return None
@@ -542,7 +542,7 @@ def corpus_size(d, proxy_queries: int | None = None, model: str | None = None) -
             read_documents(src, out, d)
         t = pq.read_table(out, columns=["text"])
     words = pc.list_value_length(pc.utf8_split_whitespace(t.column("text")))
-    ratio = tokens_per_word(t.column("text").to_pylist(), local_tokenizer(model)) or WORDS_TO_TOKENS
+    ratio = tokens_per_word(t.column("text"), local_tokenizer(model)) or WORDS_TO_TOKENS
     mean = pc.mean(words).as_py() or 0.0
     log_q = 0
     if getattr(d, "query_log", None):

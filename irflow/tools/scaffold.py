@@ -97,14 +97,9 @@ def passage_settings(profile: CorpusProfile, encoder_tokens: int = ENCODER_TOKEN
 def cut_lengths(words: int, max_words: int, stride: int) -> list[int]:
     """The words of each passage ``irflow.sources.corpus_sources.cut_passages`` makes of a document of ``words``
     words (the last one shorter)."""
-    if words <= max_words:
-        return [words]
-    out = []
-    for start in range(0, words, stride):
-        out.append(min(max_words, words - start))
-        if start + max_words >= words:
-            break
-    return out
+    from irflow.sources.corpus_sources import passage_spans
+
+    return [b - a for a, b in passage_spans(words, max_words, stride)]
 
 
 def cut_count(words: list[int], max_words: int, stride: int) -> int:
