@@ -7,6 +7,13 @@ production) make 11 trained models; with the zero-shot start, 12. A seventh (``l
 120-step log run keeping its student every 30 steps (``train.candidates_every``): 3 more models, and the
 selection among a run's own checkpoints (early stopping by the proxy). Every run holds the same documents out
 (``dataset.proxy``: a fixed hash fraction), so every model is scored on documents none of them trained on.
+Two more runs train other kinds of student on the same documents: ``tas-120`` (GPL's student on TAS-B's
+topic-aware, margin-balanced batches, ``train.tas.enabled``) and ``moco-120`` (the contriever recipe: crop pairs,
+InfoNCE with MoCo's queue). The contriever recipe refuses a proxy of its own pairs' kind, and no query generator
+exists offline, so its run holds the same documents out with a tiny random T5 as its proxy's generator (that
+run's own evaluation is never read: every model is scored here). ``--add-to`` runs only the runs named and adds
+their models to an earlier result's (the held-out documents and proxies are made by the same rules; the
+zero-shot model is scored again and must match the earlier scores).
 
 Then, outside the runs, each model's stored corpus embeddings (the ones its run evaluated) are scored
 
@@ -54,7 +61,10 @@ from irflow.recipes.dataset import same_kind
 RUNS = [("log-30", "log", 30, True, None), ("log-120", "log", 120, True, None),
         ("ict-30", "ict", 30, True, None), ("ict-120", "ict", 120, True, None),
         ("crop-120", "crop", 120, True, None), ("continued", "log", 60, False, "log-120"),
-        ("log-120-kept", "log", 120, False, None)]
+        ("log-120-kept", "log", 120, False, None), ("tas-120", "log", 120, False, None),
+        ("moco-120", "crop", 120, False, None)]
+TAS = {"tas-120"}  # GPL's student on TAS-B's batches
+CONTRIEVER = {"moco-120"}  # the contriever recipe (MoCo)
 # runs that keep their GPL student every quarter of their steps (train.candidates_every): the kept students are
 # models of their own; the final one is log-120's (the same weights), so it is not counted twice
 KEPT = {"log-120-kept": "gpl-log-120"}
@@ -63,6 +73,7 @@ PROXIES = ("ict", "ict-removed", "crop", "crop-removed", "easy-dropped", "round-
 # the query source each proxy is made of (the filters keep some of the cut ICT queries)
 PROXY_SOURCE = {"ict": "ict", "ict-removed": "ict", "crop": "crop", "crop-removed": "crop", "easy-dropped": "ict",
                 "round-trip": "ict", "log-teacher": "log", "log-teacher-top3": "log"}
+FILTERS = {"easy-dropped": "ict-removed", "round-trip": "ict-removed"}  # a filter -> the proxy it keeps queries of
 SEED = 42  # the proxy's sampling seed (ICTSource / CropSource default)
 
 
@@ -79,9 +90,30 @@ def config(dataset: str, name: str, source: str, steps: int, qgen: bool, init_mo
     c["train"]["qgen"] = {"enabled": qgen, "steps": steps}
     if keep_every:
         c["train"]["candidates_every"] = keep_every
+    if name in TAS:
+        c["train"]["tas"] = {"enabled": True}
     if init_model:
         c["train"]["model"] = init_model
         c["train"]["seed"] = 43
+    c["hybrid"] = {"enabled": False}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(c, sort_keys=False))
+    return path
+
+
+def contriever_config(dataset: str, name: str, steps: int, docs: Path, work: Path) -> Path:
+    """The contriever recipe on the documents alone, holding out what the GPL runs hold out."""
+    from irflow.dev.testing import make_tiny_t5
+
+    c = yaml.safe_load((harness.ROOT / "configs" / f"contriever_{dataset}.yaml").read_text())
+    t5 = work / "tiny-t5"
+    if not (t5 / "config.json").exists():
+        make_tiny_t5(t5)
+    # the proxy's queries are never read (the bench makes its own); its documents are the GPL runs' held-out ones
+    c["dataset"] = {"name": dataset, "source": str(docs),
+                    "proxy": {"cut": False, "queries": {"source": "t5", "model": str(t5), "queries_per_passage": 1}}}
+    c.pop("md5", None)
+    c["train"]["steps"] = steps
     c["hybrid"] = {"enabled": False}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(c, sort_keys=False))
@@ -96,6 +128,8 @@ def run_models(result, run_name: str) -> dict[str, dict]:
         start = system == result.selected["start"]
         tag = "zero-shot" if start else system
         name = "zero-shot" if start else f"{system.replace('-student', '')}-{run_name}"
+        if run_name in TAS | CONTRIEVER and not start:
+            name = f"{'contriever' if run_name in CONTRIEVER else 'tas'}-{run_name.split('-')[1]}"
         out[name] = {"model": model_id, "embeddings": stages[f"encode_corpus[{tag}]"].outputs["embeddings"],
                      "system": system, "run": run_name, "start": start}
     return out
@@ -271,6 +305,8 @@ def main() -> None:
     ap.add_argument("--long-steps", type=int, default=120, help="the longer runs' GPL steps (the continued run "
                                                                 "trains half as many)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--add-to", metavar="JSON", help="run only --runs and add their models to this earlier result "
+                                                     "(its per-query scores are kept; --out is written)")
     ap.add_argument("--analyse", action="store_true", help="only the analysis again, on --out's stored per-query "
                                                            "scores (no run, no model scored again)")
     args = ap.parse_args()
@@ -286,6 +322,13 @@ def main() -> None:
     docs, log_file = own_corpus.prepare(args.dataset, work)
     out: dict = {"dataset": args.dataset, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": {},
                  "machine": harness.machine()}
+    prior = None
+    if args.add_to:
+        import json
+
+        prior = json.loads(Path(args.add_to).read_text())
+        assert prior["dataset"] == args.dataset, f"{args.add_to} is {prior['dataset']}'s"
+        out["added_to"] = {"file": args.add_to, "started": prior["started"], "machine": prior["machine"]}
     models: dict[str, dict] = {}
     results = {}
     runs = [(n, src, args.long_steps if st == 120 else args.long_steps // 2 if st == 60 else st, q, i)
@@ -293,8 +336,10 @@ def main() -> None:
     out["runs_config"] = runs
     for name, source, steps, qgen, init in runs:
         init_model = models[f"gpl-{init}"]["model"] if init else None
-        t = harness.run(config(args.dataset, name, source, steps, qgen, init_model, docs, log_file, work,
-                               steps // 4 if name in KEPT else 0), store=store)
+        path = (contriever_config(args.dataset, name, steps, docs, work) if name in CONTRIEVER else
+                config(args.dataset, name, source, steps, qgen, init_model, docs, log_file, work,
+                       steps // 4 if name in KEPT else 0))
+        t = harness.run(path, store=store)
         results[name] = t.result
         found = run_models(t.result, name)
         if name in KEPT:  # its final student is KEPT[name]'s (the same weights): only the kept ones are new
@@ -309,7 +354,7 @@ def main() -> None:
         harness.write_json(args.out, out)
 
     catalog = api.catalog(store)
-    first = results[runs[0][0]]
+    first = results[next(n for n, *_ in runs if n not in CONTRIEVER)]  # a GPL run: its BM25 index and config
     ingest = next(s for s in first.stages if s.name == "ingest_corpus").outputs["corpus"]
     corpus = catalog.ref(ingest).table()
     corpus_ids = corpus.column("doc_id").to_pylist()
@@ -319,7 +364,7 @@ def main() -> None:
     harness.log(f"{len(models)} models; held-out passages {heldout.num_rows}; proxy queries "
                 + ", ".join(f"{k} {len(v)}" for k, v in proxies.items()))
     index = next(s for s in first.stages if s.name.startswith("bm25_index")).outputs["bm25_index"]
-    judged = teacher_qrels(yaml.safe_load((work / f"{runs[0][0]}.yaml").read_text()), catalog, index,
+    judged = teacher_qrels(yaml.safe_load((work / f"{first_name(runs)}.yaml").read_text()), catalog, index,
                            models["zero-shot"], test_q, sorted(q for q in test_qrels if q in test_q), corpus)
     scores: dict[str, dict] = {}
     filters = {}
@@ -339,8 +384,36 @@ def main() -> None:
     units = {q: document_id(qs[1]) for p in proxies.values() for q, qs in p.items()}
     units.update({q: q for q in test_q})  # a log query is its own unit
     out.update({"models": models, "easiness_cut": round(cut, 4), "per_query": {n: s for n, s in scores.items()}})
+    if prior is not None:
+        out = merged(prior, out)
     analyse(out, units, args.trials)
     harness.write_json(args.out, out)
+
+
+def first_name(runs) -> str:
+    return next(n for n, *_ in runs if n not in CONTRIEVER)
+
+
+def merged(prior: dict, new: dict) -> dict:
+    """An earlier result with the new runs' models added. The zero-shot model, scored again here on proxies made
+    again, must score as it did there: otherwise the held-out documents or the proxies differ."""
+    before, again = prior["per_query"]["zero-shot"], new["per_query"]["zero-shot"]
+    unfiltered = [p for p in before if p not in FILTERS]
+    assert all(set(before[p]) == set(again[p]) for p in unfiltered), "the proxies' queries differ from the earlier's"
+    drift = {p: max(abs(before[p][q] - again[p][q]) for q in before[p]) for p in unfiltered}
+    assert max(drift.values()) < 1e-3, f"the zero-shot model scores differently than in the earlier result: {drift}"
+    for scores in new["per_query"].values():  # the earlier result's filters (a query at the cut may tip over)
+        for f, source in FILTERS.items():
+            scores[f] = {q: v for q, v in scores[source].items() if q in before[f]}
+    out = dict(prior)
+    out["added"] = {"started": new["started"], "machine": new["machine"], "runs": new["runs"],
+                    "zero_shot_max_difference": {p: round(v, 6) for p, v in drift.items()}}
+    out["runs_config"] = prior["runs_config"] + [r for r in new["runs_config"] if r[0] not in prior["runs"]]
+    out["runs"] = {**prior["runs"], **new["runs"]}
+    out["models"] = {**prior["models"], **{k: v for k, v in new["models"].items() if k not in prior["models"]}}
+    out["per_query"] = {**prior["per_query"],
+                        **{k: v for k, v in new["per_query"].items() if k not in prior["per_query"]}}
+    return out
 
 
 def caveated(proxy: str, source: str) -> bool:
