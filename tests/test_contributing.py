@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,7 +45,7 @@ def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared
     stage_code, recipe_code, executor_code = _blocks()
     # the executor as a module of the executors package, found by the package's discovery
     (tmp_path / "executors").mkdir()
-    (tmp_path / "executors" / "threads.py").write_text(executor_code)
+    (tmp_path / "executors" / "pool.py").write_text(executor_code)
     executors.__path__.append(str(tmp_path / "executors"))
     executors._DISCOVERED = False
     try:
@@ -51,7 +54,7 @@ def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared
         data = beir_slice(shared_datasets / "scifact.zip", tmp_path / "slice", n_test_queries=6, n_extra_docs=40,
                           seed=2)
         cfg = {"flow": "lowercased", "dataset": {"name": "slice", "source": str(data)},
-               "bm25": {"variants": ["flat"]}, "runtime": {"executor": "threads", "shard_rows": 16, "threads": 1}}
+               "bm25": {"variants": ["flat"]}, "runtime": {"executor": "pool", "shard_rows": 16, "threads": 1}}
         r = api.run(cfg, store=tmp_path / "store")
         lowered = next(s for s in r.stages if s.name == "lowercase")
         assert lowered.status == "computed" and r.metrics and r.metrics[0]["system"] == "bm25-flat"
@@ -61,14 +64,42 @@ def test_contributings_stage_recipe_and_executor_run_as_written(tmp_path, shared
         assert pc.all(pc.equal(corpus["text"], pc.utf8_lower(corpus["text"]))).as_py()
         shards = [s for s in catalog.stage_runs(r.run_id) if s["name"] == "lowercase"][0]["shards"]
         assert len(shards) >= 2
-        assert "threads" in executors.names()
+        assert "pool" in executors.names()
+        _its_settings_are_a_runtime_section(tmp_path / "executors", cfg)
         _a_newcomer_adds_the_recipe(tmp_path / "checkout", cfg)
     finally:
         recipes._REGISTRY.pop("lowercased", None)
-        EXECUTORS.pop("threads", None)
+        EXECUTORS.pop("pool", None)
         executors.__path__.remove(str(tmp_path / "executors"))
-        for name in ("irflow.stages.lowercase", "irflow.recipes.lowercased", "irflow.engine.executors.threads"):
+        for name in ("irflow.stages.lowercase", "irflow.recipes.lowercased", "irflow.engine.executors.pool"):
             sys.modules.pop(name, None)
+
+
+def _its_settings_are_a_runtime_section(folder: Path, cfg: dict) -> None:
+    """In a process where the executor's module is there before the config is read (as one in the package is):
+    its ``runtime.pool`` section is checked with the rest of the config and reaches the executor."""
+    script = f"""
+import json, sys
+import irflow.engine.executors as executors
+executors.__path__.append({str(folder)!r})
+from irflow.recipes.base import load_config
+from irflow.engine.errors import ConfigError
+from irflow.engine.executors import executor_for
+cfg = json.loads(sys.argv[1])
+c = load_config(cfg, ["runtime.pool.workers=3"])
+print("workers", executor_for(c.runtime).settings_of(c.runtime).workers)
+try:
+    load_config(cfg, ["runtime.pool.wrkers=3"])
+except ConfigError as e:
+    print("refused", str(e).splitlines()[0])
+"""
+    cfg = {**cfg, "flow": "baselines"}
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "workers 3" in lines, out.stdout
+    assert any(ln.startswith("refused") and "runtime.pool.wrkers" in ln for ln in lines), out.stdout
 
 
 def _digests(root: Path) -> dict[str, str]:

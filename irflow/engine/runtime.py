@@ -39,9 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, create_model, field_validator, model_validator
 
-from irflow.engine.executors.ray_config import RayConfig
 from irflow.engine.params import Params
 
 log = logging.getLogger("irflow.engine.runtime")
@@ -91,9 +90,10 @@ class PrecisionMap(Params):
         return getattr(self, work, None) or self.default
 
 
-class RuntimeConfig(Params):
+class RuntimeFields(Params):
     """The ``runtime:`` section of a config; on the command line ``--set runtime.device=cuda`` (or
-    ``runtime.precision=...``, ``runtime.threads=...``): the CLI has no flags of its own for them."""
+    ``runtime.precision=...``, ``runtime.threads=...``): the CLI has no flags of its own for them. An executor's
+    own settings are a section of it too (``runtime.ray``): ``RuntimeConfig`` is these fields and those."""
 
     device: DeviceMap = Field(DeviceMap(), description="device per kind of work; a string sets all of them")
     precision: PrecisionMap = Field(PrecisionMap(), description="precision per kind of work; a string sets all")
@@ -127,8 +127,8 @@ class RuntimeConfig(Params):
     executor: str = Field("local", description="local: stages and their shards run in this process, one after "
                                                "another; ray: shards run as Prefect tasks on Ray workers, and "
                                                "independent stages at once (runtime.ray); or an executor "
-                                               "registered with irflow.engine.executors.register")
-    ray: RayConfig = Field(RayConfig(), description="the Ray cluster of executor ray")
+                                               "registered with irflow.engine.executors.register (its "
+                                               "settings: runtime.<its name>)")
     shard_rows: PositiveInt = Field(100_000, description="rows of a sharded stage's input per shard (corpus "
                                                          "passages, queries or pairs): the unit of parallel work, "
                                                          "of memory, and of resuming a killed run")
@@ -160,6 +160,20 @@ class RuntimeConfig(Params):
 
     def cpu_threads(self) -> int:
         return self.threads or available_cpus()
+
+
+def _runtime_config() -> type[RuntimeFields]:
+    """``RuntimeFields`` and a section per executor that has settings (``Executor.settings``), named after it:
+    an executor's settings live in its own module, and a config is checked against every executor's."""
+    from irflow.engine.executors import settings_models
+
+    sections = {name: (model, Field(model(), description=(model.__doc__ or "").strip()))
+                for name, model in settings_models(set(RuntimeFields.model_fields)).items()}
+    return create_model("RuntimeConfig", __base__=RuntimeFields, __module__=__name__, __doc__=RuntimeFields.__doc__,
+                        **sections)
+
+
+RuntimeConfig = _runtime_config()
 
 
 def available_cpus() -> int:

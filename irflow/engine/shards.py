@@ -48,12 +48,15 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from irflow.engine import pace
 from irflow.engine.params import Params
-from irflow.engine.runtime import RuntimeConfig
+
+if TYPE_CHECKING:  # an executor's module imports this one while irflow.engine.runtime is read
+    from irflow.engine.runtime import RuntimeConfig
 
 log = logging.getLogger("irflow.engine.shards")
 

@@ -11,6 +11,11 @@ An executor says, for a run:
 - ``worker_threads(rt)``: the threads each shard may use;
 - ``concurrent_stages(rt)``: how many stage calls may run at once (1: one after another).
 
+An executor with settings of its own declares their model as ``settings``: it is the config's
+``runtime.<name>`` section (``RayExecutor.settings`` is ``runtime.ray``), read with ``settings_of(rt)``.
+``irflow.engine.runtime`` imports this package's modules to build ``RuntimeConfig``, so an executor's module
+imports the runtime (and what imports it at the top, as the runner does) inside its functions only.
+
 A new executor is one module in this package holding one class registered with ``@register``
 (``local.py``, ``ray.py``); the package's modules are imported the first time an executor is looked up,
 as recipes are found (CONTRIBUTING.md shows a third)::
@@ -61,6 +66,18 @@ def known(name: str) -> bool:
     return name in EXECUTORS
 
 
+def settings_models(taken: set[str] = frozenset()) -> dict[str, type]:
+    """Executor name -> the model of its ``runtime.<name>`` section, for those with settings; ``taken``: the
+    runtime's own keys, which no executor with settings may be named."""
+    _discover()
+    out = {name: EXECUTORS[name].settings for name in sorted(EXECUTORS) if EXECUTORS[name].settings is not None}
+    clash = sorted(set(out) & set(taken))
+    if clash:
+        raise TypeError(f"executor {clash[0]!r} has settings, but runtime.{clash[0]} is already a runtime setting: "
+                        "name the executor otherwise")
+    return out
+
+
 def executor_for(rt) -> "Executor":
     """The executor ``rt.executor`` names."""
     _discover()
@@ -74,6 +91,12 @@ def executor_for(rt) -> "Executor":
 class Executor:
     name: ClassVar[str]
     remote: ClassVar[bool] = False  # shards run in other processes (the log says how they were spread)
+    settings: ClassVar[type | None] = None  # the model of its runtime.<name> section (a Params), if it has one
+
+    def settings_of(self, rt):
+        """Its ``runtime.<name>`` section of ``rt`` (its defaults where ``rt``'s model predates the executor's
+        module: one loaded after ``irflow.engine.runtime`` was read)."""
+        return getattr(rt, self.name, None) or self.settings()
 
     def preflight(self, rt) -> None:
         return None

@@ -1,19 +1,41 @@
 """Executor ray: each shard a Prefect task on Ray workers (Prefect's ``RayTaskRunner``), independent stages
-at once (``runtime.ray``: ``irflow.engine.executors.ray_config.RayConfig``). The run's cluster (started, watched and
-stopped, or an existing one joined) is ``irflow.engine.executors.ray_cluster``'s."""
+at once. Its settings are the ``runtime.ray`` section (``RayConfig``, ``RayExecutor.settings``). The run's cluster
+(started, watched and stopped, or an existing one joined) is ``irflow.engine.executors.ray_cluster``'s."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field, PositiveInt
+
 from irflow.engine.executors import Executor, register
+from irflow.engine.params import Params
 from irflow.engine.shards import ShardFailed, ShardJob, relay_warnings, run_shard
 
 if TYPE_CHECKING:
     from irflow.engine.runtime import RuntimeConfig
 
 log = logging.getLogger("irflow.shards")
+
+
+class RayConfig(Params):
+    """The Ray cluster of executor ray: where its shards run."""
+
+    address: str | None = Field(None, description="null: start a local Ray cluster for this run and stop it "
+                                                  "when the run ends (also on Ctrl-C or kill -9 of the run); "
+                                                  "'auto', 'host:6379' or 'ray://host:10001': join an existing "
+                                                  "cluster (it is left running)")
+    workers: PositiveInt | None = Field(None, description="local cluster: CPU slots, i.e. shards running at "
+                                                          "once (null: every CPU of this process)")
+    threads_per_worker: PositiveInt | None = Field(None, description="torch/faiss threads in each shard task "
+                                                                     "(null: CPUs divided by workers, at least 1)")
+    gpus_per_shard: float = Field(0.0, ge=0, description="GPUs each shard of a device stage asks Ray for "
+                                                         "(Ray's num_gpus; fractions share a GPU; 0: CPU)")
+    concurrent_stages: PositiveInt = Field(4, description="stages that do not read each other's outputs run at "
+                                                          "the same time, at most this many (their shards share "
+                                                          "the workers; stages that compute with torch in the "
+                                                          "run's process take turns); 1: one after another")
 
 
 @register
@@ -23,14 +45,16 @@ class RayExecutor(Executor):
 
     name = "ray"
     remote = True
+    settings = RayConfig  # runtime.ray
 
     def preflight(self, rt) -> None:
         from irflow.engine.executors import ray_cluster
 
-        if rt.ray.address is not None:
-            ray_cluster.check_address(rt.ray.address)
+        r = self.settings_of(rt)
+        if r.address is not None:
+            ray_cluster.check_address(r.address)
         else:
-            ray_cluster.check_local_gpus(rt.ray.gpus_per_shard)
+            ray_cluster.check_local_gpus(r.gpus_per_shard)
 
     def session(self, rt) -> Any:
         from irflow.engine.executors.ray_cluster import ray_session
@@ -46,13 +70,14 @@ class RayExecutor(Executor):
     def worker_threads(self, rt) -> int:
         from irflow.engine.runtime import available_cpus
 
-        if rt.ray.threads_per_worker:
-            return rt.ray.threads_per_worker
-        workers = rt.ray.workers or available_cpus()
+        r = self.settings_of(rt)
+        if r.threads_per_worker:
+            return r.threads_per_worker
+        workers = r.workers or available_cpus()
         return max(1, (rt.threads or available_cpus()) // workers)
 
     def concurrent_stages(self, rt) -> int:
-        return rt.ray.concurrent_stages
+        return self.settings_of(rt).concurrent_stages
 
 
 _SHARD_TASK = None
@@ -102,7 +127,7 @@ def on_ray(stage, jobs: list[ShardJob], runtime: RuntimeConfig) -> list[dict]:
     if not ray.is_initialized():
         raise RuntimeError("runtime.executor ray: Ray is not joined (shards run inside `irflow run` / api.run, "
                            "which join the run's cluster)")
-    gpus = runtime.ray.gpus_per_shard if stage.work else 0.0
+    gpus = RayExecutor().settings_of(runtime).gpus_per_shard if stage.work else 0.0
     done: list[dict] = []
     lost_times: dict[int, int] = {}
     pending = jobs
