@@ -234,6 +234,13 @@ class RunEstimate:
                                         threads=self.threads)
         return est.format_estimates(self.rows, self.hw, measured, self.calibrated)
 
+    @property
+    def busy(self) -> bool:
+        """Whether other work kept the cores busy when it was made (its figures then assume what was not so)."""
+        from irflow.tools import estimate as est
+
+        return est.load_note(self.hw, self.load, self.threads) is not None
+
     def record(self, run_id: str, store: str | os.PathLike | None = None) -> None:
         """Kept beside the run in its catalog: what later estimates on this hardware calibrate by."""
         from irflow.tools import estimate as est

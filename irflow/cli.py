@@ -62,7 +62,7 @@ def cmd_run(args) -> int:
     run_id = api.new_run_id(c.flow)
     estimated = None if args.no_estimate else _estimate(args)
     if estimated:
-        pace.expect(run_id, {e.stage: e.seconds for e in estimated.rows})
+        pace.expect(run_id, {e.stage: e.seconds for e in estimated.rows}, busy=estimated.busy)
     try:
         result = api.run(args.config, args.set, args.store, args.from_stage or [], to=args.to_stage or [],
                          run_id=run_id)

@@ -64,6 +64,10 @@ def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_co
     busy = estimate.format_estimates(rows, HW, load=3.0)
     assert "other processes keep 3.0 of the 2 cores busy" in busy and "expect about 2.5x" in busy
     assert "--set runtime.threads=1" in busy  # the threads that do not wait on the other run's
+    from datetime import datetime
+
+    at_noon = datetime(2026, 12, 6, 12, 0).timestamp()  # 2,600 s of stages at 2.5x: 6,500 s
+    assert "(it then ends about 13:48, not 12:43)" in estimate.load_note(HW, 3.0, None, 2600, now=at_noon)
     given = estimate.format_estimates(rows, HW, load=1.6, threads=1)  # already at the cores left free
     assert "expect about 1.8x" in given and "--set" not in given and "at runtime.threads=1" in given
 
@@ -290,6 +294,22 @@ def test_a_stages_start_up_is_not_taken_for_its_pace():
     slow.stage_started("encode_corpus[x]", now=0.0)
     slow.stage_progress("encode_corpus[x]", 0.0, now=30.0)
     assert slow.stage_progress("encode_corpus[x]", 0.25, now=80.0) and "2.0x slower" in slow.said
+
+
+def test_a_run_estimated_on_busy_cores_is_judged_sooner():
+    """A training going 1.7x: on cores the estimate found free the pace waits for 10 s of estimated steps; on cores
+    it found busy (its load warning), 5 s are enough."""
+    said = {}
+    for busy in (False, True):
+        p = pace.Pace({"train_student[gpl]": 136.0, "encode_corpus[gpl-student]": 28.0}, started=0.0, busy=busy)
+        p.stage_started("train_student[gpl]", now=15.0)
+        p.stage_progress("train_student[gpl]", 1 / 85, now=18.0)  # the first step, after the model's load
+        for step in range(2, 86):
+            if p.stage_progress("train_student[gpl]", step / 85, now=18.0 + 1.6 * 1.7 * (step - 1)):
+                said[busy] = 18.0 + 1.6 * 1.7 * (step - 1)
+                break
+    step = 1.6 * 1.7
+    assert said[False] == pytest.approx(18.0 + 7 * step) and said[True] == pytest.approx(18.0 + 4 * step)
 
 
 def test_a_training_batch_is_estimated_at_the_length_of_its_longest_passage():

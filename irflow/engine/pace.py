@@ -1,6 +1,7 @@
 """Whether a run keeps to its estimate: the measured seconds of the stages done, and of those still
-computing, against what the estimate gave them. Once they were estimated at a twentieth of the run and took
-more than ``OVERRUN`` times that, the run says so once, with the finishing time at the pace it is going; and
+computing, against what the estimate gave them. Once they were estimated at a twentieth of the run (at least
+``JUDGE_FROM`` seconds; ``JUDGE_FROM_BUSY`` when the estimate found the cores busy) and took more than
+``OVERRUN`` times that, the run says so once, with the finishing time at the pace it is going; and
 again only if the pace becomes ``AGAIN`` times slower than it said (another run taking the cores half-way).
 
 A stage still computing counts as soon as it outlasts its estimate (its estimate covered, every second
@@ -32,6 +33,8 @@ AGAIN = 2.0  # said again once the pace is this many times slower than it last s
 _JUDGE_AFTER = 1 / 20  # the share of the estimated run the stages done must cover before judging the pace
 JUDGE_FROM = 10.0  # seconds of the estimate covered at least: less says more of fixed costs (8 s said an idle run
 # 1.5x at 13 s that ended at 0.93x; bench/estimates.py --replay-pace over the idle and loaded series)
+JUDGE_FROM_BUSY = 5.0  # the same when the estimate found the cores busy (its load warning): the run is expected
+# slow, and a twentieth of it at 1.5x or more passes after its first tenth
 WATCH_EVERY = 5.0  # seconds between two looks at the stages still computing
 _PACES: dict[str, "Pace"] = {}
 # (run id, stage label, the share of the stage done before this part, the part's share) of the stage computing
@@ -43,9 +46,11 @@ _LOCK = threading.Lock()
 
 
 class Pace:
-    def __init__(self, expected: dict[str, float], started: float | None = None):
+    def __init__(self, expected: dict[str, float], started: float | None = None, busy: bool = False):
         self.expected = dict(expected)
         self.total = sum(self.expected.values())
+        # the estimated work the pace is judged on, at least; less when the cores were busy at the estimate
+        self.judge_from = JUDGE_FROM_BUSY if busy else max(JUDGE_FROM, self.total * _JUDGE_AFTER)
         self.started = time.time() if started is None else started
         self.done_estimated = self.done_measured = 0.0
         self.running: dict[str, float] = {}  # label -> when it started computing
@@ -102,7 +107,7 @@ class Pace:
                 estimated, measured = estimated + est, measured + max(took, est * pace)
             elif covered > 0:
                 estimated, measured = estimated + covered, measured + spent
-        if estimated < max(JUDGE_FROM, self.total * _JUDGE_AFTER):
+        if estimated < self.judge_from:
             return None
         ratio = measured / estimated
         if ratio <= OVERRUN or (self.said is not None and ratio < AGAIN * self.said_ratio):
@@ -139,12 +144,13 @@ def _day(t: datetime, ref: datetime) -> str:
     return f" (+{days} day{'s' if days > 1 else ''})" if days > 0 else ""
 
 
-def expect(run_id: str, expected: dict[str, float]) -> None:
+def expect(run_id: str, expected: dict[str, float], busy: bool = False) -> None:
     """The estimate (stage label -> seconds) of a run about to start in this process; a watcher looks at its
-    stages still computing until ``forget``."""
+    stages still computing until ``forget``. ``busy``: the estimate found other work on the cores it assumed
+    free (``JUDGE_FROM_BUSY``)."""
     stop = threading.Event()
     with _LOCK:
-        _PACES[run_id] = Pace(expected)
+        _PACES[run_id] = Pace(expected, busy=busy)
         _WATCHERS[run_id] = stop
     threading.Thread(target=_watch, args=(run_id, stop), daemon=True, name=f"pace-{run_id}").start()
 

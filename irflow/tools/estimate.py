@@ -657,15 +657,25 @@ def calibration_from(rows: list[dict], cores: int) -> Calibration | None:
     return Calibration({k: (min(5.0, max(0.2, float(statistics.median(v)))), len(v)) for k, v in ratios.items()})
 
 
-def load_note(hw: Hardware, load: float | None, threads: int | None = None) -> str | None:
+def load_note(hw: Hardware, load: float | None, threads: int | None = None, total: float | None = None,
+              now: float | None = None) -> str | None:
     """What a busy machine does to the figures: they assume free cores. ``threads``: the run's
-    ``runtime.threads`` (None: every core)."""
+    ``runtime.threads`` (None: every core); ``total``: the estimate's seconds, for the finishing time at the
+    slower pace (from ``now``, the epoch seconds; default: now)."""
     if load is None or load <= BUSY * hw.cores or hw.kind == "cuda":
         return None
+    import time
+    from datetime import datetime
+
     c = rates()["contention"]["value"]
     free = max(1, hw.cores - round(load))
+    slower = 1 + load / hw.cores
     head = (f"warning: other processes keep {load:.1f} of the {hw.cores} cores busy: other work shares them, and "
-            f"these figures assume they are free; expect about {1 + load / hw.cores:.1f}x as long")
+            f"these figures assume they are free; expect about {slower:.1f}x as long")
+    if total:
+        start = time.time() if now is None else now
+        finish, planned = (datetime.fromtimestamp(start + total * f) for f in (slower, 1.0))
+        head += f" (it then ends about {finish:%H:%M}, not {planned:%H:%M})"
     if threads is not None and threads <= free:
         return (f"{head}; at runtime.threads={threads} beside another run computing with torch, a run measured "
                 f"{c['one_thread']:g}x there (irflow/measured/rates.json)")
@@ -690,5 +700,5 @@ def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str,
     if measured is not None:
         tail += f" {sum(measured.get(e.stage, 0) for e in est):>8.1f}s"
     lines.append(tail)
-    note = load_note(hw, load, threads) if measured is None else None
+    note = load_note(hw, load, threads, total) if measured is None else None
     return "\n".join(lines + ([note] if note else []))
