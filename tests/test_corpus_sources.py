@@ -10,7 +10,6 @@ import html
 import json
 import logging
 import math
-import re
 import zipfile
 from pathlib import Path
 
@@ -146,7 +145,7 @@ def test_rows_without_ids_get_content_ids_and_repeats_are_one_document(tmp_path,
     want = [("row-" + hashlib.sha256(f"{t}\n{x}".encode()).hexdigest()[:16], t, x) for _, t, x in expected(docs)]
     assert rows(tmp_path / "out.parquet") == want
     assert stats.documents == len(docs)
-    assert f"2 repeated document(s)" in caplog.text and f"{path}:{len(docs) + 2}" in caplog.text
+    assert "2 repeated document(s)" in caplog.text and f"{path}:{len(docs) + 2}" in caplog.text
 
 
 # ---- a folder of documents -------------------------------------------------------------------
@@ -340,7 +339,7 @@ def test_missing_mapped_column(tmp_path, docs):
     with pytest.raises(IngestError, match=rf"{path}: no column 'body' \(columns: _id, title, text\)"):
         cs.read_corpus(path, tmp_path / "out.parquet", fields=fields)
     pq.write_table(table(docs, BEIR_COLUMNS), tmp_path / "c.parquet")
-    with pytest.raises(IngestError, match=rf"c\.parquet: no column 'body' \(columns: _id, title, text\)"):
+    with pytest.raises(IngestError, match=r"c\.parquet: no column 'body' \(columns: _id, title, text\)"):
         cs.read_corpus(tmp_path / "c.parquet", tmp_path / "out.parquet", fields=fields)
     records = [{"_id": d["_id"], "body": d["text"]} for d in docs]
     del records[4]["body"]

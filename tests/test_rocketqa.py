@@ -12,6 +12,7 @@ from irflow import api
 from irflow.dev.testing import beir_slice
 from irflow.dev.testing import run_cli as cli
 from irflow.engine.errors import ConfigError
+from irflow.engine.store import DatasetRef
 from irflow.learn.qrels import judged_positives
 from irflow.learn.scoring import NotACrossEncoder
 from irflow.learn.teachers import fit_platt, fit_platt_on_lists, sigmoid
@@ -469,10 +470,8 @@ def test_platt_converges_where_plain_newton_diverged():
     assert nll(a, b) <= best_on_grid + 1e-6 * best_on_grid
 
 
-def _table_ref(root: Path, name: str, table) -> "DatasetRef":
+def _table_ref(root: Path, name: str, table) -> DatasetRef:
     import pyarrow.parquet as pq
-
-    from irflow.engine.store import DatasetRef
 
     (root / name).mkdir(parents=True)
     pq.write_table(table, root / name / "data.parquet")

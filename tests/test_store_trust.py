@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import zipfile
 from pathlib import Path
 
 import pyarrow as pa

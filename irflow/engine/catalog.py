@@ -151,8 +151,6 @@ def _attached(path: str, read_only: bool):
     it under ``_LOCK``). Nested accesses to one catalog share its attachment; the outermost detaches it.
     A cursor of its own (never the instance's first connection, which other threads' cursors are made
     from): what is ATTACHed belongs to the instance, whichever connection attached it."""
-    from irflow.engine import memdb
-
     if _ATTACHED_IN[0] != os.getpid():  # a forked child: its instance is new, nothing is attached to it
         _ATTACHED.clear()
         _ATTACHED_IN[0] = os.getpid()
@@ -165,7 +163,7 @@ def _attached(path: str, read_only: bool):
             attach = f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else "")
             try:
                 when_unlocked(lambda: cur.execute(attach), path)
-            except duckdb.Error as e:
+            except duckdb.Error:
                 # ResourceInUseException ("already attached by database catalog_N"): a Ctrl-C landed
                 # between an ATTACH and its bookkeeping here, or inside a DETACH, and left the file
                 # attached under an alias nobody uses. That attachment is detached and the file attached

@@ -124,7 +124,6 @@ def apply_override(raw: dict, item: str) -> None:
         value = text
     node: Any = raw
     for i, p in enumerate(parts[:-1]):
-        where = ".".join(parts[: i + 1])
         if isinstance(node, list):
             if not p.isdigit() or int(p) >= len(node):
                 raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is a list of {len(node)} items "

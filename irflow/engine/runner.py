@@ -45,7 +45,7 @@ from irflow.engine.executors import executor_for
 from irflow.engine.params import Params
 from irflow.engine.processes import check_interrupted, file_lock, release_memory
 from irflow.engine.runtime import RuntimeConfig, load_average, resolve_device, stage_runtime
-from irflow.engine.stage import ONNX_EXPORT, PENDING, Stage, _as_list
+from irflow.engine.stage import ONNX_EXPORT, PENDING, Output, Stage, _as_list
 from irflow.engine.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
 from irflow.engine.worker import warnings_logged
 
