@@ -190,19 +190,23 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
              params: dict[str, dict] | None = None, queries: dict[str, int] | None = None,
              inputs: dict[str, dict] | None = None) -> list[StageEstimate]:
     """Seconds and peak memory of each of ``stages`` (plan labels: ``encode_corpus[zero-shot]``) under config
-    ``c`` on a corpus of ``size``. ``params``: label -> the stage's params (``api.status``'s), which the
-    supervised trainers' estimates read their steps and lengths from; ``queries``: label -> the queries a
+    ``c`` on a corpus of ``size``. ``params``: label -> the stage's params (``api.status``'s; None: ``plan_of(c)``),
+    which each stage's estimate reads its work from (the config only for what is not a param: the models'
+    sizes, the queries a recipe trains on); ``queries``: label -> the queries a
     search stage reads (``searched_queries``; otherwise the evaluation's and the generated ones); ``inputs``:
     label -> {role: dataset ids} (the plan's), by which an encoding of a corpus whose passages an earlier
     stage of the plan encoded with the same model and settings is estimated at the passages left to encode
     (``irflow.engine.row_reuse``: the zero-shot model's corpus after the miner's training corpus). A stage is
     its fixed cost (``fixed_seconds``) plus what its estimator in ``WORK`` adds; one without: the fixed cost."""
-    run = _Run(c, size, hw or hardware(), params or {}, queries or {}, inputs or {})
+    if params is None:  # the stages' params (and inputs) as a first run in an empty store would call them
+        _, planned_inputs, params = plan_of(c)
+        inputs = planned_inputs if inputs is None else inputs
+    run = _Run(c, size, hw or hardware(), params, queries or {}, inputs or {})
     out = []
     computed: set[str] = set()
     for label in stages:
         base = stage_name(label)
-        own = run.params.get(label) or {}  # the stage's params where the plan gives them; else the config's
+        own = run.params.get(label) or {}  # the stage's params as the plan gives them
         if (same := _computation(run, label)) is not None:
             if same in computed:  # a label computing what an earlier one computes (one cache key): a cache hit
                 out.append(StageEstimate(label, 0.0, int(run.mem["base"]), "computed above (same params and inputs)"))
@@ -233,7 +237,6 @@ class _Run:
         self.mem = rates()["memory_mb"]["value"]
         dense = getattr(c, "dense", None)
         self.enc_len = getattr(dense, "max_seq_length", None) or 256
-        self.train = getattr(c, "train", None)
         self.scale = model_scale(student_model(c))
         self.emb_mb = size.passages * 384 * 4 * 2 / 2**20 * max(1.0, self.scale ** 0.5)
         self.n_gen = _generated_queries(c, size)
@@ -245,6 +248,11 @@ class _Run:
         self.teacher_scale = model_scale(getattr(getattr(c, "teacher", None), "model", None))
         # a query's candidates for the teacher: the miners' top mine.depth each, overlapping by about half
         self.candidates = getattr(getattr(c, "mine", None), "depth", 50) * 1.5
+
+    def stage(self, name: str) -> dict:
+        """The params of the first planned stage called ``name`` (another stage's: the triples ``label_scores``
+        scores, the queries ``generate_queries`` makes); {} when the plan has none."""
+        return next((p for label, p in self.params.items() if stage_name(label) == name), {})
 
     def rate(self, work: str) -> float:
         return _rate(self.hw, work)
@@ -308,7 +316,7 @@ def _bm25_search(run: _Run, label: str, own: dict) -> Work:
 def _generate(run: _Run, label: str, own: dict) -> Work | None:
     if stage_name(label) == "generate_queries" and "[t5" not in label:  # the model-free sources: a fixed cost
         return None
-    qpp = own.get("queries_per_passage", getattr(getattr(run.c, "generate", None), "queries_per_passage", 1))
+    qpp = own.get("queries_per_passage", 1)
     qpp = qpp if isinstance(qpp, int) else 3
     per_query = rates()["hardware"][run.hw.kind]["generate_query_s"]["value"] * (
         2 / max(1, run.hw.cores) if run.hw.kind != "cuda" else 1.0)
@@ -317,11 +325,11 @@ def _generate(run: _Run, label: str, own: dict) -> Work | None:
 
 
 def _cross_encoder(run: _Run, label: str, own: dict) -> Work | None:
-    teacher = own.get("teacher") or _dump(getattr(run.c, "teacher", None))
+    teacher = own.get("teacher") or {}
     if teacher.get("type") != "cross_encoder":
         return None
     if stage_name(label) == "label_scores":
-        pairs = run.n_gen * ((own.get("negatives_per_positive") or run.c.label.negatives_per_positive) + 1)
+        pairs = run.n_gen * (own["negatives_per_positive"] + 1)
     else:  # the held-out log queries' candidates
         held = run.queries.get(label) or int((run.size.log_queries or 0) * getattr(run.proxy.queries, "fraction", 0.2))
         pairs = int(held * run.candidates)
@@ -351,14 +359,12 @@ def _reranked(run: _Run, label: str, own: dict) -> Work | None:
 
 
 def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
-    if not isinstance(_scale(run.c, run.params.get(label)), dict):  # a fixed margin scale: nothing encoded
+    if not isinstance(own.get("scale"), dict):  # a fixed margin scale: nothing encoded
         return None
-    # scale: auto encodes a sample of the triples (query, positive, negative) with the student
-    p = own or getattr(run.c, "label").model_dump()
-    triples = run.n_gen * max(1, p.get("negatives_per_positive")
-                              or getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
-    sample = min(triples, p.get("scale_sample") or 1000)
-    length = p["scale"].get("max_seq_length") or run.enc_len
+    # scale: auto encodes a sample of the triples (query, positive, negative) label_scores scored with the student
+    triples = run.n_gen * max(1, run.stage("label_scores").get("negatives_per_positive") or 1)
+    sample = min(triples, own.get("scale_sample") or 1000)
+    length = own["scale"].get("max_seq_length") or run.enc_len
     # each distinct text once (``student_margins``): the sample's positives and negatives, drawn from the
     # corpus, repeat as the sample nears its size
     passages = run.size.passages * (1 - math.exp(-2 * sample / max(1, run.size.passages)))
@@ -369,20 +375,19 @@ def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
 
 
 def _train_student(run: _Run, label: str, own: dict) -> Work | None:
-    if run.train is None:
+    if not own:
         return None
-    # the stage's own params where the plan gives them (the QGen baseline's steps default to GPL's)
-    p = run.params.get(label) or _train_params(run.train, qgen="qgen" in label)
-    steps, batch, length = p["steps"] or run.train.steps, p["batch_size"], p["max_seq_length"]
+    steps, batch, length = own["steps"], own["batch_size"], own["max_seq_length"]
     # texts an example encodes: the query and its positive, and one negative (margin_mse) or, listwise, every
     # negative labelled for the query
     negatives = {"mnrl": 0, "margin_mse": 1}.get(
-        p["loss"], getattr(getattr(run.c, "label", None), "negatives_per_positive", 1) or 1)
+        own.get("loss", "margin_mse"), run.stage("label_scores").get("negatives_per_positive") or 1)
     texts = (2 + negatives) * batch
     # a batch's column of passages is padded to its longest (not bucketed by length, as an encoding is), and a
     # token of a longer passage costs more (its attention reads every other token of it)
     padded = run.size.padded_tokens(length, batch)
-    tokens = batch * _query_tokens(run.c, run.size, length) + (texts - batch) * padded * _length_cost(padded)
+    tokens = batch * _query_tokens(run.stage("generate_queries"), run.size, length) + (texts - batch) * padded * \
+        _length_cost(padded)
     sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
 
@@ -411,33 +416,36 @@ def _own_length(model_ids: list[str] | None, params: dict[str, dict] | None) -> 
     return ((params or {}).get(ref[1:].split(":")[0]) or {}).get("max_seq_length")
 
 
-def _query_tokens(c, size: CorpusSize, max_len: int) -> float:
-    """A training query's tokens: a span of a passage (Contriever's crops: the mean of ``crop_ratio`` of it), else
-    a query's ``QUERY_TOKENS``."""
-    ratio = getattr(getattr(c, "generate", None), "crop_ratio", None)
+def _query_tokens(generate: dict, size: CorpusSize, max_len: int) -> float:
+    """A training query's tokens: a span of a passage (Contriever's crops: the mean of ``crop_ratio`` of it, the
+    ``generate`` stage's params), else a query's ``QUERY_TOKENS``."""
+    ratio = generate.get("crop_ratio")
     return max(QUERY_TOKENS, min(size.mean_tokens * sum(ratio) / 2, max_len)) if ratio else QUERY_TOKENS
 
 
-def _dump(model) -> dict:
-    """A params model (or None) as a dict, as the plan gives a stage's params."""
-    return model.model_dump() if hasattr(model, "model_dump") else dict(model or {})
+def plan_of(c) -> tuple[list[str], dict[str, dict], dict[str, dict]]:
+    """The stage labels a first run of config ``c`` computes (in an empty store, made and removed here), and each
+    one's inputs (label -> {role: ids}) and params (label -> its params, as the run would call it)."""
+    import shutil
+    import tempfile
 
+    from irflow.engine import orchestration
+    from irflow.recipes.base import get_recipe, plan
 
-def _scale(c, params: dict | None):
-    """pseudo_label's margin scale as the plan or the config gives it (a dict: auto, fitted on a sample)."""
-    if params is not None:
-        return params.get("scale")
-    label = getattr(c, "label", None)
-    scale = getattr(label, "scale", None)
-    return scale.model_dump() if hasattr(scale, "model_dump") else scale
-
-
-def _train_params(train, qgen: bool) -> dict:
-    """A student trainer's params from a recipe's ``train`` config (when the plan does not give them)."""
-    if hasattr(train, "gpl_params"):
-        return (train.qgen_params() if qgen else train.gpl_params()).model_dump()
-    return {"steps": train.steps, "batch_size": train.batch_size, "max_seq_length": train.max_seq_length,
-            "loss": getattr(train, "loss", "margin_mse")}
+    store = tempfile.mkdtemp(prefix="irflow-plan-")
+    old = os.environ.get("PREFECT_HOME")
+    try:
+        orchestration.configure(store)
+        steps = plan(get_recipe(c.flow), c, store)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        if old is None:
+            os.environ.pop("PREFECT_HOME", None)
+        else:
+            os.environ["PREFECT_HOME"] = old
+    # a stage called twice with the same inputs (BM25's index for mining and for evaluation) computes once
+    return (list(dict.fromkeys(p["name"] for p in steps)), {p["name"]: p["inputs"] for p in steps},
+            {p["name"]: p["params"] for p in steps})
 
 
 def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:

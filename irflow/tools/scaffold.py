@@ -10,8 +10,6 @@ measured on this kind of hardware (``irflow.tools.estimate``), and writes the es
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,26 +312,13 @@ def _log_queries(query_log: str | None) -> int:
 
 
 def _plan(text: str):
-    """The config model, the stage labels a first run computes, and each one's inputs (label -> {role: ids}) and
-    params (label -> its params, as the run would call it)."""
-    from irflow.recipes.base import get_recipe, load_config, plan
+    """The config model, the stage labels a first run computes, and each one's inputs and params
+    (``irflow.tools.estimate.plan_of``)."""
+    from irflow.recipes.base import load_config
+    from irflow.tools.estimate import plan_of
 
     c = load_config(yaml.safe_load(text))
-    store = tempfile.mkdtemp(prefix="irflow-new-store-")
-    old = os.environ.get("PREFECT_HOME")
-    try:
-        from irflow.engine import orchestration
-
-        orchestration.configure(store)
-        # a stage called twice with the same inputs (BM25's index for mining and for evaluation) computes once
-        steps = plan(get_recipe(c.flow), c, store)
-        stages = list(dict.fromkeys(p["name"] for p in steps))
-        inputs = {p["name"]: p["inputs"] for p in steps}
-        params = {p["name"]: p["params"] for p in steps}
-    finally:
-        shutil.rmtree(store, ignore_errors=True)
-        if old is None:
-            os.environ.pop("PREFECT_HOME", None)
+    stages, inputs, params = plan_of(c)
     return c, stages, inputs, params
 
 
