@@ -28,7 +28,7 @@ from harness import ROOT
 
 def sweep_body(batches: list[int], mini_batch: int):
     from irflow.learn.dual_encoder import TrainDualEncoderParams
-    from irflow.recipes.common import evaluate_runs, labelled_queries, test_runs
+    from irflow.recipes.common import evaluate_systems, labelled_queries, test_systems
     from irflow.recipes.dataset import ingest
     from irflow.stages.train_dual_encoder import train_dual_encoder
 
@@ -43,7 +43,7 @@ def sweep_body(batches: list[int], mini_batch: int):
             name = "md0" if b == c.dual_encoder.batch_size else f"md0-batch{b}"
             systems[name] = train_dual_encoder(run, p, tag=name, queries=[train_q], corpus=data.corpus,
                                                base_model=base, qrels=[data.qrels])["model"]
-        return evaluate_runs(run, c.evaluate, data, test_runs(run, c, data, base, systems))
+        return evaluate_systems(run, c.evaluate, data, test_systems(run, c, data, base, systems))
 
     return body
 

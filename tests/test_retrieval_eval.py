@@ -381,7 +381,7 @@ def test_queries_without_a_judged_document_in_the_corpus(slice_with_missing_docs
 
 
 def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
-    """irflow.recipes.common.evaluate_runs's wiring, with the stages run outside Prefect (stage.run)."""
+    """irflow.recipes.common.evaluate_systems's wiring, with the stages run outside Prefect (stage.run)."""
     from irflow.recipes import common
 
     calls = []
@@ -391,7 +391,7 @@ def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
         return evaluate.run(run_, p, tag=tag, **inputs)
 
     monkeypatch.setattr(common, "evaluate", plain)
-    out = common.evaluate_runs(run, c, data, common.Systems(runs))
+    out = common.evaluate_systems(run, c, data, common.Systems(runs))
     assert calls == [{"ranking", "qrels", "queries", "corpus"}]  # the recipes give evaluate the corpus
     return out.evaluations
 

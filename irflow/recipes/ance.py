@@ -30,12 +30,12 @@ from irflow.recipes.common import (
     SupervisedConfig,
     bm25_train_run,
     check_skip_top,
-    evaluate_runs,
+    evaluate_systems,
     hybrid_rankings,
     labelled_queries,
     retrieve,
     system_name,
-    test_runs,
+    test_systems,
     top_negative_mining,
     train_split_follows,
 )
@@ -142,8 +142,8 @@ def ance(c: ANCEConfig, run: Run) -> Made:
                                    negatives=[negatives])["model"]
         systems[f"ance-round{r}"] = model
 
-    tested = test_runs(run, c, data, base, systems)
+    tested = test_systems(run, c, data, base, systems)
     tested.rankings.update(hybrid_rankings(run, c.hybrid, tested.rankings, c.bm25.first_system,
                                            system_name(c.base_model), systems))
-    return evaluate_runs(run, c.evaluate, data, tested)
+    return evaluate_systems(run, c.evaluate, data, tested)
 

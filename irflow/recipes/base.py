@@ -4,7 +4,7 @@
     def gpl(c: GPLConfig, run: Run) -> Made:
         data = ingest(run, c.dataset)
         ...
-        return evaluate_runs(run, c.evaluate, data, systems)
+        return evaluate_systems(run, c.evaluate, data, systems)
 
 The body wires stages together (each call is a cached stage run, a Prefect task inside a flow) and
 returns what it made (``Made``: its evaluations, what they measured, the dense models a selection may
@@ -202,7 +202,7 @@ class RunResult:
 
 @dataclass(frozen=True)
 class Made:
-    """What a recipe body hands back to its run (``irflow.recipes.common.evaluate_runs`` makes it): the
+    """What a recipe body hands back to its run (``irflow.recipes.common.evaluate_systems`` makes it): the
     evaluate stages' outputs; what they measured (labelled, a proxy and how it was made, or nothing); the
     dense systems a selection may pick (system -> model ref) and the one training started from (the
     selection's baseline; None: nothing to select); and why the evaluation cannot tell a trained model from
@@ -381,7 +381,7 @@ def execute(recipe: Recipe, c: RecipeConfig, store: str, *, force: set[str] = fr
             made = recipe.body(c, run)
             if not isinstance(made, Made):
                 raise TypeError(f"recipe {recipe.name}: its body returned {type(made).__name__}, not Made "
-                                "(irflow.recipes.common.evaluate_runs makes one)")
+                                "(irflow.recipes.common.evaluate_systems makes one)")
             # stages run at once leave Deferred refs: what the selection reads must be the refs themselves
             made = replace(made, models={k: resolve_deferred(v) for k, v in made.models.items()})
         # an evaluation that --to left out has no metrics to report

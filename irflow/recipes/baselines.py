@@ -33,8 +33,8 @@ from irflow.recipes.common import (
     ZeroShotDense,
     alias_runs,
     bm25_rankings,
-    dense_run,
-    evaluate_runs,
+    dense_ranking,
+    evaluate_systems,
     system_name,
 )
 from irflow.recipes.dataset import Dataset, DatasetConfig, ingest
@@ -113,10 +113,10 @@ def baselines(c: BaselinesConfig, run: Run) -> Made:
     if c.dense.enabled:
         system = c.dense.system or system_name(c.dense.model)
         model = run.model(c.dense.model, "dense.model")
-        systems.dense(system, dense_run(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
+        systems.dense(system, dense_ranking(run, c.dense, data.corpus, data.test_queries, system=system, tag="zero-shot",
                                         model=model), model, start=True)
         systems.rankings.update(alias_runs(run, c, data, systems, c.dense))
     if c.deepct.enabled:
         systems.rankings[DEEPCT_SYSTEM] = deepct_run(run, c, data)
-    return evaluate_runs(run, c.evaluate, data, systems)
+    return evaluate_systems(run, c.evaluate, data, systems)
 

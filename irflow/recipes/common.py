@@ -120,7 +120,7 @@ def bm25_rankings(run: Run, c: BM25Config, corpus: DatasetRef, queries: DatasetR
     return rankings
 
 
-def dense_run(run: Run, c: DenseRetrieval, corpus: DatasetRef, queries: DatasetRef, *, model: DatasetRef,
+def dense_ranking(run: Run, c: DenseRetrieval, corpus: DatasetRef, queries: DatasetRef, *, model: DatasetRef,
               system: str, tag: str) -> DatasetRef:
     """Encode the corpus (cached on corpus + model + encoding settings: shared by every query set),
     then search it. None without queries (nothing evaluated)."""
@@ -151,7 +151,7 @@ class Systems:
             self.start = system
 
 
-def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, systems: Systems, caveat: str | None = None) -> Made:
+def evaluate_systems(run: Run, c: EvaluationParams, data: Dataset, systems: Systems, caveat: str | None = None) -> Made:
     """One evaluate stage per system (a changed system re-evaluates alone), on the test queries (the corpus
     lets it count the judged queries with no judged document in it); what the recipe hands back (``Made``).
     ``caveat``: why this evaluation cannot tell a trained model from the start (see ``Made``)."""
@@ -160,7 +160,7 @@ def evaluate_runs(run: Run, c: EvaluationParams, data: Dataset, systems: Systems
     if data.test_queries is None:
         return made
     if data.judged and data.qrels is None:
-        raise ValueError("evaluate_runs: the held-out log queries have no judgements yet (the recipe's teacher "
+        raise ValueError("evaluate_systems: the held-out log queries have no judgements yet (the recipe's teacher "
                          "makes them: judge_queries)")
     name = data.name if data.proxy is None else f"{data.name} (proxy)"
     p = c.to(EvaluateParams, dataset=name, split=data.split)
@@ -236,7 +236,7 @@ def retrieve(run: Run, c: DenseRetrieval, data: Dataset, model: DatasetRef, quer
              tag: str, system: str = "dense") -> DatasetRef:
     """A dual encoder's top ``depth`` for training queries. Its corpus embeddings are the ones its test
     evaluation uses (same model, same encoding settings: one encode_corpus)."""
-    return dense_run(run, c.to(type(c), depth=depth, remove_query=False), data.corpus, queries, model=model,
+    return dense_ranking(run, c.to(type(c), depth=depth, remove_query=False), data.corpus, queries, model=model,
                      system=system, tag=tag)
 
 
@@ -282,7 +282,7 @@ class SupervisedConfig(RecipeConfig):
         return self
 
 
-def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
+def test_systems(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
               models: dict[str, DatasetRef], base_model: str | None = None,
               start: tuple[str, DatasetRef] | None = None) -> Systems:
     """The test systems: BM25 (``c.bm25``), the zero-shot base model (``base_model``: its config value, by
@@ -292,17 +292,17 @@ def test_runs(run: Run, c: RecipeConfig, data: Dataset, base: DatasetRef,
     (``alias_runs``)."""
     systems = Systems(bm25_rankings(run, c.bm25, data.corpus, data.test_queries))
     zero_shot = system_name(base_model or c.base_model)
-    systems.dense(zero_shot, dense_run(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
+    systems.dense(zero_shot, dense_ranking(run, c.dense, data.corpus, data.test_queries, model=base, system=zero_shot,
                                        tag="zero-shot"), base, start=True)
     if start is not None:
         name, model = start
         if name in systems.rankings:
             raise ConfigError(f"train.init: '{name}' is also the name of a system of this run; the alias's model is "
                               "evaluated as a system of that name: choose another alias name")
-        systems.dense(name, dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
+        systems.dense(name, dense_ranking(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
                                       tag=name), model, start=True)
     for name, model in models.items():
-        systems.dense(name, dense_run(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
+        systems.dense(name, dense_ranking(run, c.dense, data.corpus, data.test_queries, model=model, system=name,
                                       tag=name), model)
     systems.rankings.update(alias_runs(run, c, data, systems, c.dense))
     return systems
@@ -347,7 +347,7 @@ def alias_runs(run: Run, c: RecipeConfig, data: Dataset, systems: Systems,
     model = alias_model(run, current["model_id"], "promote.alias")
     if model is None:
         return {}
-    return {alias: dense_run(run, dense, data.corpus, data.test_queries, model=model, system=alias, tag=alias)}
+    return {alias: dense_ranking(run, dense, data.corpus, data.test_queries, model=model, system=alias, tag=alias)}
 
 
 def start_model(run: Run, init: str, base: DatasetRef, base_name: str, where: str

@@ -35,10 +35,10 @@ from irflow.recipes.common import (
     DenseConfig,
     HybridConfig,
     checkpoint_candidates,
-    evaluate_runs,
+    evaluate_systems,
     hybrid_rankings,
     system_name,
-    test_runs,
+    test_systems,
 )
 from irflow.recipes.dataset import DatasetConfig, ingest, same_kind
 from irflow.stages.evaluate import EvaluationParams
@@ -115,7 +115,7 @@ def contriever(c: ContrieverConfig, run: Run) -> Made:
     # 3. Evaluation: BM25, the starting model and the trained one (and BM25 fused with each).
     students = {"contriever": model}
     candidates = checkpoint_candidates(run, c.train.to(TrainStudentParams), data, model, "contriever", "contriever")
-    tested = test_runs(run, c, data, base, {**students, **candidates}, base_model=c.train.model)
+    tested = test_systems(run, c, data, base, {**students, **candidates}, base_model=c.train.model)
     tested.rankings.update(hybrid_rankings(run, c.hybrid, tested.rankings, c.bm25.first_system,
                                            system_name(c.train.model), students))
-    return evaluate_runs(run, c.evaluate, data, tested)
+    return evaluate_systems(run, c.evaluate, data, tested)

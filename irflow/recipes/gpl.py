@@ -61,12 +61,12 @@ from irflow.recipes.common import (
     HybridConfig,
     bm25_rankings,
     checkpoint_candidates,
-    dense_run,
-    evaluate_runs,
+    dense_ranking,
+    evaluate_systems,
     hybrid_rankings,
     start_model,
     system_name,
-    test_runs,
+    test_systems,
 )
 from irflow.recipes.dataset import Dataset, DatasetConfig, ingest, same_kind
 from irflow.stages.bm25 import (
@@ -426,7 +426,7 @@ def miner_run(run: Run, m: BM25Miner | DenseMiner, c: GPLConfig, corpus: Dataset
     # Same model and encoding as an evaluated system: its corpus embeddings are reused (cached).
     settings = c.dense.to(DenseRetrieval, depth=c.mine.depth, remove_query=False,
                           similarity=m.similarity or c.dense.similarity)
-    return dense_run(run, settings, corpus, queries, model=miner_model(run, m, c, student), system=name,
+    return dense_ranking(run, settings, corpus, queries, model=miner_model(run, m, c, student), system=name,
                      tag=f"{prefix}-{name}{suffix}")
 
 
@@ -566,9 +566,9 @@ def gpl(c: GPLConfig, run: Run) -> Made:
 
     # 5. Evaluation on the test split: baselines and the adapted students side by side.
     # (the students kept every train.candidates_every steps are evaluated too, not fused with BM25)
-    tested = test_runs(run, c, data, base, {**students, **candidates}, base_model=c.train.model, start=start)
+    tested = test_systems(run, c, data, base, {**students, **candidates}, base_model=c.train.model, start=start)
     rankings = tested.rankings
     rankings.update(hybrid_rankings(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.train.model), students))
     rankings.update(doc2query_rankings(run, c, data, gen))
-    return evaluate_runs(run, c.evaluate, data, tested, same_kind_caveat(c))
+    return evaluate_systems(run, c.evaluate, data, tested, same_kind_caveat(c))
 

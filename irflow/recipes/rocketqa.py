@@ -51,12 +51,12 @@ from irflow.recipes.common import (
     SupervisedConfig,
     bm25_train_run,
     check_skip_top,
-    evaluate_runs,
+    evaluate_systems,
     hybrid_rankings,
     labelled_queries,
     retrieve,
     system_name,
-    test_runs,
+    test_systems,
     top_negative_mining,
     train_split_follows,
 )
@@ -416,7 +416,7 @@ def rocketqa(c: RocketQAConfig, run: Run) -> Made:
                                  [denoised[first.tag]["negatives"], aug["negatives"]])
 
     # 7. Evaluation on the test split: BM25, zero-shot, every dual encoder, M_C re-ranking M_D0's top 100.
-    tested = test_runs(run, c, data, base, systems)
+    tested = test_systems(run, c, data, base, systems)
     rankings = tested.rankings
     rankings.update(hybrid_rankings(run, c.hybrid, rankings, c.bm25.first_system, system_name(c.base_model), systems))
     rankings["mc-rerank"] = rerank(run, c.cross_encoder.rerank.to(RerankParams, system="mc-rerank"), tag="mc",
@@ -428,5 +428,5 @@ def rocketqa(c: RocketQAConfig, run: Run) -> Made:
         rankings["mc-rerank-fused"] = fuse(run, FuseParams(weights={"md0": w, "mc-rerank": 1 - w}, input_depth=depth,
                                                            depth=depth, system="mc-rerank-fused"),
                                            tag="mc-rerank-fused", rankings=[rankings["md0"], rankings["mc-rerank"]])
-    return evaluate_runs(run, c.evaluate, data, tested)
+    return evaluate_systems(run, c.evaluate, data, tested)
 

@@ -31,12 +31,12 @@ from irflow.recipes.common import (
     SupervisedConfig,
     bm25_train_run,
     check_skip_top,
-    evaluate_runs,
+    evaluate_systems,
     hybrid_rankings,
     labelled_queries,
     retrieve,
     system_name,
-    test_runs,
+    test_systems,
     top_negative_mining,
     train_split_follows,
 )
@@ -122,7 +122,7 @@ def star(c: STARConfig, run: Run) -> Made:
                                     corpus=data.corpus, base_model=base, qrels=[data.qrels],
                                     negatives=[static])["model"]
 
-    tested = test_runs(run, c, data, base, {"star": star_model})
+    tested = test_systems(run, c, data, base, {"star": star_model})
     # ADORE: STAR's corpus embeddings stay fixed; the query encoder learns from its own top-k over them.
     if c.adore.enabled:
         index = encode_corpus(run, c.dense.to(EncodeParams), tag="adore", corpus=data.corpus, model=star_model)
@@ -136,4 +136,4 @@ def star(c: STARConfig, run: Run) -> Made:
     tested.rankings.update(hybrid_rankings(run, c.hybrid, tested.rankings, c.bm25.first_system,
                                            system_name(c.base_model),
                                            ["star"] + (["star-adore"] if c.adore.enabled else [])))
-    return evaluate_runs(run, c.evaluate, data, tested)
+    return evaluate_systems(run, c.evaluate, data, tested)
