@@ -29,7 +29,6 @@ import logging
 import shutil
 import threading
 import time
-from dataclasses import replace
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
@@ -44,7 +43,7 @@ from irflow.engine.errors import DataError, StageFailed
 from irflow.engine.executors import executor_for
 from irflow.engine.params import Params
 from irflow.engine.processes import check_interrupted, file_lock, release_memory
-from irflow.engine.runtime import RuntimeConfig, load_average, resolve_device, stage_runtime
+from irflow.engine.runtime import RuntimeConfig, load_average, resolve_device
 from irflow.engine.stage import ONNX_EXPORT, PENDING, Output, Stage, _as_list
 from irflow.engine.store import TABLE_FILE, DatasetRef, Store, remove_tree, tree_size, write_parts
 from irflow.engine.worker import warnings_logged
@@ -373,8 +372,7 @@ def _compute(stage: Stage, run: Run, store: Store, catalog: Catalog, key, params
         # with the same key are found here again. Removed once the outputs are published.
         resume_dir = store.root / "partial" / key
         resume_dir.mkdir(parents=True, exist_ok=True)
-    rt = replace(stage_runtime(run.runtime, stage.work, workdir, resume_dir,
-                               onnx_capable=stage.onnx is not None, onnx_models=onnx_models))
+    rt = stage.runtime(run.runtime, workdir, resume_dir, onnx_models=onnx_models)
     try:
         log.info("%s: computing (%s)", stage_label,
                  f"{rt.device}, {rt.precision}, {rt.threads} threads{_backend(rt)}" if stage.work
@@ -447,7 +445,7 @@ def _compute_shards(stage: Stage, run: Run, store: Store, catalog: Catalog, key,
 
     parts_dir = store.root / "partial" / key
     parts_dir.mkdir(parents=True, exist_ok=True)
-    rt = stage_runtime(run.runtime, stage.work, onnx_capable=stage.onnx is not None, onnx_models=onnx_models)
+    rt = stage.runtime(run.runtime, onnx_models=onnx_models)
     role = stage.shard
     total = inputs[role].num_rows()
     reuse, shard_dir, shard_inputs = None, parts_dir, inputs

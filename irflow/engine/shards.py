@@ -46,7 +46,7 @@ import shutil
 import socket
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,7 +111,6 @@ def part_names(stage, start: int, stop: int) -> dict[str, str]:
 
 def run_shard(job: ShardJob) -> dict:
     """Compute one shard in this process and write its part. Returns the shard's record."""
-    from irflow.engine.runtime import stage_runtime
     from irflow.engine.store import write_parts
 
     stage = getattr(importlib.import_module(job.module), job.attr)
@@ -122,8 +121,7 @@ def run_shard(job: ShardJob) -> dict:
     workdir.mkdir(parents=True)
     tmps: dict[str, Path] = {}
     try:
-        rt = replace(stage_runtime(job.runtime, stage.work, workdir, onnx_capable=stage.onnx is not None,
-                                   onnx_models=job.onnx_models), threads=job.threads)
+        rt = stage.runtime(job.runtime, workdir, onnx_models=job.onnx_models, threads=job.threads)
         inputs = {**job.inputs, job.role: job.inputs[job.role].slice(job.start, job.stop)}
         result, warned = stage.compute(job.params, rt, inputs)
         rows = {}

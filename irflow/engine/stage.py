@@ -125,6 +125,18 @@ class Stage:
         return bool(self.shard) and (self.shard_when is None or bool(self.shard_when(params)))
 
     # -- running it is the runner's, through the run (irflow.engine.runner.Run) ---------------------------
+    def runtime(self, config, workdir: Path | None = None, resume_dir: Path | None = None, *,
+                onnx_models: dict[str, str] | None = None, threads: int | None = None):
+        """What one call of it computes with (``irflow.engine.runtime.stage_runtime``): the run's ``config`` for
+        its kind of work and its backend; ``threads``: a shard's, when it is given fewer than the run."""
+        from dataclasses import replace
+
+        from irflow.engine.runtime import stage_runtime
+
+        rt = stage_runtime(config, self.work, workdir, resume_dir, onnx_capable=self.onnx is not None,
+                           onnx_models=onnx_models)
+        return replace(rt, threads=threads) if threads else rt
+
     def compute(self, params: Params, rt, inputs: dict) -> tuple[dict[str, Any], list[str]]:
         """One call of the stage's function, the unit the runner (a whole stage) and a shard (its rows) both
         run: on ``rt.threads`` torch threads if it computes with torch, its warnings collected; a Ctrl-C
