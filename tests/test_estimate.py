@@ -67,7 +67,8 @@ def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_co
     from datetime import datetime
 
     at_noon = datetime(2026, 12, 6, 12, 0).timestamp()  # 2,600 s of stages at 2.5x: 6,500 s
-    assert "(it then ends about 13:48, not 12:43)" in estimate.load_note(HW, 3.0, None, 2600, now=at_noon)
+    note = estimate.load_note(HW, 3.0, None, 2600, now=at_noon)
+    assert "(it then ends about 13:48, not 12:43)" in note and "each other; about 19:13)" in note  # 10x: 26,000 s
     given = estimate.format_estimates(rows, HW, load=1.6, threads=1)  # already at the cores left free
     assert "expect about 1.8x" in given and "--set" not in given and "at runtime.threads=1" in given
 

@@ -17,8 +17,8 @@ uses fp32 (its outputs -- embeddings, scores -- are what other stages and the me
 ``bf16-native`` is bf16 where the device computes it natively and fp32 elsewhere, for any kind of work
 (the offline RocketQA configs score with it: cross-encoder scoring ~1.4-2x faster in bf16 on AVX-512
 BF16). A forced ``bf16`` that is slow on this machine is honoured with a warning: on an AVX2-only CPU
-one MiniLM training step took 39.4 s under bf16 autocast against 1.57 s in fp32, and scoring 32
-(query, passage) pairs at 128 tokens 12.8 s against 1.8-2.1 s.
+bf16 is emulated, and a MiniLM training step or a cross-encoder's scoring runs many times slower than in
+fp32 (docs/concepts/runtime.md gives the measurements).
 
 ``backend`` (torch | onnx) is how inference runs: ``onnx`` runs the stages that encode or score with
 a model (encoding, dense search, the cross-encoder teachers, rerank) on ONNX Runtime, on the CPU, with
@@ -104,9 +104,9 @@ class RuntimeFields(Params):
                                                   "torch; onnx: ONNX Runtime on the CPU, fp32, the model "
                                                   "exported once into the store (export_onnx); or auto: whichever "
                                                   "a short probe finds faster for each model on this hardware, "
-                                                  "remembered in the store (irflow.learn.backend_probe; ONNX Runtime "
-                                                  "measured 0.78x torch on an Intel Xeon with AMX, 1.31x on an AMD "
-                                                  "EPYC with AVX-512). Exact either way (allclose), so never "
+                                                  "remembered in the store (irflow.learn.backend_probe; neither is "
+                                                  "faster on every CPU: docs/how-to/onnx.md has the measured ratio "
+                                                  "per kind of CPU). Exact either way (allclose), so never "
                                                   "keyed; int8 is each stage's keyed `quantization`")
     train_processes: int = Field(1, ge=1, description="processes (torchrun; one per GPU on CUDA) that share "
                                                       "each training step: every batch is split between them "
@@ -118,8 +118,8 @@ class RuntimeFields(Params):
     recompute_activations: bool | Literal["auto"] = Field(
         "auto", description="training keeps only each transformer layer's input and recomputes the layer in the "
                             "backward pass (activation checkpointing): the same weights, bit for bit, with the "
-                            "activation memory of one layer instead of all of them, for more compute (a MiniLM "
-                            "step on 2 CPU cores: 1.3-1.5x the CPU time). auto: on only when a step's activations "
+                            "activation memory of one layer instead of all of them, for more compute (docs/bench/memory.md "
+                            "measures what a MiniLM step costs on 2 CPU cores). auto: on only when a step's activations "
                             "(estimated from the batch, the sequence length and the model's size) would take "
                             "more than half the memory available to the device, said in the log; true / false: "
                             "always / never")

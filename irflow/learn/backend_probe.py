@@ -1,8 +1,8 @@
 """``runtime.backend: auto``: torch or ONNX Runtime, whichever runs a model faster on this hardware.
 
-ONNX Runtime is not faster everywhere. Encoding the bundled sample's corpus on 2 idle cores took 54 s
-with torch and 68 s with ONNX Runtime on an Intel Xeon with AMX (0.78x), and 58 s vs 44 s on an AMD
-EPYC with AVX-512 (1.31x). So ``auto`` times both on the same texts before a model's first stage
+ONNX Runtime is not faster everywhere: encoding the bundled sample's corpus on 2 idle cores it was slower
+than torch on an Intel Xeon with AMX and faster on an AMD EPYC with AVX-512 (docs/how-to/onnx.md has the
+measured seconds per kind of CPU). So ``auto`` times both on the same texts before a model's first stage
 (``PROBE_TEXTS`` real passages from the bundled sample, at the stage's sequence length, after a warm-up
 batch) and runs the faster one; ONNX Runtime only when it is at least ``irflow.engine.backends.MARGIN`` times faster (torch is
 the reference path, and the probe has noise). The decision is remembered in the store per hardware,

@@ -680,16 +680,20 @@ def load_note(hw: Hardware, load: float | None, threads: int | None = None, tota
     slower = 1 + load / hw.cores
     head = (f"warning: other processes keep {load:.1f} of the {hw.cores} cores busy: other work shares them, and "
             f"these figures assume they are free; expect about {slower:.1f}x as long")
+    start = time.time() if now is None else now
+
+    def ends(factor: float) -> str:  # the finishing time at ``factor`` times the estimate
+        return f"{datetime.fromtimestamp(start + total * factor):%H:%M}" if total else ""
+
     if total:
-        start = time.time() if now is None else now
-        finish, planned = (datetime.fromtimestamp(start + total * f) for f in (slower, 1.0))
-        head += f" (it then ends about {finish:%H:%M}, not {planned:%H:%M})"
+        head += f" (it then ends about {ends(slower)}, not {ends(1.0)})"
     if threads is not None and threads <= free:
         return (f"{head}; at runtime.threads={threads} beside another run computing with torch, a run measured "
                 f"{c['one_thread']:g}x there (irflow/measured/rates.json)")
-    return (f"{head}, and up to {c['threads_shared']:g}x beside another run computing with torch on every core "
-            f"(their threads wait for each other); with --set runtime.threads={free} this run measured "
-            f"{c['one_thread']:g}x there (irflow/measured/rates.json)")
+    shared = c["threads_shared"]
+    return (f"{head}, and up to {shared:g}x beside another run computing with torch on every core "
+            f"(their threads wait for each other{f'; about {ends(shared)}' if total else ''}); with --set "
+            f"runtime.threads={free} this run measured {c['one_thread']:g}x there (irflow/measured/rates.json)")
 
 
 def format_estimates(est: list[StageEstimate], hw: Hardware, measured: dict[str, float] | None = None,
