@@ -311,6 +311,14 @@ def test_a_run_estimated_on_busy_cores_is_judged_sooner():
                 break
     step = 1.6 * 1.7
     assert said[False] == pytest.approx(18.0 + 7 * step) and said[True] == pytest.approx(18.0 + 4 * step)
+    # at 8x: on busy cores once 15 s are measured past the first step (2 s of estimate), on free ones not yet
+    for busy in (True, False):
+        fast = pace.Pace({"train_student[gpl]": 76.0, "encode_corpus[gpl-student]": 20.0}, started=0.0, busy=busy)
+        fast.stage_started("train_student[gpl]", now=10.0)
+        fast.stage_progress("train_student[gpl]", 1 / 38, now=50.0)  # a first step of 40 s
+        assert fast.stage_progress("train_student[gpl]", 1.5 / 38, now=58.0) is None  # 8 s measured
+        said_now = fast.stage_progress("train_student[gpl]", 2 / 38, now=66.0)  # 16 s for 2 s estimated
+        assert ("8.0x slower" in said_now) if busy else said_now is None
 
 
 def test_a_training_batch_is_estimated_at_the_length_of_its_longest_passage():

@@ -1,7 +1,7 @@
 """Whether a run keeps to its estimate: the measured seconds of the stages done, and of those still
 computing, against what the estimate gave them. Once they were estimated at a twentieth of the run (at least
-``JUDGE_FROM`` seconds; ``JUDGE_FROM_BUSY`` when the estimate found the cores busy) and took more than
-``OVERRUN`` times that, the run says so once, with the finishing time at the pace it is going; and
+``JUDGE_FROM`` seconds; when the estimate found the cores busy, ``JUDGE_FROM_BUSY`` of them or ``MEASURED_BUSY``
+seconds measured) and took more than ``OVERRUN`` times that, the run says so once, with the finishing time at the pace it is going; and
 again only if the pace becomes ``AGAIN`` times slower than it said (another run taking the cores half-way).
 
 A stage still computing counts as soon as it outlasts its estimate (its estimate covered, every second
@@ -35,6 +35,7 @@ JUDGE_FROM = 10.0  # seconds of the estimate covered at least: less says more of
 # 1.5x at 13 s that ended at 0.93x; bench/estimates.py --replay-pace over the idle and loaded series)
 JUDGE_FROM_BUSY = 5.0  # the same when the estimate found the cores busy (its load warning): the run is expected
 # slow, and a twentieth of it at 1.5x or more passes after its first tenth
+MEASURED_BUSY = 15.0  # or, then, this many seconds measured: a run going 8x covers 5 s of its estimate in 40
 WATCH_EVERY = 5.0  # seconds between two looks at the stages still computing
 _PACES: dict[str, "Pace"] = {}
 # (run id, stage label, the share of the stage done before this part, the part's share) of the stage computing
@@ -49,7 +50,9 @@ class Pace:
     def __init__(self, expected: dict[str, float], started: float | None = None, busy: bool = False):
         self.expected = dict(expected)
         self.total = sum(self.expected.values())
-        # the estimated work the pace is judged on, at least; less when the cores were busy at the estimate
+        # the estimated work the pace is judged on, at least; less when the cores were busy at the estimate, when
+        # MEASURED_BUSY seconds measured are enough too
+        self.busy = busy
         self.judge_from = JUDGE_FROM_BUSY if busy else max(JUDGE_FROM, self.total * _JUDGE_AFTER)
         self.started = time.time() if started is None else started
         self.done_estimated = self.done_measured = 0.0
@@ -107,7 +110,7 @@ class Pace:
                 estimated, measured = estimated + est, measured + max(took, est * pace)
             elif covered > 0:
                 estimated, measured = estimated + covered, measured + spent
-        if estimated < self.judge_from:
+        if estimated < self.judge_from and not (self.busy and measured >= MEASURED_BUSY and estimated > 0):
             return None
         ratio = measured / estimated
         if ratio <= OVERRUN or (self.said is not None and ratio < AGAIN * self.said_ratio):
