@@ -399,3 +399,16 @@ def test_a_stage_that_outlasts_its_estimate_counts_at_its_progress_pace_when_slo
     said = p.check(now=t0 + 101)  # outlasted: its pace since the first step, 41 s for 4 s estimated
     # the 95 steps left at 10.25 s each: 974 s after 22:01:41
     assert said and "10.2x slower" in said and "ends about 22:17" in said
+
+
+def test_a_crop_trained_student_is_estimated_at_its_spans_length_beside_an_ict_proxy():
+    """A training query cut from a passage (crop_ratio) is as long as its span, whether or not the synthetic
+    evaluation's own queries (generate_queries[proxy], planned first) are generated in the same run."""
+    size = estimate.CorpusSize(1000, 300.0)
+    train = {"steps": 10, "batch_size": 32, "max_seq_length": 256, "loss": "mnrl"}
+    crop = {"generate_queries[crop]": {"source": "crop", "crop_ratio": [0.1, 0.5]}, "train_student[contriever]": train}
+    alone = estimate.estimate(None, ["train_student[contriever]"], size, HW, crop)[0].seconds
+    with_proxy = estimate.estimate(None, ["train_student[contriever]"], size, HW,
+                                   {"generate_queries[proxy]": {"source": "ict"}, **crop})[0].seconds
+    plain = estimate.estimate(None, ["train_student[contriever]"], size, HW, {"train_student[contriever]": train})
+    assert with_proxy == alone > plain[0].seconds

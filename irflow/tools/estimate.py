@@ -386,8 +386,10 @@ def _train_student(run: _Run, label: str, own: dict) -> Work | None:
     # a batch's column of passages is padded to its longest (not bucketed by length, as an encoding is), and a
     # token of a longer passage costs more (its attention reads every other token of it)
     padded = run.size.padded_tokens(length, batch)
-    tokens = batch * _query_tokens(run.stage("generate_queries"), run.size, length) + (texts - batch) * padded * \
-        _length_cost(padded)
+    # the training queries' generator: not the synthetic evaluation's (generate_queries[proxy], planned first)
+    generate = next((p for other, p in run.params.items()
+                     if stage_name(other) == "generate_queries" and other != "generate_queries[proxy]"), {})
+    tokens = batch * _query_tokens(generate, run.size, length) + (texts - batch) * padded * _length_cost(padded)
     sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
 
