@@ -105,7 +105,7 @@ class Probe:
         return out
 
     def alone(self) -> dict:
-        from irflow.engine.stage import torch_threads
+        from irflow.engine.worker import torch_threads
 
         params, rt, inputs = self.last_args
         # The stage runner sets torch's threads around the call (irflow.engine.stage); so does this.

@@ -31,7 +31,7 @@ from irflow.engine.errors import ConfigError, UserError
 from irflow.engine.executors import executor_for
 from irflow.engine.labels import stage_name
 from irflow.engine.params import model_fields
-from irflow.engine.stage import warnings_logged
+from irflow.engine.worker import warnings_logged
 from irflow.engine.store import DEFAULT_STORE
 from irflow.recipes.base import (
     RecipeConfig,
@@ -239,7 +239,7 @@ class RunEstimate:
         """Whether other work kept the cores busy when it was made (its figures then assume what was not so)."""
         from irflow.tools import estimate as est
 
-        return est.load_note(self.hw, self.load, self.threads) is not None
+        return est.cores_busy(self.hw, self.load)
 
     def record(self, run_id: str, store: str | os.PathLike | None = None) -> None:
         """Kept beside the run in its catalog: what later estimates on this hardware calibrate by."""

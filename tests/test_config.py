@@ -429,7 +429,13 @@ def test_a_query_log_proxy_needs_the_log_and_a_recipe_whose_teacher_judges(tmp_p
                                                   {"name": "m", "type": "dense", "model": "m"}]},
                               "teacher": {"type": "fusion", "weights": {"bm25": 0.3, "m": 0.7}},
                               "dataset": {**own, "query_log": str(tmp_path / "log.txt")}})
-    assert [a for a in fusion.advice() if "the judge is partly the start, so the proxy favours it" in a]
+    judged = [a for a in fusion.advice() if "the judge is partly the start, so the proxy favours it" in a]
+    # the ranks it quotes are the proxy bench's: the start on the judged log and on the real qrels
+    bench = json.loads((REPO / "bench" / "results" / "proxy_agreement_nfcorpus.json").read_text())
+    proxy, real = bench["proxies"]["log-teacher"]["proxy_ndcg@10"], bench["real_ndcg@10"]
+    rank = lambda scores: sorted(proxy, key=lambda m: -scores[m]).index("zero-shot") + 1  # noqa: E731
+    assert len(judged) == 1 and (f"the zero-shot model ranked {rank(proxy)} of {len(proxy)} models on it and "
+                                 f"{rank(real)} on the real qrels" in judged[0]), judged
     # spider's windows are cut out of their passage as ICT's sentences are: an ICT proxy would favour them
     with pytest.raises(ConfigError, match=r"ict queries are of the kind of generate.source \(spider\)"):
         api.load_config({"flow": "contriever", "generate": {"source": "spider"}, "dataset": {**own, "proxy": {}}})

@@ -19,6 +19,8 @@ def import_graph() -> dict[str, set[str]]:
     graph = {m: set() for m in mods}
     for m, p in mods.items():
         for node in ast.walk(ast.parse(p.read_text())):
+            # a relative import would escape the walk (and the table): the package imports by full name
+            assert not (isinstance(node, ast.ImportFrom) and node.level), f"{m}:{node.lineno}: a relative import"
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("irflow"):
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
@@ -132,6 +134,8 @@ def prose(source: str) -> dict[int, str]:
 FIGURE = re.compile(r"\b0\.\d{4}\b")  # nDCG-like, anywhere: code, comments, docstrings
 # in comments and docstrings also three decimals (0.995, 1.079) and percentages with a decimal (97.4%)
 PROSE_FIGURE = re.compile(r"(?<![\d.])\d+\.\d{3}(?!\d|\.\d)|(?<![\d.])\d+\.\d+%")
+# anywhere (a warning's or a description's string too): a speed-up or slow-down ("2x faster", "~1.4-2x slower")
+SPEED_FIGURE = re.compile(r"(?<![\w.])~?\d[\d,.]*(?:-\d[\d.]*)?x (?:slower|faster)\b")
 
 
 def measured_figures(rel: str, source: str) -> list[str]:
@@ -139,7 +143,8 @@ def measured_figures(rel: str, source: str) -> list[str]:
     comments_and_docstrings = prose(source)
     out = []
     for i, line in enumerate(source.splitlines(), 1):
-        found = FIGURE.findall(line) + PROSE_FIGURE.findall(comments_and_docstrings.get(i, ""))
+        found = FIGURE.findall(line) + SPEED_FIGURE.findall(line) + PROSE_FIGURE.findall(
+            comments_and_docstrings.get(i, ""))
         out += [f"{rel}:{i}: {f}" for f in found if (rel, f) not in SETTINGS_IN_PROSE]
     return out
 
@@ -147,8 +152,8 @@ def measured_figures(rel: str, source: str) -> list[str]:
 def test_measured_figures_live_in_irflow_measured_not_in_code():
     """Measured figures in code, comments or docstrings go stale when re-measured: they live in
     irflow/measured/*.json with their source (the code that quotes them reads them), or in bench/results and
-    the docs' results pages, which the prose names. nDCG-like figures (four decimals) anywhere; in comments
-    and docstrings also three decimals and percentages with a decimal. Settings in prose are listed above."""
+    the docs' results pages, which the prose names. nDCG-like figures (four decimals) and speed ratios ("25x
+    slower") anywhere, strings too; in comments and docstrings also three decimals and percentages with a decimal. Settings in prose are listed above."""
     files = [p for p in sorted((ROOT / "irflow").rglob("*.py")) if "measured" not in p.relative_to(ROOT / "irflow").parts]
     offenders = [o for p in files for o in measured_figures(p.relative_to(ROOT).as_posix(), p.read_text())]
     assert offenders == []
@@ -158,6 +163,8 @@ def test_measured_figures_live_in_irflow_measured_not_in_code():
 def test_a_measured_figure_in_prose_is_caught_and_a_constant_is_not():
     source = ('"""BM25 scored 0.995 on it."""\n'
               'THRESHOLD = 0.995  # the source passage is top-1 for 97.4% of them\n'
-              'def f():\n    """A setting, m = 0.999."""\n    return "lr 2e-5, version 3.8.8, 1.5x"\n')
-    assert measured_figures("x.py", source) == ["x.py:1: 0.995", "x.py:2: 97.4%", "x.py:4: 0.999"]
+              'def f():\n    """A setting, m = 0.999."""\n    return "lr 2e-5, version 3.8.8, 1.5x"\n'
+              'WARN = "bf16 there: measured 25x slower; int8 ~1.4-2x faster"\n')
+    assert measured_figures("x.py", source) == ["x.py:1: 0.995", "x.py:2: 97.4%", "x.py:4: 0.999",
+                                                "x.py:6: 25x slower", "x.py:6: ~1.4-2x faster"]
     assert measured_figures("irflow/learn/moco.py", '"""m = 0.999 in the paper"""\n') == []

@@ -71,6 +71,14 @@ def test_estimates_are_calibrated_by_the_stages_this_store_ran_here_with_free_co
     assert "(it then ends about 13:48, not 12:43)" in note and "each other; about 19:13)" in note  # 10x: 26,000 s
     given = estimate.format_estimates(rows, HW, load=1.6, threads=1)  # already at the cores left free
     assert "expect about 1.8x" in given and "--set" not in given and "at runtime.threads=1" in given
+    # the run's pace is judged as busy exactly when this warning is printed (one threshold), never on a GPU
+    from irflow.api import RunEstimate
+
+    gpu = estimate.Hardware("cuda", 16, "H100", 80000)
+    for hw, load in [(HW, None), (HW, 0.2), (HW, 1.0), (HW, 1.1), (HW, 3.0), (gpu, 12.0)]:
+        warned = "warning" in estimate.format_estimates(rows, hw, load=load)
+        assert RunEstimate(rows, rows, hw, None, load).busy is warned is (load is not None and load > 1.0
+                                                                              and hw is HW)
 
 
 def test_the_qgen_baseline_without_steps_of_its_own_is_estimated_at_gpls(tmp_path):

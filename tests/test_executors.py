@@ -64,6 +64,15 @@ def test_an_unknown_executor_is_refused_naming_the_known_ones():
         api.load_config(ROOT / "configs" / "demo_baselines.yaml", ["runtime.executor=rey"])
 
 
+def test_an_executor_reads_its_own_runtime_section_and_one_without_settings_reads_none():
+    from irflow.engine.executors import executor_for
+
+    c = api.load_config(ROOT / "configs" / "demo_baselines.yaml", ["runtime.ray.concurrent_stages=3"])
+    ray = executor_for(c.runtime.model_copy(update={"executor": "ray"}))
+    assert ray.settings_of(c.runtime).concurrent_stages == 3
+    assert executor_for(c.runtime).settings_of(c.runtime) is None  # local: no runtime.local section
+
+
 def test_no_module_but_the_executors_compares_executor_names():
     compares = re.compile(r"""executor\s*[!=]=\s*["']""")
     package = ROOT / "irflow" / "engine" / "executors"

@@ -454,7 +454,7 @@ def test_fuse_stage_and_fusion_teacher_give_identical_scores(env, method, depth)
 
 
 def test_least_squares_scale():
-    from irflow.stages.pseudo_label import least_squares_scale
+    from irflow.learn.scoring import least_squares_scale
 
     t = np.array([1.0, -2.0, 3.0, 0.5])
     assert least_squares_scale(t, 0.07 * t) == pytest.approx(0.07)

@@ -398,7 +398,8 @@ def _evaluate_runs_plain(monkeypatch, run, c, data, runs):
 
 _COMPARE_WITH_PYSERINI = """
 import json, sys
-from irflow.engine.java import LuceneBM25Searcher, setup_pyserini_env
+from irflow.engine.java import setup_pyserini_env
+from irflow.learn.lucene import LuceneBM25Searcher
 from irflow.stages.bm25 import SEARCH_FIELDS
 
 setup_pyserini_env("512m")  # Java 21 before pyserini starts the JVM

@@ -1,6 +1,7 @@
-"""Independent branches at once: with executor ray, stage calls return at once and run as Prefect futures.
+"""Independent branches at once: stage calls return at once and run as Prefect futures.
 
-With ``runtime.executor: ray`` and ``runtime.ray.concurrent_stages`` above 1, a stage call in a recipe
+With an executor whose ``concurrent_stages`` is above 1 (ray, with ``runtime.ray.concurrent_stages`` above 1), a
+stage call in a recipe
 body does not wait for its stage. It submits the stage's Prefect task to a thread pool of the flow's
 process and returns a ``Deferred``: a stand-in for the stage's output ref (for a multi-output stage,
 for its dict of refs: ``gen["queries"]`` is a Deferred too, and waits for nothing). A Deferred given
@@ -10,7 +11,7 @@ metrics) waits for it. A body thus still reads top-down, and the stages that do 
 outputs -- GPL's miners, the BM25 and dense baselines, RocketQA's M_D0 ablations -- run together.
 
 - At most ``concurrent_stages`` stages run at once (a semaphore; a stage still waiting for its inputs
-  holds no slot). A stage runs in a thread here; its heavy work goes to Ray as shards, as before: this
+  holds no slot). A stage runs in a thread here; its heavy work goes to the executor as shards: this
   overlaps stages, not the shards of one stage.
 - Stages that compute with torch in this process (``work`` set, not sharded: the trainers, a teacher
   that is not sharded) take turns (``irflow.engine.runner``): torch's thread count (``torch.set_num_threads``)
@@ -25,10 +26,10 @@ outputs -- GPL's miners, the BM25 and dense baselines, RocketQA's M_D0 ablations
   stages already running finish (and are cached for the next run) before the run ends.
 - A Ctrl-C stops the run at once: nothing new starts, the running stages stop at their next
   interruption check (``irflow.engine.processes.check_interrupted``), and the run's Ray cluster goes with
-  the run as before (shards in flight are dropped; finished parts stay for the next run).
+  the run (shards in flight are dropped; finished parts stay for the next run).
 
 Dry runs (``irflow status``), the calls that ``--to`` skips, executor local and
-``concurrent_stages: 1`` are as before: a stage call runs its stage and returns its refs.
+``concurrent_stages: 1`` are not deferred: a stage call runs its stage and returns its refs.
 """
 
 from __future__ import annotations

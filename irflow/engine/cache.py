@@ -32,10 +32,6 @@ def key_payload(stage: str, version: str, params: dict, inputs: dict[str, list[D
     }
 
 
-def cache_key(stage: str, version: str, params: dict, inputs: dict[str, list[DatasetRef]]) -> str:
-    return hash_payload(key_payload(stage, version, params, inputs))
-
-
 def hash_payload(payload: dict) -> str:
     return hashlib.sha256(canonical(payload).encode()).hexdigest()
 

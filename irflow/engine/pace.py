@@ -50,10 +50,9 @@ class Pace:
     def __init__(self, expected: dict[str, float], started: float | None = None, busy: bool = False):
         self.expected = dict(expected)
         self.total = sum(self.expected.values())
-        # the estimated work the pace is judged on, at least; less when the cores were busy at the estimate, when
-        # MEASURED_BUSY seconds measured are enough too
-        self.busy = busy
+        # judged once this much estimated work is covered, or (cores busy at the estimate) this much measured
         self.judge_from = JUDGE_FROM_BUSY if busy else max(JUDGE_FROM, self.total * _JUDGE_AFTER)
+        self.judge_measured = MEASURED_BUSY if busy else None
         self.started = time.time() if started is None else started
         self.done_estimated = self.done_measured = 0.0
         self.running: dict[str, float] = {}  # label -> when it started computing
@@ -110,7 +109,9 @@ class Pace:
                 estimated, measured = estimated + est, measured + max(took, est * pace)
             elif covered > 0:
                 estimated, measured = estimated + covered, measured + spent
-        if estimated < self.judge_from and not (self.busy and measured >= MEASURED_BUSY and estimated > 0):
+        enough = estimated >= self.judge_from or (
+            self.judge_measured is not None and measured >= self.judge_measured and estimated > 0)
+        if not enough:
             return None
         ratio = measured / estimated
         if ratio <= OVERRUN or (self.said is not None and ratio < AGAIN * self.said_ratio):

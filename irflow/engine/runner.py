@@ -17,9 +17,10 @@ files no longer match their digest is set aside and recomputed (see irflow.engin
 used; one computation of a key at a time (a file lock per key between processes, a lock per key
 between the threads of one), so identical runs started together compute each stage once.
 
-A stage called in a recipe runs as a Prefect task (``call``); with executor ray
-(``runtime.ray.concurrent_stages`` above 1) it is submitted and a ``Deferred`` stands for its refs, so
-that stages that do not read each other's outputs run at the same time (``irflow.engine.branches``).
+A stage called in a recipe runs as a Prefect task (``call``); with an executor that runs stages at once
+(``concurrent_stages`` above 1: ray's ``runtime.ray.concurrent_stages``) it is submitted and a ``Deferred``
+stands for its refs, so that stages that do not read each other's outputs run at the same time
+(``irflow.engine.branches``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import pyarrow as pa
 
 from irflow.engine import pace
-from irflow.engine.cache import hash_payload, key_payload, why_stale
+from irflow.engine.cache import hash_payload, why_stale
 from irflow.engine.catalog import Catalog, now
 from irflow.engine.errors import DataError, StageFailed
 from irflow.engine.executors import executor_for
@@ -59,8 +60,8 @@ class Run:
     forced too (tracked through its output ids in the catalog). ``dry_run`` (``irflow status``) reports cached/stale per stage and computes nothing.
     ``only`` (``--to STAGE``: the stage labels it needs, see ``irflow.recipes.base.upstream``) skips every other
     stage: a skipped call returns placeholder refs, records nothing and is listed in ``skipped``.
-    ``branches`` (set by ``irflow.recipes.base.execute`` with executor ray) makes stage calls run at once
-    (``irflow.engine.branches``); ``error`` and ``failed`` are then the first failure, whichever thread saw it.
+    ``branches`` (set by ``irflow.engine.branches`` while an executor runs stages at once) makes stage calls
+    run at once; ``error`` and ``failed`` are then the first failure, whichever thread saw it.
     """
 
     def __init__(self, store_root: str | Path, run_id: str, *, runtime: RuntimeConfig | None = None,
@@ -214,8 +215,8 @@ def execute(stage: Stage, run: Run, params: Params | dict, tag: str | None, inpu
             run.skipped.append(entry)
         return _result(stage, refs), "skipped"
     input_ids = [r.id for v in inputs.values() for r in _as_list(v)]
-    detail = key_payload(stage.name, stage.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
-    key = hash_payload(detail)  # = stage.key(params, inputs), without dumping the params twice
+    detail = stage.key_payload(params, inputs)
+    key = hash_payload(detail)  # = stage.key(params, inputs), the payload kept for the catalog
     clock = _Clock()
 
     # taints are recorded only below a forced stage: without --from there are none to look up

@@ -15,8 +15,7 @@ Precision ``auto`` follows the hardware: training uses bf16 autocast where the d
 natively (a CUDA GPU that supports it; a CPU with AVX-512 BF16 or AMX), fp32 elsewhere; inference
 uses fp32 (its outputs -- embeddings, scores -- are what other stages and the metrics read).
 ``bf16-native`` is bf16 where the device computes it natively and fp32 elsewhere, for any kind of work
-(the offline RocketQA configs score with it: cross-encoder scoring ~1.4-2x faster in bf16 on AVX-512
-BF16). A forced ``bf16`` that is slow on this machine is honoured with a warning: on an AVX2-only CPU
+(the offline RocketQA configs score with it: a cross-encoder scores faster in bf16 where it is native). A forced ``bf16`` that is slow on this machine is honoured with a warning: on an AVX2-only CPU
 bf16 is emulated, and a MiniLM training step or a cross-encoder's scoring runs many times slower than in
 fp32 (docs/concepts/runtime.md gives the measurements).
 
@@ -242,8 +241,8 @@ def precision_warning(precision: str, work: str, device: str) -> str | None:
     kind = device.split(":")[0]
     if precision == "bf16" and kind == "cpu" and not cpu_has_native_bf16():
         return (f"runtime.precision: bf16 for {work} on a CPU without native bf16 (no avx512_bf16/amx_bf16 "
-                f"flag): measured 25x slower than fp32 for a MiniLM training step on such a CPU; "
-                f"precision 'auto' or 'bf16-native' picks fp32 here")
+                f"flag): it is emulated there, and a MiniLM training step runs many times slower than in fp32 "
+                f"(docs/concepts/runtime.md gives the measurement); precision 'auto' or 'bf16-native' picks fp32 here")
     if precision == "fp16" and kind == "cpu":
         return f"runtime.precision: fp16 for {work} on the CPU: CPUs have no fast fp16 path; use fp32 or auto"
     if precision == "bf16" and kind == "cuda" and not native_bf16(device):

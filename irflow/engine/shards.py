@@ -162,7 +162,6 @@ def relay_warnings(label: str, records: list[dict]) -> None:
                     shown)
 
 
-# ---- objects kept per worker process -------------------------------------------------------------
 # ---- running every shard of a stage ---------------------------------------------------------------
 class ShardFailed(RuntimeError):
     """A shard failed; ``cause`` is what it raised (a user error is reported as the stage's own)."""

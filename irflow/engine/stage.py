@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from irflow.engine.cache import cache_key
+from irflow.engine.cache import hash_payload, key_payload
 from irflow.engine.labels import label as make_label
 from irflow.engine.params import Params
 from irflow.engine.store import DatasetRef
-from irflow.engine.worker import torch_threads, warnings_logged  # noqa: F401 -- where callers have found them
+from irflow.engine.worker import torch_threads, warnings_logged
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,12 @@ class Stage:
         return params, inputs
 
     def key(self, params: Params, inputs: dict[str, Any]) -> str:
-        return cache_key(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
+        """Its cache key for ``params`` and ``inputs``: the hash of ``key_payload``."""
+        return hash_payload(self.key_payload(params, inputs))
+
+    def key_payload(self, params: Params, inputs: dict[str, Any]) -> dict:
+        """What its cache key hashes: its name and code version, the keyed params, the inputs' ids."""
+        return key_payload(self.name, self.version, params.key_dump(), {k: _as_list(v) for k, v in inputs.items()})
 
     def sharded(self, params: Params) -> bool:
         """Whether these params are computed in shards (``shard``, and ``shard_when`` says yes)."""

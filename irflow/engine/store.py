@@ -348,16 +348,6 @@ class Store:
         staging, rows = self.stage_table(contract, table_or_file)
         return self.publish(name, "table", contract, staging), rows
 
-    def publish_dir(self, name: str, kind: str, staging: Path, check=None) -> DatasetRef:
-        """Publish a directory (a model or an index) that a stage wrote into ``staging``."""
-        try:
-            if check is not None:
-                check(staging)
-            return self.publish(name, kind, None, staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-
     def publish(self, name: str, kind: str, contract: str | None, staging: Path) -> DatasetRef:
         """Move a validated staging dir to its content address (a rename: all or nothing) and make it
         read-only. An intact copy already there is kept (same content); a damaged one is replaced."""

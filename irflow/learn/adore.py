@@ -57,7 +57,7 @@ class TrainQueryEncoderParams(LoopParams):
                             "most positives start beyond the depth, each of their pairs ranks them below every "
                             "negative and the loss falls by pulling the scores together: on NFCorpus keep lost "
                             "nDCG@10 on ADORE's own training queries where drop gained (bench/results/adore_fit_"
-                            "nfcorpus.json); on SciFact (4% beyond) the two were level")
+                            "nfcorpus.json); on SciFact (few beyond) the two were level")
     splits: tuple[str, ...] = Field(("train",), min_length=1, description="the qrels splits whose judged queries "
                                                                           "are trained on, with their positives")
     query_max_length: PositiveInt = Field(64, description="tokens per query (ADORE: 64)")

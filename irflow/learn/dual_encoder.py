@@ -63,9 +63,8 @@ class TrainDualEncoderParams(LoopParams):
     false_negatives: Annotated[Literal["keep", "mask"], KEYED_WHEN_SET] = Field(
         "keep", description="passages another line brings into the batch that this query's qrels judge relevant: "
                             "keep them as its negatives (DPR, RocketQA as published) or mask them out of its "
-                            "softmax (infonce). Masking matters where queries share judged passages: in batches "
-                            "of 32, 70% of NFCorpus's training lines met at least one (3.4 on average), 6% of "
-                            "SciFact's")
+                            "softmax (infonce). Masking matters where queries share judged passages, as "
+                            "NFCorpus's do far more often than SciFact's (docs/recipes/rocketqa.md)")
     positives_per_query: Annotated[PositiveInt | None, KEYED_WHEN_SET] = Field(
         None, description="keep at most this many of each query's judged positives as training pairs (a seeded "
                           "sample per query; null: every pair). The batches are a shuffle of the pairs, so a "

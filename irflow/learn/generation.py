@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from irflow.learn.text import passage_text
 
-log = logging.getLogger("irflow.generate_queries")  # the stage's logger: its lines read as they did
+log = logging.getLogger("irflow.generate_queries")  # named after the stage whose lines these are
 
 
 def _passage_rng(seed: int, doc_id: str) -> random.Random:

@@ -95,8 +95,8 @@ class _Drop(logging.Filter):
 
 # torch's exporter notes every torchvision op it cannot register (no torchvision here, none needed);
 # the quantiser suggests its optional pre-processing (shape inference, graph optimisation before
-# quantising), skipped here: the MatMuls, most of the time, are quantised without it (int8 encoding
-# ~3x torch's rate, bench/inference.py).
+# quantising), skipped here: the MatMuls, most of the time, are quantised without it (int8's encoding rate:
+# bench/results/inference.json).
 logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(_Drop("torchvision is not installed"))
 logging.getLogger().addFilter(_Drop("Please consider to run pre-processing before quantization"))
 # The exporter's graph passes log each step at INFO ("Removed 21 unused nodes", constant folding skipped
@@ -371,12 +371,12 @@ def load(path: str, threads: int, max_seq_length: int | None = None) -> OnnxBiEn
     meta = json.loads((Path(path) / META_FILE).read_text())
     if meta.get("quantization") == "int8" and not cpu_has_int8_dot():
         # The model is the same everywhere (it is keyed and stored); how exact it runs follows the CPU.
-        # On a 2-core AVX2 AMD EPYC int8 still encoded about twice as fast as torch fp32, but the saturation
+        # Without VNNI int8 still encodes faster than torch fp32 (docs/how-to/onnx.md), but the saturation
         # is real: embeddings and a tiny test cross-encoder's scores are measurably further from fp32 than
         # with VNNI (docs/how-to/onnx.md gives the figures; tests/test_onnx.py asserts > 0.9 with VNNI).
         log.warning("quantization int8 on a CPU without VNNI or AMX int8 (no avx512_vnni / avx_vnni / amx_int8 "
                     "flag): ONNX Runtime's u8s8 int8 products saturate there, so int8 embeddings and scores are "
-                    "less exact than on a CPU with them (still ~2x faster than fp32); quantization none is exact")
+                    "less exact than on a CPU with them (still faster than fp32: docs/how-to/onnx.md); quantization none is exact")
     cls = OnnxBiEncoder if meta["task"] == "embed" else OnnxCrossEncoder
     row_wise = _row_wise(meta)  # one text per call: `threads` callers of a 1-thread session
     model = cls(path, meta, _session(str(Path(path) / MODEL_FILE), 1 if row_wise else threads),

@@ -3,8 +3,8 @@
 A fusion of retrievers' own top-k lists knows nothing of a passage that one retriever did not return:
 ``irflow.learn.fusion`` gives it that list's lowest score. Scoring every candidate with every retriever
 (the ``bm25_score`` and ``dense_score`` stages) removes the guess: each retriever then has a score for
-each candidate, and a z-score fusion standardises it over the query's candidates -- the teacher of
-../shared/notes/offline-adaptation-findings.md (BM25 + MiniLM on SciFact's train queries).
+each candidate, and a z-score fusion standardises it over the query's candidates (GPL's fusion teacher,
+``irflow.learn.teachers.FusionTeacher``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from irflow.learn.cross_encoders import NotACrossEncoder, check_cross_encoder, load_cross_encoder  # noqa: F401
 
-log = logging.getLogger("irflow.pseudo_label")  # the labelling stage's logger: its warning reads as before
+log = logging.getLogger("irflow.pseudo_label")  # named after the labelling stage, whose warning this is
 
 
 def relevance(logits):

@@ -10,8 +10,9 @@ The body wires stages together (each call is a cached stage run, a Prefect task 
 returns what it made (``Made``: its evaluations, what they measured, the dense models a selection may
 pick and the one training started from); the engine records the run in the catalog, selects the model
 to ship, reports the metrics and returns the result.
-With executor ray, stage calls return at once and the stages that do not read each other's outputs
-run at the same time (``irflow.engine.branches``); the body reads top-down either way.
+With an executor that runs stages at once (ray), stage calls return at once and the stages that do not
+read each other's outputs run at the same time (``irflow.engine.branches``); the body reads top-down
+either way.
 ``Recipe.flow`` is the recipe as a Prefect flow (what ``irflow run``, ``irflow serve`` and the
 deployments in prefect.yaml run), so Prefect's UI shows the recipe's own task runs.
 """
@@ -42,6 +43,7 @@ from irflow.engine.params import Params, explain
 from irflow.engine.processes import check_interrupted, interrupted, older_objects_frozen
 from irflow.engine.runner import Run
 from irflow.engine.runtime import RuntimeConfig
+from irflow.recipes.renamed import RENAMED_KEYS
 
 log = logging.getLogger("irflow")
 
@@ -58,6 +60,8 @@ class RecipeConfig(Params):
     follows: ClassVar[tuple[Follow, ...]] = ()
     # whether the recipe has a teacher that judges a held-out part of a query log (dataset.proxy.queries: log)
     judges_queries: ClassVar[bool] = False
+    # keys configs had before they were typed -> where they went (said instead of "unknown key")
+    renamed_keys: ClassVar[dict] = RENAMED_KEYS
 
     flow: str = Field(description="which recipe this config is for")
     runtime: RuntimeConfig = Field(RuntimeConfig(), description="where and how stages run (never part of a key)")

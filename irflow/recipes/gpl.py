@@ -221,6 +221,7 @@ class Doc2QueryConfig(Doc2QueryParams):
 _TEACHER = {"own": "", "every": ", teacher scoring every candidate"}
 MODEL_FREE_FILE = Path(__file__).resolve().parents[1] / "measured" / "model_free.json"
 SAME_KIND_FILE = Path(__file__).resolve().parents[1] / "measured" / "proxy_same_kind.json"
+JUDGED_LOG_FILE = Path(__file__).resolve().parents[1] / "measured" / "proxy_judged_log.json"
 
 
 def same_kind_measured() -> str:
@@ -229,6 +230,14 @@ def same_kind_measured() -> str:
     return "; ".join(f"{r['dataset']} {r['student']} student: proxy {r['proxy']:.4f} vs zero-shot {r['proxy_zero_shot']:.4f}, "
                      f"real qrels {r['real']:.4f} vs {r['real_zero_shot']:.4f}" for r in rows) + \
         " (bench/results/own_corpus_*_caveat.json)"
+
+
+def judged_log_measured() -> str:
+    """The measured rows of ``JUDGED_LOG_FILE`` in words: where the start ranked on a judged log and on the qrels."""
+    rows = json.loads(JUDGED_LOG_FILE.read_text())["rows"]
+    return "; ".join(f"{r['dataset']} as unlabelled documents, the zero-shot model ranked {r['start_rank_on_proxy']} "
+                     f"of {r['models']} models on it and {r['start_rank_on_real_qrels']} on the real qrels "
+                     f"({r['source']})" for r in rows)
 
 
 def model_free_measured() -> dict:
@@ -318,9 +327,7 @@ class GPLConfig(RecipeConfig):
             out.append(
                 f"dataset.proxy.queries: log has the held-out queries judged by the fusion teacher, which scores with "
                 f"train.model ({self.train.model}), the model training starts from: the judge is partly the start, "
-                f"so the proxy favours it (measured, NFCorpus as unlabelled documents: the zero-shot model first of 8 "
-                f"on it, fifth on the real qrels; bench/results/proxy_agreement_nfcorpus.json) and the run will "
-                f"mostly keep the start. A cross-encoder teacher (teacher.type: cross_encoder) is a judge of its own")
+                f"so the proxy favours it (measured: {judged_log_measured()}) and the run will mostly keep the start. A cross-encoder teacher (teacher.type: cross_encoder) is a judge of its own")
         return out
 
     @model_validator(mode="after")

@@ -29,7 +29,7 @@ from irflow import data_contracts
 from irflow.engine.errors import DataError
 from irflow.engine.store import fingerprint_file
 
-log = logging.getLogger("irflow.ingest")  # the stage's logger: its warnings read as they did
+log = logging.getLogger("irflow.ingest")  # named after the stage whose warnings these are
 BATCH_ROWS = 20_000
 
 

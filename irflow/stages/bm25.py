@@ -25,7 +25,8 @@ import pyarrow as pa
 from pydantic import Field, PositiveInt
 from tqdm.auto import tqdm
 
-from irflow.engine.java import LuceneBM25Searcher, anserini_jar, java_binary
+from irflow.engine.java import anserini_jar, java_binary
+from irflow.learn.lucene import LuceneBM25Searcher
 from irflow.engine.params import Params
 from irflow.engine.processes import dying_with_parent, run_in_spawned_child
 from irflow.engine.runtime import StageRuntime

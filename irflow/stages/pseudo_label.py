@@ -63,7 +63,7 @@ from irflow.engine.store import DatasetRef
 from irflow.learn.pairs import candidate_pairs
 from irflow.learn.qrels import group, judged_positives, positives
 from irflow.learn.sampling import rng, sample
-from irflow.learn.scoring import least_squares_scale  # noqa: F401 -- also where callers have found it
+from irflow.learn.scoring import least_squares_scale
 from irflow.learn.teachers import (  # noqa: F401
     CrossEncoderTeacher,
     FusionTeacher,

@@ -201,7 +201,7 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     if params is None:  # the stages' params (and inputs) as a first run in an empty store would call them
         _, planned_inputs, params = plan_of(c)
         inputs = planned_inputs if inputs is None else inputs
-    run = _Run(c, size, hw or hardware(), params, queries or {}, inputs or {})
+    run = _Estimating(c, size, hw or hardware(), params, queries or {}, inputs or {})
     out = []
     computed: set[str] = set()
     for label in stages:
@@ -219,7 +219,7 @@ def estimate(c, stages: list[str], size: CorpusSize, hw: Hardware | None = None,
     return out
 
 
-def _computation(run: "_Run", label: str) -> str | None:
+def _computation(run: "_Estimating", label: str) -> str | None:
     """What a planned stage computes, as its cache key would see it (its name, params and input ids); None when
     the plan does not give its params and inputs."""
     if label not in run.params or label not in run.inputs:
@@ -227,7 +227,7 @@ def _computation(run: "_Run", label: str) -> str | None:
     return json.dumps([stage_name(label), run.params[label], run.inputs[label]], sort_keys=True, default=str)
 
 
-class _Run:
+class _Estimating:
     """What every stage's estimate reads: the config, the corpus, the hardware, the plan's params, queries and
     inputs, the shipped rates, and the encodings planned so far (``encoded``)."""
 
@@ -273,7 +273,7 @@ class _Run:
 Work = tuple[float, float, str, str]  # seconds and MB beyond the fixed cost, the work in words, its kind
 
 
-def _encode_corpus(run: _Run, label: str, own: dict) -> Work:
+def _encode_corpus(run: _Estimating, label: str, own: dict) -> Work:
     roles = run.inputs.get(label) or {}
     length = own.get("max_seq_length") or _own_length(roles.get("model"), run.params) or run.enc_len
     passages = run.size.passages
@@ -285,12 +285,12 @@ def _encode_corpus(run: _Run, label: str, own: dict) -> Work:
     return sec, run.mem["model"] + run.emb_mb, f"{passages:,} passages x {tokens:.0f} tokens", "encode"
 
 
-def _dense_search(run: _Run, label: str, own: dict) -> Work:
+def _dense_search(run: _Estimating, label: str, own: dict) -> Work:
     sec = run.searched(label) * QUERY_TOKENS / 1000 * run.rate("encode") * run.scale
     return sec, run.mem["model"] + run.emb_mb, "query encoding + search", "encode"
 
 
-def _pairs_scored(run: _Run, label: str, own: dict) -> Work:
+def _pairs_scored(run: _Estimating, label: str, own: dict) -> Work:
     """BM25 or a dense miner scoring every candidate of a query (``teacher.score_every_candidate``), a score
     per pair."""
     bm25 = stage_name(label) == "bm25_score"
@@ -302,18 +302,18 @@ def _pairs_scored(run: _Run, label: str, own: dict) -> Work:
             "bm25" if bm25 else "encode")
 
 
-def _bm25_index(run: _Run, label: str, own: dict) -> Work:
+def _bm25_index(run: _Estimating, label: str, own: dict) -> Work:
     return (run.size.passages / rates()["bm25_passages_per_s"]["value"], run.mem["jvm"],
             f"{run.size.passages:,} passages indexed", "bm25")
 
 
-def _bm25_search(run: _Run, label: str, own: dict) -> Work:
+def _bm25_search(run: _Estimating, label: str, own: dict) -> Work:
     n, depth = run.searched(label), own.get("depth") or 1000
     ms = rates()["bm25_search_ms"]["value"]
     return n * (ms["query"] + ms["hit"] * depth) / 1000, run.mem["jvm"], f"{n:,} queries searched to {depth}", "bm25"
 
 
-def _generate(run: _Run, label: str, own: dict) -> Work | None:
+def _generate(run: _Estimating, label: str, own: dict) -> Work | None:
     if stage_name(label) == "generate_queries" and "[t5" not in label:  # the model-free sources: a fixed cost
         return None
     qpp = own.get("queries_per_passage", 1)
@@ -324,7 +324,7 @@ def _generate(run: _Run, label: str, own: dict) -> Work | None:
     return n * per_query, 2 * run.mem["model"], f"{n:,} queries sampled", "generate"
 
 
-def _cross_encoder(run: _Run, label: str, own: dict) -> Work | None:
+def _cross_encoder(run: _Estimating, label: str, own: dict) -> Work | None:
     teacher = own.get("teacher") or {}
     if teacher.get("type") != "cross_encoder":
         return None
@@ -338,7 +338,7 @@ def _cross_encoder(run: _Run, label: str, own: dict) -> Work | None:
     return sec, run.mem["model"], f"{pairs:,} (query, passage) pairs {verb}", "score"
 
 
-def _reranked(run: _Run, label: str, own: dict) -> Work | None:
+def _reranked(run: _Estimating, label: str, own: dict) -> Work | None:
     """A cross-encoder reading each query's top ``depth`` of a ranking: ``rerank`` (the model input) and
     ``score_candidates`` (its teacher, when a cross-encoder; a labelled split's queries are those with
     positives there)."""
@@ -358,7 +358,7 @@ def _reranked(run: _Run, label: str, own: dict) -> Work | None:
     return sec + run.fixed["model_load"], run.mem["model"], f"{pairs:,} (query, passage) pairs scored", "score"
 
 
-def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
+def _pseudo_label(run: _Estimating, label: str, own: dict) -> Work | None:
     if not isinstance(own.get("scale"), dict):  # a fixed margin scale: nothing encoded
         return None
     # scale: auto encodes a sample of the triples (query, positive, negative) label_scores scored with the student
@@ -374,7 +374,7 @@ def _pseudo_label(run: _Run, label: str, own: dict) -> Work | None:
     return sec, run.mem["model"], f"{sample:,} triples ({passages:,.0f} passages) encoded for the margin scale", "encode"
 
 
-def _train_student(run: _Run, label: str, own: dict) -> Work | None:
+def _train_student(run: _Estimating, label: str, own: dict) -> Work | None:
     if not own:
         return None
     steps, batch, length = own["steps"], own["batch_size"], own["max_seq_length"]
@@ -401,7 +401,7 @@ def _length_cost(tokens: float) -> float:
     return (c["tokens"] + tokens) / (c["tokens"] + c["train_reference_tokens"])
 
 
-def _deepct_weight(run: _Run, label: str, own: dict) -> Work | None:
+def _deepct_weight(run: _Estimating, label: str, own: dict) -> Work | None:
     if not run.params.get(label):
         return None
     n = _windows(run.size.mean_tokens, run.params[label]["max_length"])
@@ -468,7 +468,7 @@ def searched_queries(plan, size: CorpusSize, catalog=None) -> dict[str, int]:
     return out
 
 
-def _trainer(run: _Run, label: str, own: dict) -> Work | None:
+def _trainer(run: _Estimating, label: str, own: dict) -> Work | None:
     """A supervised trainer from its params (a dump of its params model: every field but the KEYED_WHEN_SET
     ones at their default, read with ``get``): its steps (``steps``, else ``epochs`` over the train split's
     examples) x the text-tokens one step embeds. None without the plan's params."""
@@ -667,12 +667,18 @@ def calibration_from(rows: list[dict], cores: int) -> Calibration | None:
     return Calibration({k: (min(5.0, max(0.2, float(statistics.median(v)))), len(v)) for k, v in ratios.items()})
 
 
+def cores_busy(hw: Hardware, load: float | None) -> bool:
+    """Whether ``load`` (the cores other processes keep busy) leaves the CPU cores an estimate assumes free
+    not free (more than ``BUSY`` a core); a GPU's estimate is not moved by it."""
+    return load is not None and load > BUSY * hw.cores and hw.kind != "cuda"
+
+
 def load_note(hw: Hardware, load: float | None, threads: int | None = None, total: float | None = None,
               now: float | None = None) -> str | None:
     """What a busy machine does to the figures: they assume free cores. ``threads``: the run's
     ``runtime.threads`` (None: every core); ``total``: the estimate's seconds, for the finishing time at the
     slower pace (from ``now``, the epoch seconds; default: now)."""
-    if load is None or load <= BUSY * hw.cores or hw.kind == "cuda":
+    if not cores_busy(hw, load):
         return None
     import time
     from datetime import datetime

@@ -14,11 +14,13 @@ An executor says, for a run:
 An executor with settings of its own declares their model as ``settings``: it is the config's
 ``runtime.<name>`` section (``RayExecutor.settings`` is ``runtime.ray``), read with ``settings_of(rt)``.
 ``irflow.engine.runtime`` imports this package's modules to build ``RuntimeConfig``, so an executor's module
-imports the runtime (and what imports it at the top, as the runner does) inside its functions only.
+imports the runtime (and what imports it at the top, as the runner does) inside its functions only;
+``irflow.engine.shards`` does not, and may be imported at the top (``ray.py``).
 
 A new executor is one module in this package holding one class registered with ``@register``
-(``local.py``, ``ray.py``); the package's modules are imported the first time an executor is looked up,
-as recipes are found (CONTRIBUTING.md shows a third)::
+(``local.py``, ``ray.py``); the package's modules are imported when ``irflow.engine.runtime`` is first
+imported (its ``RuntimeConfig`` has a section per executor with settings), as recipes are found
+(CONTRIBUTING.md shows a third)::
 
     @register
     class ThreadsExecutor(LocalExecutor):
@@ -95,8 +97,11 @@ class Executor:
 
     def settings_of(self, rt):
         """Its ``runtime.<name>`` section of ``rt`` (its defaults where ``rt``'s model predates the executor's
-        module: one loaded after ``irflow.engine.runtime`` was read)."""
-        return getattr(rt, self.name, None) or self.settings()
+        module: one loaded after ``irflow.engine.runtime`` was read); None for an executor without settings."""
+        section = getattr(rt, self.name, None)
+        if section is None and self.settings is not None:
+            section = self.settings()
+        return section
 
     def preflight(self, rt) -> None:
         return None

@@ -5,16 +5,13 @@ at once. Its settings are the ``runtime.ray`` section (``RayConfig``, ``RayExecu
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import Field, PositiveInt
 
 from irflow.engine.executors import Executor, register
 from irflow.engine.params import Params
 from irflow.engine.shards import ShardFailed, ShardJob, relay_warnings, run_shard
-
-if TYPE_CHECKING:
-    from irflow.engine.runtime import RuntimeConfig
 
 log = logging.getLogger("irflow.shards")
 
@@ -60,10 +57,10 @@ class RayExecutor(Executor):
         from irflow.engine.executors.ray_cluster import ray_session
         from irflow.engine.orchestration import api_url
 
-        return ray_session(rt, api_url())
+        return ray_session(self.settings_of(rt), api_url())
 
     def map_shards(self, stage, label: str, jobs: list, rt) -> list[dict]:
-        done = on_ray(stage, jobs, rt)
+        done = on_ray(stage, jobs, self.settings_of(rt).gpus_per_shard)
         relay_warnings(label, done)
         return done
 
@@ -119,15 +116,16 @@ def lost_worker(e: BaseException | None) -> bool:
     return False
 
 
-def on_ray(stage, jobs: list[ShardJob], runtime: RuntimeConfig) -> list[dict]:
-    """Every job as a Prefect task on the run's Ray; a shard whose worker is lost is submitted again (at most
-    ``LOST_WORKER_RETRIES`` times) and its record says ``retried``."""
+def on_ray(stage, jobs: list[ShardJob], gpus_per_shard: float) -> list[dict]:
+    """Every job as a Prefect task on the run's Ray (``gpus_per_shard`` for a stage that computes with torch);
+    a shard whose worker is lost is submitted again (at most ``LOST_WORKER_RETRIES`` times) and its record
+    says ``retried``."""
     import ray
 
     if not ray.is_initialized():
         raise RuntimeError("runtime.executor ray: Ray is not joined (shards run inside `irflow run` / api.run, "
                            "which join the run's cluster)")
-    gpus = RayExecutor().settings_of(runtime).gpus_per_shard if stage.work else 0.0
+    gpus = gpus_per_shard if stage.work else 0.0
     done: list[dict] = []
     lost_times: dict[int, int] = {}
     pending = jobs

@@ -13,8 +13,8 @@ checked before any stage runs and left running afterwards. The store must then b
 every node sees: shards read their inputs and write their parts there.
 
 Shard workers get the run's Prefect API (``PREFECT_API_URL``): without it each Ray worker starts a
-temporary Prefect server of its own (~2 minutes each on a busy machine, task runs recorded in
-throw-away databases; see ../shared/notes/scale-out-facts.md).
+temporary Prefect server of its own (minutes each on a busy machine, task runs recorded in
+throw-away databases).
 """
 
 from __future__ import annotations
@@ -114,8 +114,9 @@ def local_cluster(cpus: int, gpus: int):
 
 
 @contextlib.contextmanager
-def ray_session(runtime, prefect_api_url: str | None):
-    """Ray joined for the run (a local cluster started first if no address is set); left at the end."""
+def ray_session(settings, prefect_api_url: str | None):
+    """Ray joined for the run (a local cluster started first if ``settings``, the run's ``runtime.ray``, sets no
+    address); left at the end."""
     import ray
 
     from irflow.engine.runtime import available_cpus
@@ -125,7 +126,7 @@ def ray_session(runtime, prefect_api_url: str | None):
     env[WORKER_ENV] = "1"
     if prefect_api_url:
         env["PREFECT_API_URL"] = prefect_api_url
-    r = runtime.ray
+    r = settings
     with contextlib.ExitStack() as stack:
         address = r.address
         if address is None:
