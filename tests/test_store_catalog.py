@@ -100,26 +100,6 @@ def test_publish_rejects_contract_violation_and_leaves_nothing(tmp_path, docs, b
     assert tmp_entries(store.root) == []
 
 
-def test_publish_dir_check_failure_leaves_nothing(tmp_path):
-    store = Store(tmp_path / "s")
-    staging = store.staging_dir()
-    (staging / "weights.bin").write_bytes(b"\x00" * 10)
-
-    def check(d: Path):
-        if not (d / "config.json").exists():
-            raise FileNotFoundError("config.json")
-
-    with pytest.raises(FileNotFoundError):
-        store.publish_dir("model", "model", staging, check)
-    assert objects(store.root) == [] and tmp_entries(store.root) == []
-    staging = store.staging_dir()
-    (staging / "config.json").write_text("{}")
-    ref = store.publish_dir("model", "model", staging, check)
-    assert objects(store.root) == [ref.id] and ref.kind == "model" and tmp_entries(store.root) == []
-    with pytest.raises(TypeError):
-        ref.parquet
-
-
 # ---- the stage runner -----------------------------------------------------------------------
 class ToyParams(Params):
     suffix: str = Field(description="appended to every upper-cased text")

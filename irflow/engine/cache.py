@@ -32,6 +32,12 @@ def key_payload(stage: str, version: str, params: dict, inputs: dict[str, list[D
     }
 
 
+def cache_key(stage: str, version: str, params: dict, inputs: dict[str, list[DatasetRef]]) -> str:
+    """The cache key of a stage (its name and code version) on keyed ``params`` and ``inputs``
+    (``irflow.engine.stage.Stage.key``)."""
+    return hash_payload(key_payload(stage, version, params, inputs))
+
+
 def hash_payload(payload: dict) -> str:
     return hashlib.sha256(canonical(payload).encode()).hexdigest()
 
