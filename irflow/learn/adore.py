@@ -146,7 +146,7 @@ def candidates(q, docs, positives: list[dict[int, float]], excluded: list[set[in
     return Candidates(row_t, label_t, ranks, valid, negs, n_beyond / max(1, n_pos))
 
 
-BEYOND_WARN = 0.5  # most positives beyond the depth: the NFCorpus case (63%; SciFact: 4%)
+BEYOND_WARN = 0.5  # most positives beyond the depth: NFCorpus's case, not SciFact's (bench/results/adore_fit_*.json)
 
 
 def beyond_depth_warning(history: list[dict], keep: bool, depth: int) -> str | None:

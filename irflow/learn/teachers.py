@@ -143,9 +143,9 @@ def read_candidates(ranks: np.ndarray, labels: np.ndarray) -> np.ndarray:
     Such a table also holds each query's judged positives outside those lists (rank 0 where the run
     missed them, or their deeper rank), which calibration must leave out: thresholds are applied to
     the lists, and a fusion teacher scores a passage its runs missed or buried at their floor. On
-    NFCorpus (43 judged positives per query, ~6 of them in M_D0's top 50) those low-scored positives
-    outnumbered the listed ones and turned the fitted slope negative (a = -1.28; on the lists alone,
-    a = 0.81): the fit then dropped low ranks as likely positives and kept the top ones as negatives."""
+    NFCorpus (many judged positives per query, few of them in M_D0's top 50) those low-scored positives
+    outnumbered the listed ones and turned the fitted slope negative (positive on the lists alone):
+    the fit then dropped low ranks as likely positives and kept the top ones as negatives."""
     ranks = np.asarray(ranks)
     labels = np.asarray(labels)
     unjudged = ranks[(labels == 0) & (ranks > 0)]

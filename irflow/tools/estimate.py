@@ -26,7 +26,7 @@ from irflow.engine.labels import stage_name
 from irflow.learn.collapse import COSINE_PROBE
 
 RATES = Path(__file__).resolve().parents[1] / "measured" / "rates.json"
-WORDS_TO_TOKENS = 1.3  # WordPiece tokens per whitespace word in English prose (SciFact: 1.32)
+WORDS_TO_TOKENS = 1.3  # WordPiece tokens per whitespace word in English prose (a corpus's own are counted when read)
 QUERY_TOKENS = 20  # a query's tokens
 
 
