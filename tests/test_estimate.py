@@ -420,3 +420,17 @@ def test_a_crop_trained_student_is_estimated_at_its_spans_length_beside_an_ict_p
                                    {"generate_queries[proxy]": {"source": "ict"}, **crop})[0].seconds
     plain = estimate.estimate(None, ["train_student[contriever]"], size, HW, {"train_student[contriever]": train})
     assert with_proxy == alone > plain[0].seconds
+
+
+def test_an_overrun_is_the_runs_warning_not_the_stage_it_was_said_in():
+    """Said in a stage's thread (its progress report), the pace's warning is the run's: it is not kept with the
+    stage's datasets, so a later reuse of them does not say it again."""
+    import logging
+
+    from irflow.engine.worker import warnings_logged
+
+    with warnings_logged(every_thread=True) as run, warnings_logged() as stage:
+        logging.getLogger("irflow.engine.pace").warning("this run is going 1.5x slower than its estimate")
+        logging.getLogger("irflow.train").warning("a stage's own warning")
+    assert stage == ["a stage's own warning"]
+    assert run == ["this run is going 1.5x slower than its estimate", "a stage's own warning"]

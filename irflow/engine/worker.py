@@ -63,6 +63,11 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+# what they warn about is the run's, not the computation's in whose thread it was said (the pace's overrun):
+# a stage's warnings are kept with its datasets and said again where they are reused
+RUN_LOGGERS = frozenset({"irflow.engine.pace"})
+
+
 class _Warnings(logging.Handler):
     """irflow's warning records, each message once, in order (of one thread only, when ``thread`` is set)."""
 
@@ -72,7 +77,7 @@ class _Warnings(logging.Handler):
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.thread is not None and record.thread != self.thread:
+        if self.thread is not None and (record.thread != self.thread or record.name in RUN_LOGGERS):
             return
         if record.getMessage() not in self.messages:
             self.messages.append(record.getMessage())
