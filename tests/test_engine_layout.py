@@ -153,7 +153,8 @@ def test_measured_figures_live_in_irflow_measured_not_in_code():
     """Measured figures in code, comments or docstrings go stale when re-measured: they live in
     irflow/measured/*.json with their source (the code that quotes them reads them), or in bench/results and
     the docs' results pages, which the prose names. nDCG-like figures (four decimals) and speed ratios ("25x
-    slower") anywhere, strings too; in comments and docstrings also three decimals and percentages with a decimal. Settings in prose are listed above."""
+    slower") anywhere, strings too; in comments and docstrings also three decimals and percentages with a
+    decimal. Settings in prose are listed above."""
     files = [p for p in sorted((ROOT / "irflow").rglob("*.py")) if "measured" not in p.relative_to(ROOT / "irflow").parts]
     offenders = [o for p in files for o in measured_figures(p.relative_to(ROOT).as_posix(), p.read_text())]
     assert offenders == []

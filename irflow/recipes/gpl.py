@@ -327,7 +327,8 @@ class GPLConfig(RecipeConfig):
             out.append(
                 f"dataset.proxy.queries: log has the held-out queries judged by the fusion teacher, which scores with "
                 f"train.model ({self.train.model}), the model training starts from: the judge is partly the start, "
-                f"so the proxy favours it (measured: {judged_log_measured()}) and the run will mostly keep the start. A cross-encoder teacher (teacher.type: cross_encoder) is a judge of its own")
+                f"so the proxy favours it (measured: {judged_log_measured()}) and the run will mostly keep the "
+                f"start. A cross-encoder teacher (teacher.type: cross_encoder) is a judge of its own")
         return out
 
     @model_validator(mode="after")

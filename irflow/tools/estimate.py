@@ -28,6 +28,7 @@ from irflow.learn.collapse import COSINE_PROBE
 RATES = Path(__file__).resolve().parents[1] / "measured" / "rates.json"
 WORDS_TO_TOKENS = 1.3  # WordPiece tokens per whitespace word in English prose (a corpus's own are counted when read)
 QUERY_TOKENS = 20  # a query's tokens
+PROXY_QUERIES = "generate_queries[proxy]"  # the synthetic evaluation's generator (irflow.recipes.dataset), not training's
 
 
 @lru_cache(maxsize=1)
@@ -251,8 +252,10 @@ class _Estimating:
 
     def stage(self, name: str) -> dict:
         """The params of the first planned stage called ``name`` (another stage's: the triples ``label_scores``
-        scores, the queries ``generate_queries`` makes); {} when the plan has none."""
-        return next((p for label, p in self.params.items() if stage_name(label) == name), {})
+        scores, the training queries ``generate_queries`` makes, not the synthetic evaluation's, planned first);
+        {} when the plan has none."""
+        return next((p for label, p in self.params.items() if stage_name(label) == name and label != PROXY_QUERIES),
+                    {})
 
     def rate(self, work: str) -> float:
         return _rate(self.hw, work)
@@ -266,7 +269,7 @@ class _Estimating:
         ids = (self.inputs.get(label) or {}).get("queries") or []
         if len(ids) != 1:
             return self.size.queries + self.n_gen
-        training = ids[0].startswith("<generate_queries[") and not ids[0].startswith("<generate_queries[proxy]")
+        training = ids[0].startswith("<generate_queries[") and not ids[0].startswith(f"<{PROXY_QUERIES}")
         return self.n_gen if training else self.size.queries
 
 
@@ -386,10 +389,7 @@ def _train_student(run: _Estimating, label: str, own: dict) -> Work | None:
     # a batch's column of passages is padded to its longest (not bucketed by length, as an encoding is), and a
     # token of a longer passage costs more (its attention reads every other token of it)
     padded = run.size.padded_tokens(length, batch)
-    # the training queries' generator: not the synthetic evaluation's (generate_queries[proxy], planned first)
-    generate = next((p for other, p in run.params.items()
-                     if stage_name(other) == "generate_queries" and other != "generate_queries[proxy]"), {})
-    tokens = batch * _query_tokens(generate, run.size, length) + (texts - batch) * padded * _length_cost(padded)
+    tokens = batch * _query_tokens(run.stage("generate_queries"), run.size, length) + (texts - batch) * padded * _length_cost(padded)
     sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
 
