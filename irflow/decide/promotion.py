@@ -29,7 +29,7 @@ from pydantic import Field, field_validator
 
 from irflow.decide.selection import MIN_UNITS, unit_means
 from irflow.engine.params import Params
-from irflow.learn.stats import paired
+from irflow.learn.stats import detectable_gain, paired
 
 log = logging.getLogger("irflow")
 
@@ -143,8 +143,12 @@ def decide(alias: str, candidate: tuple[str, str, Mapping[str, float]] | None,
     why = (f"not better than {alias}'s model" if gain <= 0 else
            f"the gain is not above promote.min_gain {min_gain}" if gain <= min_gain else
            f"the gain is within noise (needs p < {alpha})")
-    return Promotion(KEPT, previous_value=prev_mean, p_value=p, reason=f"{alias} kept: {why}: {numbers}", **mine,
-                     **common)
+    common_units = sorted(set(prev_values) & set(values))
+    detectable = detectable_gain([values[u] - prev_values[u] for u in common_units], alpha)
+    sees = (f"; {test.n} {unit_name} find a real gain of about {detectable:.4f} or more 4 times in 5, a smaller "
+            f"one as likely not" if detectable == detectable else "")
+    return Promotion(KEPT, previous_value=prev_mean, p_value=p, reason=f"{alias} kept: {why}: {numbers}{sees}",
+                     **mine, **common)
 
 
 def trained_documents(catalog, model_id: str | None, _seen: set | None = None) -> set[str]:

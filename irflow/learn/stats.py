@@ -6,6 +6,7 @@ Pure functions. A system's per-query values are a dict ``query_id -> value`` (th
 - ``bootstrap_ci``: a percentile-bootstrap confidence interval of the mean over queries.
 - ``paired``: two systems on the queries both were evaluated on: wins / ties / losses, the mean
   difference, and two paired significance tests (Student's t and Wilcoxon's signed-rank).
+- ``detectable_gain``: the smallest real gain a paired t-test on this many queries would find, 4 times in 5.
 
 Queries, not documents, are the sampling unit: the question these answer is "would the ranking of
 systems hold on another sample of queries like these", which is what a test collection can say.
@@ -158,3 +159,25 @@ def signed_rank_sign_flip_p(d: np.ndarray) -> float:
     eps = 1e-14 * max(abs(observed), 1.0)
     p_less, p_greater = np.mean(null <= observed + eps), np.mean(null >= observed - eps)
     return float(min(1.0, 2 * min(p_less, p_greater)))
+
+
+def detectable_gain(differences: Values, alpha: float = 0.05, power: float = 0.8, tests: int = 1) -> float:
+    """The smallest true mean difference that a two-sided paired t-test at level ``alpha / tests`` (Holm's
+    first step over ``tests`` comparisons) finds with probability ``power``, for differences as spread as
+    these:
+
+        gain = (t_{1 - alpha / (2 tests), n - 1} + t_{power, n - 1}) * s_d / sqrt(n)
+
+    with n the number of differences and s_d their sample standard deviation (the usual power formula for a
+    paired design, Student's t in place of the normal). What it says: a smaller real gain is as likely as not
+    to be called noise on this many units, so "no gain found" is not "no gain". NaN with fewer than 2
+    differences; 0 when they are all equal.
+    """
+    d = _array(differences)
+    if d.size < 2:
+        return math.nan
+    from scipy import stats
+
+    df = d.size - 1
+    t = stats.t.ppf(1 - alpha / (2 * tests), df) + stats.t.ppf(power, df)
+    return float(t * d.std(ddof=1) / math.sqrt(d.size))
