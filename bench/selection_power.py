@@ -1,7 +1,7 @@
 """When a run keeps its start, it says which real gain it could have missed: is that figure right?
 
 The selection (``irflow.decide.selection``) keeps the starting model unless a trained one beats it beyond
-noise, and then says "N units find a real gain of about G or more 4 times in 5" (``detectable_gain``: the
+noise, and then says "with N units, a real gain of about G or more is found 4 times in 5" (``detectable_gain``: the
 paired t-test's power formula, at Holm's first step over the run's trained models). This bench checks G on
 the per-query scores ``bench/proxy_agreement.py`` stored (SciFact and NFCorpus as unlabelled documents, every
 run's models on every proxy): per run and proxy, the run's candidates are made again from the run's own

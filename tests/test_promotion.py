@@ -93,7 +93,7 @@ def test_decide_needs_a_gain_beyond_noise_and_min_gain():
     kept = decide("production", ("gpl", "m-new", noisy), current, "labelled")
     assert kept.decision == KEPT and "production kept" in kept.reason
     # 60 queries spread by noise 0.3: a real gain under about (2.0 + 0.85) * 0.3 / sqrt(60) ~ 0.11 goes unseen
-    gain = float(kept.reason.split("find a real gain of about ")[1].split()[0])
+    gain = float(kept.reason.split("a real gain of about ")[1].split()[0])
     assert 0.08 < gain < 0.14, kept.reason
     assert decide("production", ("gpl", "m-new", better), None, "labelled").reason.startswith("first promotion")
     assert decide("production", ("gpl", "m-old", base), current, "labelled").reason.startswith("already in")

@@ -133,6 +133,6 @@ def test_a_kept_start_says_which_gain_it_could_have_missed():
     start, trained = _scores(1, 20, 0.005, 0.2)
     s = select({"zero": start, "gpl": trained, "qgen": start}, "zero", "proxy (ict queries of 20 held-out documents)")
     assert s.system == "zero" and s.detectable_gain is not None and s.detectable_gain > 0.05  # 20 noisy queries
-    assert f"find a real gain of about {s.detectable_gain:.4f} or more 4 times in 5" in s.reason
+    assert f"a real gain of about {s.detectable_gain:.4f} or more is found 4 times in 5" in s.reason
     more = select({"zero": _scores(1, 500, 0.005, 0.2)[0], "gpl": _scores(1, 500, 0.005, 0.2)[1]}, "zero", "labelled")
     assert more.detectable_gain < s.detectable_gain / 3  # 25 times the queries: about a fifth of the gain

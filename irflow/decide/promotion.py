@@ -145,8 +145,8 @@ def decide(alias: str, candidate: tuple[str, str, Mapping[str, float]] | None,
            f"the gain is within noise (needs p < {alpha})")
     common_units = sorted(set(prev_values) & set(values))
     detectable = detectable_gain([values[u] - prev_values[u] for u in common_units], alpha)
-    sees = (f"; {test.n} {unit_name} find a real gain of about {detectable:.4f} or more 4 times in 5, a smaller "
-            f"one as likely not" if detectable == detectable else "")
+    sees = (f"; with {test.n} {unit_name}, a real gain of about {detectable:.4f} or more is found 4 times in 5, a "
+            f"smaller one may well be missed" if detectable == detectable else "")
     return Promotion(KEPT, previous_value=prev_mean, p_value=p, reason=f"{alias} kept: {why}: {numbers}{sees}",
                      **mine, **common)
 

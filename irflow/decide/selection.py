@@ -104,8 +104,8 @@ def select(per_query: Mapping[str, Mapping[str, float]], start: str, evaluation:
     common = dict(start=start, metric=metric, start_value=mean[start], best_trained=best,
                   best_trained_value=mean[best], p_value=p, evaluation=evaluation,
                   detectable_gain=None if detectable != detectable else detectable)
-    sees = (f"; {len(shared)} {unit_name} find a real gain of about {detectable:.4f} or more 4 times in 5, a "
-            f"smaller one as likely not" if detectable == detectable else "")
+    sees = (f"; with {len(shared)} {unit_name}, a real gain of about {detectable:.4f} or more is found 4 times in "
+            f"5, a smaller one may well be missed" if detectable == detectable else "")
     several = f", Holm-adjusted for {len(trained)} trained models" if len(trained) > 1 else ""
     over = f"over {n_units} {unit_name}{several}"
     if n_units < min_units:
