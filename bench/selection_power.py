@@ -104,6 +104,7 @@ def main() -> None:
                       if (r["dataset"], r["proxy"]) == (dataset, proxy))
         scale = mine[len(mine) // 2]  # G * sqrt(units), the median over the runs
         summary["units_needed"][f"{dataset} {proxy}"] = {f"gain {g}": round((scale / g) ** 2) for g in (0.02, 0.005)}
+        summary.setdefault("gain_times_sqrt_units", {})[f"{dataset} {proxy}"] = round(scale, 3)
     print(summary)
     harness.write_json(args.out, {"results": args.results, "trials": args.trials, "rows": rows, "summary": summary,
                                   "machine": harness.machine()})

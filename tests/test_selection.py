@@ -136,3 +136,23 @@ def test_a_kept_start_says_which_gain_it_could_have_missed():
     assert f"a real gain of about {s.detectable_gain:.4f} or more is found 4 times in 5" in s.reason
     more = select({"zero": _scores(1, 500, 0.005, 0.2)[0], "gpl": _scores(1, 500, 0.005, 0.2)[1]}, "zero", "labelled")
     assert more.detectable_gain < s.detectable_gain / 3  # 25 times the queries: about a fifth of the gain
+
+
+def test_irflow_new_says_which_gains_its_held_out_documents_can_find():
+    """Before anything trains, `irflow new` gives the gain its synthetic evaluation finds 4 times in 5, from the
+    proxy bench's measured spread, which irflow/measured/selection_power.json keeps in step with."""
+    import json
+    from pathlib import Path
+
+    from irflow.decide.selection import POWER_FILE
+    from irflow.tools.scaffold import Choices, _evaluation
+
+    bench = json.loads((Path(__file__).parents[1] / "bench" / "results" / "selection_power.json").read_text())
+    rows = json.loads(POWER_FILE.read_text())["rows"]
+    assert {f"{r['dataset']} {r['proxy']}": r["gain_times_sqrt_units"] for r in rows} == \
+        bench["summary"]["gain_times_sqrt_units"]
+    ict = sorted(r["gain_times_sqrt_units"] for r in rows if r["proxy"] == "ict")
+    choices, d = Choices(), {}
+    assert _evaluation(d, 4000, "gpl", None, None, choices) == 200  # 5% of 4,000 documents held out
+    said = " ".join(choices.lines)
+    assert f"finds a real gain of about {ict[0] / 200 ** 0.5:.3f}-{ict[-1] / 200 ** 0.5:.3f} nDCG@10" in said, said

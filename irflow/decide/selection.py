@@ -13,7 +13,9 @@ own generated queries better.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Mapping
 
 from irflow.learn.stats import detectable_gain, paired
@@ -44,6 +46,16 @@ class Selection:
 
 
 MIN_UNITS = 20  # below this many evaluation units (queries, or held-out documents for a proxy) nothing is selected
+# G x sqrt(units) of the detectable gain, measured on the proxy bench's runs (bench/selection_power.py)
+POWER_FILE = Path(__file__).resolve().parents[1] / "measured" / "selection_power.json"
+
+
+def expected_detectable_gain(units: float, proxy: str = "ict") -> tuple[float, float]:
+    """(low, high): the real gain a ``proxy`` evaluation of ``units`` units finds 4 times in 5, as measured on the
+    datasets of ``POWER_FILE`` (the detectable gain shrinks as 1 / sqrt(units)), before any model has trained."""
+    scales = [r["gain_times_sqrt_units"] for r in json.loads(POWER_FILE.read_text())["rows"] if r["proxy"] == proxy]
+    root = max(units, 1.0) ** 0.5
+    return min(scales) / root, max(scales) / root
 
 
 def unit_means(per_query: Mapping[str, float], units: Mapping[str, str] | None) -> dict[str, float]:
