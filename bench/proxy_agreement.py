@@ -33,8 +33,8 @@ Then, outside the runs, each model's stored corpus embeddings (the ones its run 
 
 Reported per proxy: Kendall's tau against the real ranking of the models; the regret (real nDCG@10 of
 the real best minus that of the proxy's best; and resampled with the test queries: how sure it is); what
-irflow's selection rule (per-document units, Holm, at least 20 documents) would ship from each run and from all the trained candidates, and that model's real score
-against the start's; the rate of false selection at k = 5 null candidates (bench/selection_null.py's
+irflow's selection rule (per-document units, Holm, at least 20 documents) would ship from each run and from
+all the trained candidates, and that model's real score against the start's; the rate of false selection at k = 5 null candidates (bench/selection_null.py's
 simulation on this proxy's per-query scores); and the continued-from-production case (proxy and real
 difference of the continued model over the model it continued from).
 
