@@ -169,8 +169,8 @@ def detectable_gain(differences: Values, alpha: float = 0.05, power: float = 0.8
         gain = (t_{1 - alpha / (2 tests), n - 1} + t_{power, n - 1}) * s_d / sqrt(n)
 
     with n the number of differences and s_d their sample standard deviation (the usual power formula for a
-    paired design, Student's t in place of the normal). What it says: a smaller real gain is as likely as not
-    to be called noise on this many units, so "no gain found" is not "no gain". NaN with fewer than 2
+    paired design, Student's t in place of the normal). What it says: a real gain well below it is more often
+    called noise than found on this many units, so "no gain found" is not "no gain". NaN with fewer than 2
     differences; 0 when they are all equal.
     """
     d = _array(differences)
