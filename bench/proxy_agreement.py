@@ -334,6 +334,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.analyse:
         return reanalyse(args.out, args.trials)
+    if not set(args.runs) - CONTRIEVER:
+        ap.error(f"--runs {' '.join(args.runs)}: name a GPL run beside it (the scoring reads a GPL run's BM25 index "
+                 "and teacher; a cached one costs seconds)")
 
     from irflow import api
     from irflow.sources.corpus_sources import document_id
