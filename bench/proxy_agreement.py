@@ -433,8 +433,11 @@ def merged(prior: dict, new: dict) -> dict:
     out = dict(prior)
     out["added"] = {"started": new["started"], "machine": new["machine"], "runs": new["runs"],
                     "zero_shot_max_difference": {p: round(v, 6) for p, v in drift.items()}}
+    if "added" in prior:  # an earlier addition: kept, with the runs it made
+        out["added_before"] = [*prior.get("added_before", []), prior["added"]]
     out["runs_config"] = prior["runs_config"] + [r for r in new["runs_config"] if r[0] not in prior["runs"]]
-    out["runs"] = {**prior["runs"], **new["runs"]}
+    # a run the earlier result has (run again here for its index, cached) keeps the earlier record
+    out["runs"] = {**new["runs"], **prior["runs"]}
     out["models"] = {**prior["models"], **{k: v for k, v in new["models"].items() if k not in prior["models"]}}
     out["per_query"] = {**prior["per_query"],
                         **{k: v for k, v in new["per_query"].items() if k not in prior["per_query"]}}

@@ -93,7 +93,7 @@ def main() -> None:
                               f"{row['proxy_gain']:+.4f}", f"{row['real_gain_of_best_trained']:+.4f}", f"{g:.4f}",
                               found["0.5G"], found["1G"], found["2G"]])
                 harness.log(" ".join(map(str, table[-1])))
-    harness.table(["dataset", "proxy", "run", "trained", "units", "selected", "best's proxy gain",
+    harness.table(["dataset", "proxy", "run", "trained", "units", "selected (no same-kind caveat)", "best's proxy gain",
                    "its real gain", "detectable gain G (printed)", "found at G/2", "at G", "at 2G"], table)
     at_g = [r["selected_at"]["1G"] for r in rows]
     summary = {"cases": len(rows), "found_at_G_median": sorted(at_g)[len(at_g) // 2],
