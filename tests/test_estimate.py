@@ -434,3 +434,39 @@ def test_an_overrun_is_the_runs_warning_not_the_stage_it_was_said_in():
         logging.getLogger("irflow.train").warning("a stage's own warning")
     assert stage == ["a stage's own warning"]
     assert run == ["this run is going 1.5x slower than its estimate", "a stage's own warning"]
+
+
+def test_ict_training_queries_are_estimated_at_the_batchs_longest_sentence():
+    """ICT's query column is padded to its longest sentence: in text with some long sentences (docstrings with
+    code, legal clauses) most of a passage. The estimate's expected longest of a batch, from the sentences it
+    counts, matches the queries ict_queries draws (simulated batches of 16), and an ICT run on such text is
+    estimated longer than on text of short sentences, while other query sources read QUERY_TOKENS."""
+    import dataclasses
+    import random
+
+    from irflow.learn.generation import ict_queries
+
+    rng = random.Random(3)
+    word = lambda: rng.choice(["return", "the", "value", "of", "x", "mapping", "sorted", "list"])  # noqa: E731
+    sentence = lambda n: " ".join(word() for _ in range(n)) + "."  # noqa: E731
+    long_text = [" ".join(sentence(rng.choice([8, 12, 15, 20, 25, 90])) for _ in range(4)) for _ in range(600)]
+    short_text = [" ".join(sentence(rng.choice([6, 8, 10, 12])) for _ in range(6)) for _ in range(600)]
+    sizes = {}
+    for name, texts in (("long", long_text), ("short", short_text)):
+        words = [len(t.split()) for t in texts]
+        sizes[name] = estimate.CorpusSize(600, sum(words) / 600, word_quantiles=estimate.quantiles(words),
+                                          tokens_per_word=1.0,
+                                          sentence_quantiles=estimate.sentence_quantiles(texts))
+    drawn = [len(q.split()) for i, t in enumerate(long_text) for q in ict_queries(f"d{i}", t, 1, 42)]
+    simulated = sum(max(rng.sample(drawn, 16)) for _ in range(3000)) / 3000
+    assert sizes["long"].padded_sentence_tokens(200, 16) == pytest.approx(simulated, rel=0.1)
+    assert sizes["short"].padded_sentence_tokens(200, 16) < 15
+    train = {"train_student[gpl]": {"steps": 50, "batch_size": 16, "max_seq_length": 200}}
+    ict = {"generate_queries[ict]": {"source": "ict"}, **train}
+    seconds = {n: estimate.estimate(None, ["train_student[gpl]"], s, HW, ict)[0].seconds for n, s in sizes.items()}
+    assert seconds["long"] > 1.1 * seconds["short"]
+    uncounted = dataclasses.replace(sizes["long"], sentence_quantiles=())
+    assert estimate.estimate(None, ["train_student[gpl]"], uncounted, HW, ict)[0].seconds < seconds["long"]
+    log = {"generate_queries[unlabelled]": {"source": "unlabelled"}, **train}
+    assert (estimate.estimate(None, ["train_student[gpl]"], sizes["long"], HW, log)[0].seconds
+            == estimate.estimate(None, ["train_student[gpl]"], uncounted, HW, log)[0].seconds)

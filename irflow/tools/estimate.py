@@ -82,6 +82,9 @@ class CorpusSize:
     # tokens per whitespace word, counted with the model's tokenizer on a sample (``tokens_per_word``); biomedical
     # text reads 1.5 (NFCorpus), English prose 1.3
     tokens_per_word: float = WORDS_TO_TOKENS
+    # the words of the sentences ICT draws its queries from, at 200 even quantiles (``sentence_quantiles``: a
+    # sample); none: a query's QUERY_TOKENS
+    sentence_quantiles: tuple[float, ...] = ()
 
     def train_pairs(self, per_query: int | None = None) -> int:
         """The train split's (query, positive) pairs, at most ``per_query`` a query."""
@@ -108,6 +111,16 @@ class CorpusSize:
         lo = int(at)
         words = q[lo] + (q[min(lo + 1, len(q) - 1)] - q[lo]) * (at - lo)
         return min(words * self.tokens_per_word, max_len)
+
+    def padded_sentence_tokens(self, max_len: int, batch: int) -> float | None:
+        """The tokens a batch of ICT queries is padded to: the expected longest of ``batch`` sentences drawn from
+        the quantiles (each capped at ``max_len``): sum_i x_(i) ((i / m)^batch - ((i - 1) / m)^batch) over the
+        m sorted values. A few long sentences (code, legal text) pad most batches; None when not counted."""
+        if not self.sentence_quantiles:
+            return None
+        x = sorted(min(w * self.tokens_per_word, max_len) for w in self.sentence_quantiles)
+        m = len(x)
+        return sum(v * ((i / m) ** batch - ((i - 1) / m) ** batch) for i, v in enumerate(x, start=1))
 
 
 TOKENISED_SAMPLE = 500  # passages the estimate tokenises to count tokens per word (evenly spread: within 1-2%)
@@ -150,12 +163,34 @@ def student_model(c) -> str | None:
         c, "base_model", None)
 
 
-def quantiles(words) -> tuple[float, ...]:
-    """Words per passage at the midpoints of 20 even slices (what ``CorpusSize.tokens`` averages)."""
+def quantiles(words, slices: int = 20) -> tuple[float, ...]:
+    """Words per passage at the midpoints of ``slices`` even slices (what ``CorpusSize.tokens`` averages)."""
     import numpy as np
 
     w = np.asarray(words, dtype=float)
-    return tuple(round(float(x), 1) for x in np.quantile(w, np.arange(0.025, 1, 0.05))) if w.size else ()
+    mid = (np.arange(slices) + 0.5) / slices
+    return tuple(round(float(x), 1) for x in np.quantile(w, mid)) if w.size else ()
+
+
+def sentence_quantiles(texts, sample: int = 2000, min_words: int = 3) -> tuple[float, ...]:
+    """Words of the queries ICT draws (``irflow.learn.generation.ict_queries``: a sentence of ``min_words`` or
+    more, one a passage of two sentences or more, each of them as likely), drawn here from up to ``sample`` of
+    ``texts`` (a list or a pyarrow string column, evenly spread), at 200 quantiles: enough of the tail for a
+    batch's longest."""
+    import random
+
+    from irflow.learn.generation import split_sentences
+
+    step = max(1, len(texts) // sample)
+    picked = list(range(0, len(texts), step))[:sample]
+    rows = texts.take(picked).to_pylist() if hasattr(texts, "take") else [texts[i] for i in picked]
+    rng, words = random.Random(0), []
+    for text in rows:
+        sentences = split_sentences(text or "")
+        eligible = [n for n in (len(x.split()) for x in sentences) if n >= min_words] if len(sentences) >= 2 else []
+        if eligible:
+            words.append(rng.choice(eligible))
+    return quantiles(words, 200)
 
 
 @dataclass
@@ -389,7 +424,8 @@ def _train_student(run: _Estimating, label: str, own: dict) -> Work | None:
     # a batch's column of passages is padded to its longest (not bucketed by length, as an encoding is), and a
     # token of a longer passage costs more (its attention reads every other token of it)
     padded = run.size.padded_tokens(length, batch)
-    tokens = batch * _query_tokens(run.stage("generate_queries"), run.size, length) + (texts - batch) * padded * _length_cost(padded)
+    tokens = (batch * _query_tokens(run.stage("generate_queries"), run.size, length, batch)
+              + (texts - batch) * padded * _length_cost(padded))
     sec = steps * tokens / 1000 * run.rate("train") * run.scale + run.fixed["model_load"]
     return sec, run.mem["train"] * max(1.0, run.scale ** 0.5) * batch / 16, f"{steps} steps of {batch}", "train"
 
@@ -418,11 +454,16 @@ def _own_length(model_ids: list[str] | None, params: dict[str, dict] | None) -> 
     return ((params or {}).get(ref[1:].split(":")[0]) or {}).get("max_seq_length")
 
 
-def _query_tokens(generate: dict, size: CorpusSize, max_len: int) -> float:
+def _query_tokens(generate: dict, size: CorpusSize, max_len: int, batch: int) -> float:
     """A training query's tokens: a span of a passage (Contriever's crops: the mean of ``crop_ratio`` of it, the
-    ``generate`` stage's params), else a query's ``QUERY_TOKENS``."""
+    ``generate`` stage's params); a sentence of one (ICT: the batch's query column is padded to its longest
+    sentence, which in text with long sentences, such as docstrings, is most of a passage); else a query's
+    ``QUERY_TOKENS``."""
     ratio = generate.get("crop_ratio")
-    return max(QUERY_TOKENS, min(size.mean_tokens * sum(ratio) / 2, max_len)) if ratio else QUERY_TOKENS
+    if ratio:
+        return max(QUERY_TOKENS, min(size.mean_tokens * sum(ratio) / 2, max_len))
+    sentence = size.padded_sentence_tokens(max_len, batch) if generate.get("source") == "ict" else None
+    return max(QUERY_TOKENS, sentence) if sentence else QUERY_TOKENS
 
 
 def plan_of(c) -> tuple[list[str], dict[str, dict], dict[str, dict]]:
@@ -572,7 +613,8 @@ def corpus_size(d, proxy_queries: int | None = None, model: str | None = None) -
     pairs = _split_positives(src, "train") if beir and src.exists() else []
     per_query = Counter(q for q, _ in pairs)
     return CorpusSize(t.num_rows, round(mean, 1), queries, log_q, tuple(per_query[q] for q in sorted(per_query)),
-                      len({d for _, d in pairs}), quantiles(words.to_numpy(zero_copy_only=False)), ratio)
+                      len({d for _, d in pairs}), quantiles(words.to_numpy(zero_copy_only=False)), ratio,
+                      sentence_quantiles(t.column("text")))
 
 
 def _split_positives(src: Path, split: str) -> list[tuple[str, str]]:

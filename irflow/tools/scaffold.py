@@ -51,6 +51,7 @@ class CorpusProfile:
     tokens: list[int]  # per document, counted with the model's tokenizer (beyond RATIO_SAMPLE, or without
     # the tokenizer: words x the measured or prior tokens per word)
     measured_with: str  # the tokenizer, or "prior"
+    sentence_quantiles: tuple[float, ...] = ()  # ICT's sentences' words (irflow.tools.estimate.sentence_quantiles)
 
     @property
     def tokens_per_word(self) -> float:
@@ -70,14 +71,16 @@ def _profile(path: Path, fmt: str, fields: dict | None, model: str) -> CorpusPro
     texts = [f"{a or ''} {b or ''}".strip() for a, b in zip(t.column("title").to_pylist(), t.column("text").to_pylist())]
     words = [len(x.split()) for x in texts]
     text_words = [len((b or "").split()) for b in t.column("text").to_pylist()]
+    sentences = est.sentence_quantiles(t.column("text"))
     tokenizer = est.local_tokenizer(model)
     if tokenizer is None:
-        return CorpusProfile(stats.documents, words, text_words, [round(w * est.WORDS_TO_TOKENS) for w in words], "prior")
+        return CorpusProfile(stats.documents, words, text_words, [round(w * est.WORDS_TO_TOKENS) for w in words],
+                             "prior", sentences)
     counted = [len(ids) for ids in tokenizer(texts[:RATIO_SAMPLE], add_special_tokens=False, truncation=False,
                                              verbose=False)["input_ids"]]
     ratio = sum(counted) / max(1, sum(words[:RATIO_SAMPLE]))
     tokens = counted + [round(w * ratio) for w in words[RATIO_SAMPLE:]]
-    return CorpusProfile(stats.documents, words, text_words, tokens, "the model's tokenizer")
+    return CorpusProfile(stats.documents, words, text_words, tokens, "the model's tokenizer", sentences)
 
 
 def passage_settings(profile: CorpusProfile, encoder_tokens: int = ENCODER_TOKENS
@@ -171,7 +174,7 @@ def new_config(recipe: str, corpus: str, *, queries: str | None = None, qrels: s
     words = _passage_words(profile, passages)
     size = est.CorpusSize(n_passages, round(sum(words) / len(words), 1) if words else 0.0, round(held_out or 0),
                           _log_queries(query_log), word_quantiles=est.quantiles(words),
-                          tokens_per_word=profile.tokens_per_word)
+                          tokens_per_word=profile.tokens_per_word, sentence_quantiles=profile.sentence_quantiles)
     hw = est.hardware()
     timed = calibrated.apply if calibrated else (lambda rows: rows)
     c, stages, inputs, params = _plan(yaml.safe_dump(cfg, sort_keys=False))
