@@ -27,9 +27,9 @@ from typing import Mapping
 
 from pydantic import Field, field_validator
 
-from irflow.decide.selection import MIN_UNITS, unit_means
+from irflow.decide.selection import MIN_UNITS, missed_gain, unit_means
 from irflow.engine.params import Params
-from irflow.learn.stats import detectable_gain, paired
+from irflow.learn.stats import paired
 
 log = logging.getLogger("irflow")
 
@@ -143,10 +143,7 @@ def decide(alias: str, candidate: tuple[str, str, Mapping[str, float]] | None,
     why = (f"not better than {alias}'s model" if gain <= 0 else
            f"the gain is not above promote.min_gain {min_gain}" if gain <= min_gain else
            f"the gain is within noise (needs p < {alpha})")
-    common_units = sorted(set(prev_values) & set(values))
-    detectable = detectable_gain([values[u] - prev_values[u] for u in common_units], alpha)
-    sees = (f"; with {test.n} {unit_name}, a real gain of about {detectable:.4f} or more is found 4 times in 5, a "
-            f"smaller one may well be missed" if detectable == detectable else "")
+    _, sees = missed_gain(prev_values, values, unit_name, alpha)
     return Promotion(KEPT, previous_value=prev_mean, p_value=p, reason=f"{alias} kept: {why}: {numbers}{sees}",
                      **mine, **common)
 

@@ -58,6 +58,18 @@ def expected_detectable_gain(units: float, proxy: str = "ict") -> tuple[float, f
     return min(scales) / root, max(scales) / root
 
 
+def missed_gain(start: Mapping[str, float], other: Mapping[str, float], unit_name: str, alpha: float = ALPHA,
+                tests: int = 1) -> tuple[float | None, str]:
+    """(the detectable gain of ``other`` over ``start`` on the units both have, None when it is undefined; the
+    words a kept decision ends with): the real gain those units find 4 times in 5 (``detectable_gain``)."""
+    shared = sorted(set(start) & set(other))
+    gain = detectable_gain([other[u] - start[u] for u in shared], alpha, tests=tests)
+    if gain != gain:  # NaN: fewer than 2 units
+        return None, ""
+    return gain, (f"; with {len(shared)} {unit_name}, a real gain of about {gain:.4f} or more is found 4 times in 5, "
+                  f"a smaller one may well be missed")
+
+
 def unit_means(per_query: Mapping[str, float], units: Mapping[str, str] | None) -> dict[str, float]:
     """A system's values per evaluation unit: per query, or (``units``: query -> unit, e.g. the held-out
     document a proxy query was made from) the mean over each unit's queries, so that the queries of one
@@ -110,14 +122,9 @@ def select(per_query: Mapping[str, Mapping[str, float]], start: str, evaluation:
     n_units = len(by_unit[start])
     best = trained[0]
     p = adjusted[best]
-    shared = sorted(set(by_unit[start]) & set(by_unit[best]))
-    detectable = detectable_gain([by_unit[best][u] - by_unit[start][u] for u in shared], alpha,
-                                 tests=len(trained))
+    detectable, sees = missed_gain(by_unit[start], by_unit[best], unit_name, alpha, tests=len(trained))
     common = dict(start=start, metric=metric, start_value=mean[start], best_trained=best,
-                  best_trained_value=mean[best], p_value=p, evaluation=evaluation,
-                  detectable_gain=None if detectable != detectable else detectable)
-    sees = (f"; with {len(shared)} {unit_name}, a real gain of about {detectable:.4f} or more is found 4 times in "
-            f"5, a smaller one may well be missed" if detectable == detectable else "")
+                  best_trained_value=mean[best], p_value=p, evaluation=evaluation, detectable_gain=detectable)
     several = f", Holm-adjusted for {len(trained)} trained models" if len(trained) > 1 else ""
     over = f"over {n_units} {unit_name}{several}"
     if n_units < min_units:

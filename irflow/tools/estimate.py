@@ -147,13 +147,18 @@ def tokens_per_word(texts, tokenizer, sample: int = TOKENISED_SAMPLE) -> float |
     those read into Python), counted with ``tokenizer``; None without one."""
     if tokenizer is None or not len(texts):
         return None
-    step = max(1, len(texts) // sample)
-    picked = [t for t in texts.take(list(range(0, len(texts), step))[:sample]).to_pylist() if t]
+    picked = [t for t in spread_sample(texts, sample) if t]
     words = sum(len(t.split()) for t in picked)
     if not words:
         return None
     ids = tokenizer(picked, add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
     return round(sum(len(x) for x in ids) / words, 3)
+
+
+def spread_sample(texts, sample: int) -> list:
+    """Up to ``sample`` of ``texts`` (a list or a pyarrow column; only those read into Python), evenly spread."""
+    picked = list(range(0, len(texts), max(1, len(texts) // sample)))[:sample]
+    return texts.take(picked).to_pylist() if hasattr(texts, "take") else [texts[i] for i in picked]
 
 
 def student_model(c) -> str | None:
@@ -181,11 +186,8 @@ def sentence_quantiles(texts, sample: int = 2000, min_words: int = 3) -> tuple[f
 
     from irflow.learn.generation import split_sentences
 
-    step = max(1, len(texts) // sample)
-    picked = list(range(0, len(texts), step))[:sample]
-    rows = texts.take(picked).to_pylist() if hasattr(texts, "take") else [texts[i] for i in picked]
     rng, words = random.Random(0), []
-    for text in rows:
+    for text in spread_sample(texts, sample):
         sentences = split_sentences(text or "")
         eligible = [n for n in (len(x.split()) for x in sentences) if n >= min_words] if len(sentences) >= 2 else []
         if eligible:
