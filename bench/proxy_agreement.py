@@ -444,6 +444,23 @@ def merged(prior: dict, new: dict) -> dict:
     return out
 
 
+def run_candidates(models: dict, run_name: str) -> tuple[str, list[str]]:
+    """(the model a run started from, the trained models its selection chooses among: its own, and for a run that
+    kept its students, the final one it shares with another run)."""
+    start = "gpl-log-120" if run_name == "continued" else "zero-shot"
+    return start, [n for n, m in models.items() if (m["run"] == run_name and not m["start"]) or n == KEPT.get(run_name)]
+
+
+def stored_units(out: dict) -> dict[str, str]:
+    """query -> evaluation unit, from a result's stored per-query scores: a proxy query's id is <passage id>-<kind>,
+    its unit the held-out document; a log query (the real test queries' ids) is its own unit."""
+    from irflow.sources.corpus_sources import document_id
+
+    test_ids = set(out["per_query"]["zero-shot"]["real"])
+    return {q: (q if q in test_ids else document_id(q.rsplit("-", 1)[0]))
+            for s in out["per_query"].values() for per in s.values() for q in per}
+
+
 def caveated(proxy: str, source: str) -> bool:
     """Whether a run trained on ``source`` queries keeps its start under this proxy whatever it scores: the
     recipe's same-kind caveat (``same_kind``) between the proxy's query source and the run's generate.source."""
@@ -468,9 +485,8 @@ def analyse(out: dict, units: dict, trials: int) -> None:
         everything = select(eligible, "zero-shot", f"proxy {p}", units=units, unit_name="held-out documents")
         per_run = {}
         for run_name, *_ in runs:
-            cands = {n: scores[n][p] for n, m in models.items()
-                     if (m["run"] == run_name and not m["start"]) or n == KEPT.get(run_name)}
-            start = "gpl-log-120" if run_name == "continued" else "zero-shot"
+            start, trained = run_candidates(models, run_name)
+            cands = {n: scores[n][p] for n in trained}
             bare = select({start: scores[start][p], **cands}, start, f"proxy {p}", units=units,
                           unit_name="held-out documents")
             ships = start if caveated(p, source[run_name]) else bare.system
@@ -522,14 +538,8 @@ def reanalyse(path: str, trials: int) -> None:
     """``--analyse JSON``: the analysis again on a result's stored per-query scores (no model is re-scored)."""
     import json
 
-    from irflow.sources.corpus_sources import document_id
-
     out = json.loads(Path(path).read_text())
-    # a proxy query's id is <passage id>-<kind>; a log query (the real test queries' ids) is its own unit
-    test_ids = set(out["per_query"]["zero-shot"]["real"])
-    units = {q: (q if q in test_ids else document_id(q.rsplit("-", 1)[0]))
-             for s in out["per_query"].values() for name, per in s.items() for q in per}
-    analyse(out, units, trials)
+    analyse(out, stored_units(out), trials)
     harness.write_json(path, out)
 
 

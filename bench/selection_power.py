@@ -23,22 +23,9 @@ from pathlib import Path
 import harness  # noqa: F401 -- first: offline environment, this checkout on sys.path
 
 from irflow.decide.selection import select
-from irflow.sources.corpus_sources import document_id
+from proxy_agreement import run_candidates, stored_units
 
 PROXIES = ("ict", "log-teacher")  # the default, and the one that ranks models as the qrels do
-
-
-def units_of(out: dict) -> dict[str, str]:
-    """query -> unit: a proxy query's held-out document; a log query is its own unit."""
-    test_ids = set(out["per_query"]["zero-shot"]["real"])
-    return {q: (q if q in test_ids else document_id(q.rsplit("-", 1)[0]))
-            for s in out["per_query"].values() for per in s.values() for q in per}
-
-
-def run_candidates(out: dict, run: str) -> tuple[str, list[str]]:
-    models = out["models"]
-    start = "gpl-log-120" if run == "continued" else "zero-shot"
-    return start, sorted(n for n, m in models.items() if m["run"] == run and not m["start"])
 
 
 def power(start: dict, best: dict, k: int, units: dict, gain: float, trials: int, rng: random.Random) -> float:
@@ -68,11 +55,11 @@ def main() -> None:
     rows, table = [], []
     for path in args.results:
         out = json.loads(Path(path).read_text())
-        units, pq = units_of(out), out["per_query"]
+        units, pq = stored_units(out), out["per_query"]
         real = {n: sum(s["real"].values()) / len(s["real"]) for n, s in pq.items()}
         for proxy in PROXIES:
             for run, *_ in out["runs_config"]:
-                start, cands = run_candidates(out, run)
+                start, cands = run_candidates(out["models"], run)
                 if not cands:
                     continue
                 values = {n: pq[n][proxy] for n in [start, *cands]}
